@@ -1,0 +1,46 @@
+"""The ``warmctl`` command line: a thin typer layer over the library.
+
+Each area registers its commands from its own module (``core``: snapshot/up/down/status/ls;
+``store``: push/pull/verify/gc/du; ``catalog``: host/catalog/keygen/config; ``bench``;
+``agent``). Expected failures (:class:`warmctl.errors.WarmctlError`) print one clear message
+to stderr and exit non-zero; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from warmctl.errors import WarmctlError
+
+app = typer.Typer(
+    name="warmctl",
+    help=(
+        "Snapshot a warmed LLM inference engine once; restore it in seconds.\n\n"
+        "Typical use: `warmctl snapshot tiny` (cold start, warm-up, canary, CRIU dump into the "
+        "store), then `warmctl up tiny` (restore, canary bit for bit, open port 8000)."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+err_console = Console(stderr=True)
+
+
+def _register() -> None:
+    from warmctl.cli import agent, bench, catalog, core, store
+
+    for mod in (core, store, catalog, bench, agent):
+        mod.register(app)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    _register()
+    try:
+        app()
+    except WarmctlError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(e.exit_code)

@@ -1,0 +1,128 @@
+"""The snapshot manifest: the one document that names everything a restore needs.
+
+A manifest is stored as canonical JSON (sorted keys, no whitespace, UTF-8) and addressed by
+the digest of those bytes (``sha256:<64 hex>``). It lists every file of the snapshot as a
+sequence of chunks (each addressed by its own digest), plus what the restore checks: the
+profile digest, the host fingerprint, the canary record and the phase timings of the cold
+start. The store format is specified in ``docs/store-format.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Version of the manifest schema; readers refuse versions they do not know.
+MANIFEST_FORMAT = 1
+
+
+def sha256_digest(data: bytes) -> str:
+    """``sha256:<hex>`` of ``data``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChunkRef(_M):
+    """One chunk of a file: ``digest`` of the uncompressed bytes, ``size`` in bytes."""
+
+    digest: str
+    size: int = Field(ge=0)
+
+
+class FileEntry(_M):
+    """A file of the snapshot, relative to the snapshot root (POSIX path, no ``..``).
+
+    ``role`` says where it goes at restore: ``image`` (CRIU image directory), ``shm``
+    (``/dev/shm``), ``file`` (an absolute path the process tree needs: ``path`` is then the
+    absolute path with the leading slash removed), ``weights`` (GPU weights kept outside the
+    process image). ``hardlink_to``: this entry is a hard link to another entry's path (same
+    role), with no chunks of its own (CRIU's ``link_remap`` files need this).
+    """
+
+    path: str
+    role: Literal["image", "shm", "file", "weights"] = "image"
+    size: int = Field(ge=0, description="bytes")
+    mode: int = 0o644
+    chunks: list[ChunkRef] = []
+    hardlink_to: str | None = None
+
+
+class CanaryCompletion(_M):
+    """The greedy completion of one canary prompt, as the engine produced it."""
+
+    prompt: str
+    token_ids: list[int]
+    #: Logprob of each chosen token (float64 as JSON number; ``repr`` round-trips exactly).
+    logprobs: list[float]
+    #: Top-k alternatives per position: list of {token_id: logprob}.
+    top_logprobs: list[dict[str, float]] = []
+    text: str = ""
+
+
+class CanaryRecord(_M):
+    """What ``up`` compares bit for bit before opening the port."""
+
+    match: Literal["tokens+logprobs", "tokens"]
+    max_tokens: int
+    logprobs: int
+    completions: list[CanaryCompletion]
+
+
+class Phase(_M):
+    """One timed phase: name and seconds (wall clock)."""
+
+    name: str
+    seconds: float
+
+
+class Manifest(_M):
+    """A snapshot manifest (see module docstring). Sizes are bytes, times are seconds."""
+
+    format: int = MANIFEST_FORMAT
+    kind: Literal["snapshot"] = "snapshot"
+    name: str
+    created: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    profile_digest: str
+    #: The profile itself (validated JSON), so a restore host needs no profile file.
+    profile: dict[str, Any]
+    #: Host fingerprint at snapshot time (see :mod:`warmctl.host`).
+    host: dict[str, Any]
+    canary: CanaryRecord
+    #: Cold-start phases parsed from the engine's log (weights, torch.compile, ...) and
+    #: snapshot phases (warm-up, canary, dump, store).
+    phases: list[Phase] = []
+    #: Facts the restore needs: the engine's pid-namespace root, ports, paths it expects.
+    restore: dict[str, Any] = {}
+    files: list[FileEntry]
+
+    def to_bytes(self) -> bytes:
+        """Canonical JSON bytes; their sha256 is the manifest's digest."""
+        data = self.model_dump(mode="json")
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> str:
+        """``sha256:<hex>`` of :meth:`to_bytes`."""
+        return sha256_digest(self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        """Parse manifest bytes. Raises ValueError on an unknown ``format``."""
+        obj = json.loads(data)
+        if obj.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"unsupported manifest format {obj.get('format')!r} (this warmctl reads {MANIFEST_FORMAT})")
+        return cls.model_validate(obj)
+
+    def total_size(self) -> int:
+        """Sum of file sizes in bytes (hard links counted once)."""
+        return sum(f.size for f in self.files if f.hardlink_to is None)
+
+    def chunk_digests(self) -> set[str]:
+        """Every chunk digest this manifest references (what gc must keep)."""
+        return {c.digest for f in self.files for c in f.chunks}

@@ -1,0 +1,199 @@
+"""Profiles: what engine to start, how to warm it and how to prove a restore is faithful.
+
+A profile is a TOML file (``profiles/NAME.toml``) validated by :class:`Profile`. Errors are
+raised as :class:`ProfileError`, whose message names the file, the field (dotted path) and
+what was expected, e.g. ``profiles/tiny.toml: warmup.prompt_tokens.0: Input should be greater
+than 0``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from warmctl.errors import WarmctlError
+
+#: Directory of the profiles shipped with warmctl (repository checkout or installed data).
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class ProfileError(WarmctlError):
+    """A profile file is missing, is not TOML, or does not validate."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSpec(_Strict):
+    """How to launch the engine.
+
+    ``model`` is a path, or ``builtin:tiny`` for the small Llama that warmctl builds itself
+    (see :mod:`warmctl.tinymodel`). ``args`` are extra ``vllm serve`` flags, passed as given.
+    ``port`` is the engine's internal port on loopback; clients never see it.
+    """
+
+    kind: Literal["vllm"] = "vllm"
+    model: str
+    served_model_name: str
+    args: list[str] = []
+    env: dict[str, str] = {}
+    port: int = Field(18000, ge=1, le=65535)
+    startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for /health")
+    max_model_len: int | None = Field(None, gt=0, description="tokens")
+
+
+class GateSpec(_Strict):
+    """The public port, opened only after the canary passed."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class WarmupSpec(_Strict):
+    """The warm-up grid: every (prompt tokens x output tokens x concurrency) cell is run once.
+
+    Seed 000 (section 04): a long prefill belongs in the grid, or the first long request after
+    a restore pays the JIT compile itself.
+    """
+
+    prompt_tokens: list[int] = Field([16, 128], min_length=1)
+    output_tokens: list[int] = Field([1, 8], min_length=1)
+    concurrency: list[int] = Field([1, 2], min_length=1)
+
+    @field_validator("prompt_tokens", "output_tokens", "concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(x <= 0 for x in v):
+            raise ValueError("every value must be a positive integer")
+        return v
+
+    def cells(self) -> list[tuple[int, int, int]]:
+        """All grid cells as (prompt_tokens, output_tokens, concurrency)."""
+        return [(p, o, c) for p in self.prompt_tokens for o in self.output_tokens for c in self.concurrency]
+
+
+class CanarySpec(_Strict):
+    """Canary policy: greedy completions recorded at snapshot time, replayed after restore.
+
+    ``match = "tokens+logprobs"`` compares token ids and the float logprobs bit for bit;
+    ``"tokens"`` compares token ids only (for engines whose logprobs are not reproducible).
+    """
+
+    prompts: list[str] = Field(min_length=1)
+    max_tokens: int = Field(16, gt=0, description="tokens per prompt")
+    logprobs: int = Field(5, ge=0, le=20, description="top-k logprobs recorded per position")
+    match: Literal["tokens+logprobs", "tokens"] = "tokens+logprobs"
+
+
+class HardwareSpec(_Strict):
+    """What the host must have. ``gpu_count = 0`` means a CPU engine."""
+
+    gpu_model: str | None = None
+    gpu_count: int = Field(0, ge=0)
+    min_driver: str | None = None
+    min_gpu_memory_gib: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "HardwareSpec":
+        if self.gpu_count and not self.gpu_model:
+            raise ValueError("gpu_model is required when gpu_count > 0")
+        return self
+
+
+class CheckpointSpec(_Strict):
+    """How the engine is frozen.
+
+    ``cuda``: checkpoint GPU state with the CUDA driver's checkpoint API before CRIU.
+    ``sleep_level``: vLLM sleep mode before checkpointing (1 = weights offloaded, KV cache
+    dropped; 2 = both dropped); 0 = keep everything in the image.
+    ``weights_outside_image``: store each rank's weights as separate objects and load them back
+    after wake-up (seed 000: 18 s for 546 GiB).
+    """
+
+    cuda: bool = False
+    sleep_level: Literal[0, 1, 2] = 0
+    weights_outside_image: bool = False
+    lock_timeout_s: float = Field(30.0, gt=0)
+
+
+class Profile(_Strict):
+    """A validated profile. ``source`` is the file it came from (not part of the digest)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    description: str = ""
+    engine: EngineSpec
+    gate: GateSpec = GateSpec()
+    warmup: WarmupSpec = WarmupSpec()
+    canary: CanarySpec
+    hardware: HardwareSpec = HardwareSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+
+    def digest(self) -> str:
+        """``sha256:<hex>`` of the canonical JSON of the profile's content.
+
+        Two files that validate to the same profile have the same digest; comments and key
+        order do not matter.
+        """
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _format_validation(path: Path, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{path}: {loc}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def load_profile_file(path: Path) -> Profile:
+    """Read and validate one profile file.
+
+    Raises :class:`ProfileError` if the file is missing, is not valid TOML (with line and
+    column), or fails validation (one line per bad field: file, dotted field path, message).
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such profile file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{path}: not valid TOML: {e}") from None
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        raise ProfileError(_format_validation(path, e)) from None
+
+
+def find_profile(name_or_path: str, search: list[Path] | None = None) -> Path:
+    """Resolve a profile argument: an existing file path, or a NAME looked up as
+    ``NAME.toml`` in ``search`` (default: the configured profile dirs, then :data:`PROFILES_DIR`).
+
+    Raises :class:`ProfileError` naming every place looked in.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or "/" in name_or_path:
+        if p.is_file():
+            return p
+        raise ProfileError(f"{p}: no such profile file")
+    dirs = list(search or []) + [PROFILES_DIR]
+    for d in dirs:
+        cand = Path(d) / f"{name_or_path}.toml"
+        if cand.is_file():
+            return cand
+    raise ProfileError(
+        f"no profile named {name_or_path!r}; looked in: " + ", ".join(str(d) for d in dirs)
+    )
+
+
+def load_profile(name_or_path: str, search: list[Path] | None = None) -> Profile:
+    """:func:`find_profile` then :func:`load_profile_file`."""
+    return load_profile_file(find_profile(name_or_path, search))

@@ -1,0 +1,112 @@
+"""The ``tiny`` model: a small Llama made locally, so the whole pipeline runs with no model hub.
+
+Shape (see ``../shared/DESIGN.md``): 2 layers, hidden size 128, 4 attention heads / 2 KV heads,
+vocabulary 1024, random weights from a fixed seed, and a byte-level BPE tokenizer trained on
+``warmctl/data/corpus.txt`` with a simple chat template. Building twice gives the same weights
+and tokenizer, so a snapshot's canary can be compared against a fresh cold start.
+
+Building needs ``torch``, ``transformers`` and ``tokenizers`` (installed with the engine); it
+takes a few seconds and about 2 MB of disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+SEED = 20261129
+VOCAB_SIZE = 1024
+#: Bump when the recipe below changes; it is part of the model's directory name.
+RECIPE_VERSION = 1
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def recipe_id() -> str:
+    """Short digest of everything that determines the model's bytes (recipe, seed, corpus)."""
+    h = hashlib.sha256(f"{RECIPE_VERSION}:{SEED}:{VOCAB_SIZE}".encode())
+    h.update(CORPUS.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def model_dir(models_root: Path) -> Path:
+    """Where the tiny model lives under ``models_root``: ``tiny-llama-<recipe id>``."""
+    return Path(models_root) / f"tiny-llama-{recipe_id()}"
+
+
+def build(dest: Path) -> Path:
+    """Build the tiny model into ``dest`` (atomically: a temp dir renamed into place).
+
+    Returns ``dest``. Does nothing if ``dest/config.json`` already exists.
+    Raises ImportError if torch/transformers/tokenizers are not installed.
+    """
+    dest = Path(dest)
+    if (dest / "config.json").exists():
+        return dest
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<|bos|>",
+            eos_token="<|eos|>",
+            pad_token="<|pad|>",
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(tmp)
+
+        torch.manual_seed(SEED)
+        config = LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.convert_tokens_to_ids("<|end|>"),
+            pad_token_id=fast.pad_token_id,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(tmp, safe_serialization=True)
+        os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def main() -> None:  # pragma: no cover - thin script entry
+    import sys
+
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd()
+    print(build(model_dir(root)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
