@@ -1,7 +1,203 @@
-"""CLI commands: catalog (registered on the root app by :func:`register`)."""
+"""CLI commands: ``host``, ``catalog ls``, ``catalog show``, ``keygen``, ``config show``.
+
+Registered on the root app by :func:`register`. Each takes ``--config FILE`` (else
+``$WARMCTL_CONFIG`` or ``/etc/warmctl/config.toml``); the catalog commands take ``--catalog URL``
+to read another store (``s3://bucket/prefix`` or a directory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+ConfigOpt = typer.Option(None, "--config", help="Config file (default: $WARMCTL_CONFIG or /etc/warmctl/config.toml).")
+CatalogOpt = typer.Option(None, "--catalog", help="Store URL holding the catalog (default: the `catalog` setting).")
+
+
+def _settings(config: Optional[Path], **overrides: Any):
+    from warmctl.config import load_settings
+
+    return load_settings(config, overrides)
+
+
+def _open_catalog(settings: Any):
+    from warmctl.catalog import Catalog
+    from warmctl.store import open_store
+
+    return Catalog(open_store(settings.catalog_url))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to ``app``."""
+    out = Console(highlight=False, soft_wrap=True)
+
+    @app.command()
+    def host(
+        as_json: bool = typer.Option(False, "--json", help="Print the fingerprint as JSON (what snapshots record)."),
+        config: Optional[Path] = ConfigOpt,
+    ) -> None:
+        """Show what restore compatibility depends on: GPUs, driver, CPU, kernel, CRIU, engine."""
+        from warmctl.host import fingerprint
+
+        s = _settings(config)
+        fp = fingerprint(criu=s.criu)
+        if as_json:
+            typer.echo(json.dumps(fp.model_dump(mode="json"), indent=2, sort_keys=True))
+            return
+        out.print(f"host         {fp.hostname} ({fp.arch}, kernel {fp.kernel})")
+        if fp.gpus:
+            out.print(f"gpus         {fp.gpu_summary()}, driver {fp.driver_version}, CUDA {fp.cuda_driver_version}")
+            for g in fp.gpus:
+                out.print(
+                    f"  [{g.index}] {g.name}  {_size(g.memory_bytes)}  {g.uuid}  "
+                    f"cc {g.compute_capability or '?'}  persistence {'on' if g.persistence_mode else 'off'}"
+                )
+        else:
+            out.print(f"gpus         none ({fp.gpu_reason})")
+        out.print(f"cpu          {fp.cpu.model or '?'} x{fp.cpu.count} ({fp.cpu.vendor or '?'}), {len(fp.cpu.flags)} flags")
+        out.print(f"criu         {fp.criu_version or 'not found (' + s.criu + ')'}")
+        out.print(f"engine       {fp.engine} {fp.engine_version or 'not installed'} (python {fp.python_version})")
+        out.print(f"environment  {fp.env_digest}")
+
+    cat = typer.Typer(help="Published snapshots: names x tags x hosts.", no_args_is_help=True)
+    app.add_typer(cat, name="catalog")
+
+    @cat.command("ls")
+    def catalog_ls(
+        catalog: Optional[str] = CatalogOpt,
+        as_json: bool = typer.Option(False, "--json"),
+        config: Optional[Path] = ConfigOpt,
+    ) -> None:
+        """List names, their tags and for which hosts snapshots exist."""
+        s = _settings(config, catalog=catalog)
+        c = _open_catalog(s)
+        rows = []
+        for name in c.names():
+            for tag in c.tags(name):
+                for e in c.entries(name, tag):
+                    rows.append((name, tag, e))
+        if as_json:
+            typer.echo(json.dumps([e.model_dump(mode="json") for _, _, e in rows], indent=2))
+            return
+        if not rows:
+            out.print(f"no snapshots published in the catalog at {c.location()}")
+            return
+        t = Table("name", "tag", "manifest", "created", "size", "host")
+        from warmctl.host import HostFingerprint
+
+        for name, tag, e in rows:
+            try:
+                hs = HostFingerprint.model_validate(e.host).summary()
+            except ValueError:
+                hs = "(unreadable fingerprint)"
+            t.add_row(name, tag, e.manifest[:19], e.created.strftime("%Y-%m-%d %H:%M"), _size(e.size), hs)
+        out.print(t)
+
+    @cat.command("show")
+    def catalog_show(
+        name: str,
+        tag: str = typer.Option("latest", "--tag"),
+        catalog: Optional[str] = CatalogOpt,
+        as_json: bool = typer.Option(False, "--json"),
+        config: Optional[Path] = ConfigOpt,
+    ) -> None:
+        """Show NAME:TAG's snapshots, their signatures, and whether each fits this host (and why not)."""
+        from warmctl.catalog import select
+        from warmctl.host import fingerprint
+        from warmctl.trust import signature_summary
+
+        s = _settings(config, catalog=catalog)
+        c = _open_catalog(s)
+        entries = c.entries(name, tag)
+        prof = c.profile(name)
+        fp = fingerprint(criu=s.criu)
+        chosen, rejections = select(entries, fp, driver=s.match_driver)
+        why = {r.digest: r for r in rejections}
+        if as_json:
+            typer.echo(
+                json.dumps(
+                    {
+                        "name": name,
+                        "tag": tag,
+                        "profile_digest": prof["profile_digest"] if prof else None,
+                        "chosen": chosen.manifest if chosen else None,
+                        "entries": [
+                            {
+                                **e.model_dump(mode="json"),
+                                "fits": e.manifest not in why,
+                                "rejection": why[e.manifest].reason if e.manifest in why else None,
+                                "signature": signature_summary(c.store, e.manifest, s.keys_dir),
+                            }
+                            for e in entries
+                        ],
+                    },
+                    indent=2,
+                )
+            )
+            return
+        if not entries and not prof:
+            out.print(f"{name}:{tag}: nothing published in the catalog at {c.location()}")
+            raise typer.Exit(4)
+        out.print(f"{name}:{tag}  profile {prof['profile_digest'] if prof else '(none)'}  [{c.location()}]")
+        out.print(f"this host: {fp.summary()}")
+        from warmctl.host import HostFingerprint
+
+        for e in entries:
+            mark = "*" if chosen is not None and e.manifest == chosen.manifest else " "
+            try:
+                hs = HostFingerprint.model_validate(e.host).summary()
+            except ValueError:
+                hs = "(unreadable fingerprint)"
+            out.print(f"{mark} {e.manifest}  created {e.created:%Y-%m-%d %H:%M}  {_size(e.size)}")
+            out.print(f"    host: {hs}")
+            out.print(f"    signature: {signature_summary(c.store, e.manifest, s.keys_dir)}")
+            out.print("    fits this host" + (" (chosen)" if mark == "*" else "") if e.manifest not in why
+                      else f"    rejected ({why[e.manifest].rule}): {why[e.manifest].reason}")
+        if not entries:
+            out.print("  no snapshots under this tag")
+
+    @app.command()
+    def keygen(
+        directory: Path = typer.Argument(Path("."), help="Where to write NAME.key (0600) and NAME.pub."),
+        name: str = typer.Option("warmctl", "--name", help="File name stem."),
+        force: bool = typer.Option(False, "--force", help="Replace existing files."),
+    ) -> None:
+        """Create an ed25519 signing keypair for publishing snapshots."""
+        from warmctl.trust import generate_keypair
+
+        kp = generate_keypair(directory, name, overwrite=force)
+        out.print(f"private key  {kp.private}  (mode 0600; set signing_key to it on the publishing host)")
+        out.print(f"public key   {kp.public}  (copy into keys_dir on every host that restores)")
+        out.print(f"key id       {kp.key_id}")
+
+    cfg = typer.Typer(help="The effective configuration.", no_args_is_help=True)
+    app.add_typer(cfg, name="config")
+
+    @cfg.command("show")
+    def config_show(
+        as_json: bool = typer.Option(False, "--json"),
+        config: Optional[Path] = ConfigOpt,
+    ) -> None:
+        """Print every effective setting and where it came from (default, file, env, flag)."""
+        s = _settings(config)
+        rows = s.effective()
+        if as_json:
+            typer.echo(json.dumps({f: {"value": v, "source": src} for f, v, src in rows}, indent=2))
+            return
+        t = Table("setting", "value", "source")
+        for f, v, src in rows:
+            t.add_row(f, "-" if v is None else (", ".join(v) if isinstance(v, list) else str(v)), src)
+        out.print(t)
