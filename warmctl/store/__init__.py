@@ -1,0 +1,106 @@
+"""Content-addressed snapshot store: chunks, manifests, tags on local disk or S3.
+
+Typical use::
+
+    from warmctl.store import open_store, push, pull
+    with open_store("/var/lib/warmctl/store") as store:
+        refs = store.add_file(Path("pages-1.img"))        # list[ChunkRef]
+        digest = store.put_manifest(manifest)              # after every chunk is stored
+        store.set_tag("tiny", "latest", digest)
+    remote = open_store("s3://bucket/warmctl")
+    push(open_store(local_dir), remote, "tiny", "latest")
+
+The format is specified in ``docs/store-format.md``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from warmctl.store.backend import Backend, ObjectInfo, ObjectNotFound, RetryingBackend, TransientBackendError
+from warmctl.store.chunks import CHUNK_SIZE, DIGEST_ALGORITHM, STORE_FORMAT, ZSTD_LEVEL
+from warmctl.store.local import LocalBackend
+from warmctl.store.lock import StoreLocked
+from warmctl.store.s3 import S3Backend
+from warmctl.store.store import (
+    ChunkCorrupt,
+    ChunkMissing,
+    ChunkProblem,
+    CopyReport,
+    DuReport,
+    DuRow,
+    GcReport,
+    Store,
+    VerifyReport,
+    chunk_key,
+    copy_snapshot,
+    manifest_key,
+    pull,
+    push,
+    tag_key,
+)
+
+__all__ = [
+    "Backend",
+    "CHUNK_SIZE",
+    "ChunkCorrupt",
+    "ChunkMissing",
+    "ChunkProblem",
+    "CopyReport",
+    "DIGEST_ALGORITHM",
+    "DuReport",
+    "DuRow",
+    "GcReport",
+    "LocalBackend",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "RetryingBackend",
+    "S3Backend",
+    "STORE_FORMAT",
+    "Store",
+    "StoreLocked",
+    "TransientBackendError",
+    "VerifyReport",
+    "ZSTD_LEVEL",
+    "chunk_key",
+    "copy_snapshot",
+    "manifest_key",
+    "open_backend",
+    "open_store",
+    "parse_ref",
+    "pull",
+    "push",
+    "tag_key",
+]
+
+
+def open_backend(url: str | Path, retry: bool = True) -> Backend:
+    """The backend for ``url``: a directory path or ``file:///path`` (local), or
+    ``s3://bucket[/prefix]`` (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``,
+    credentials from boto3's usual chain). Remote backends are wrapped in
+    :class:`RetryingBackend` when ``retry``. Raises ValueError for another scheme."""
+    s = str(url)
+    u = urlparse(s)
+    if u.scheme == "s3":
+        if not u.netloc:
+            raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
+        b: Backend = S3Backend(u.netloc, u.path.lstrip("/"))
+        return RetryingBackend(b) if retry else b
+    if u.scheme == "file":
+        return LocalBackend(Path(u.path))
+    if u.scheme in ("", None) or (len(u.scheme) == 1 and s[1:2] == ":"):
+        return LocalBackend(Path(s).expanduser())
+    raise ValueError(f"unsupported store URL {s!r}: use a directory, file:///path or s3://bucket/prefix")
+
+
+def open_store(url: str | Path, workers: int | None = None) -> Store:
+    """A :class:`Store` on ``url`` (see :func:`open_backend`). ``workers``: parallel threads
+    (default 4 local, 16 S3). Nothing is created until the first write."""
+    return Store(open_backend(url), workers=workers)
+
+
+def parse_ref(ref: str, default_tag: str = "latest") -> tuple[str, str]:
+    """``"NAME[:TAG]"`` -> ``(name, tag)``; the tag defaults to ``default_tag``."""
+    name, _, tag = ref.partition(":")
+    return name, tag or default_tag

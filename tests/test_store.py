@@ -1,0 +1,344 @@
+"""Store API on the local backend: round trip, dedup, zero chunks, integrity, tags, verify, gc, du."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_store_fixtures import MiB, chunk_files, make_manifest, snapshot, write_payload
+
+from warmctl.errors import HostError, IntegrityError, SnapshotNotFound
+from warmctl.manifest import ChunkRef
+from warmctl.store import (
+    CHUNK_SIZE,
+    Backend,
+    LocalBackend,
+    ObjectInfo,
+    ObjectNotFound,
+    RetryingBackend,
+    Store,
+    StoreLocked,
+    TransientBackendError,
+    chunk_key,
+    open_store,
+    parse_ref,
+    pull,
+    push,
+)
+from warmctl.store import chunks as ck
+
+
+@pytest.fixture
+def payload(tmp_path: Path) -> Path:
+    return write_payload(
+        tmp_path / "src" / "pages-1.img",
+        [("random", 3 * MiB), ("zero", 2 * CHUNK_SIZE), ("text", 5 * MiB), ("random", 12345)],
+    )
+
+
+def test_round_trip_restores_identical_sparse_file(tmp_path, payload):
+    store = open_store(tmp_path / "store")
+    seen = []
+    refs = store.add_file(payload, progress=seen.append)
+    assert sum(seen) == payload.stat().st_size
+    assert sum(r.size for r in refs) == payload.stat().st_size
+    assert all(r.digest.startswith(ck.DIGEST_ALGORITHM + ":") for r in refs)
+    dest = tmp_path / "out" / "deep" / "pages-1.img"
+    got = []
+    store.read_file(refs, dest, progress=got.append)
+    assert dest.read_bytes() == payload.read_bytes()
+    assert sum(got) == payload.stat().st_size
+    # zero chunks are holes, not written blocks
+    assert os.stat(dest).st_blocks * 512 < payload.stat().st_size - CHUNK_SIZE + 65536
+    assert not [p for p in dest.parent.iterdir() if p.name != dest.name], "temp file left behind"
+    store.close()
+
+
+def test_zero_chunks_are_never_stored(tmp_path):
+    f = write_payload(tmp_path / "z.img", [("zero", 3 * CHUNK_SIZE + 100)])
+    store = open_store(tmp_path / "store")
+    refs = store.add_file(f)
+    assert len(refs) == 4
+    assert chunk_files(tmp_path / "store") == []
+    assert refs[0].digest == ck.hash_bytes(bytes(CHUNK_SIZE))  # an honest digest, recognisable by size
+    d = store.put_manifest(make_manifest(store, "z", {"z.img": f}))
+    store.read_file(store.get_manifest(d).files[0].chunks, tmp_path / "z.out")
+    assert (tmp_path / "z.out").read_bytes() == bytes(3 * CHUNK_SIZE + 100)
+
+
+def test_second_add_dedups(tmp_path, payload):
+    store = open_store(tmp_path / "store")
+    a = store.add_file(payload)
+    n = len(chunk_files(tmp_path / "store"))
+    mtimes = [p.stat().st_mtime_ns for p in chunk_files(tmp_path / "store")]
+    b = Store(LocalBackend(tmp_path / "store")).add_file(payload)
+    assert a == b
+    assert len(chunk_files(tmp_path / "store")) == n == 4  # 5 chunks, one all-zero
+    assert [p.stat().st_mtime_ns for p in chunk_files(tmp_path / "store")] == mtimes
+
+
+def test_put_manifest_refuses_missing_chunk(tmp_path, payload):
+    store = open_store(tmp_path / "store")
+    m = make_manifest(store, "snap", {"pages-1.img": payload})
+    victim = m.files[0].chunks[0].digest
+    (tmp_path / "store" / chunk_key(victim)).unlink()
+    fresh = open_store(tmp_path / "store")  # no cached knowledge
+    with pytest.raises(IntegrityError) as ei:
+        fresh.put_manifest(m)
+    assert victim in str(ei.value) and str(tmp_path / "store" / chunk_key(victim)) in str(ei.value)
+    assert fresh.list_manifests() == []
+
+
+def test_manifest_and_tags(tmp_path, payload):
+    store = open_store(tmp_path / "store")
+    d = snapshot(store, "tiny", {"pages-1.img": payload})
+    assert store.has_manifest(d)
+    assert store.get_manifest(d).name == "tiny"
+    assert store.get_tag("tiny", "latest") == d
+    assert store.get_tag("tiny", "nope") is None
+    store.set_tag("tiny", "v1", d)
+    assert store.list_tags() == [("tiny", "latest", d), ("tiny", "v1", d)]
+    store.remove_tag("tiny", "v1")
+    assert store.list_tags() == [("tiny", "latest", d)]
+    with pytest.raises(IntegrityError):
+        store.set_tag("tiny", "x", "sha256:" + "1" * 64)
+    with pytest.raises(SnapshotNotFound, match="ghost:latest"):
+        store.resolve("ghost")
+    assert parse_ref("tiny") == ("tiny", "latest") and parse_ref("a:b") == ("a", "b")
+    # a corrupted manifest is caught by its digest
+    mpath = tmp_path / "store" / "manifests" / "sha256" / d.split(":")[1]
+    mpath.write_bytes(mpath.read_bytes().replace(b'"tiny"', b'"tinY"', 1))
+    with pytest.raises(IntegrityError, match="corrupt"):
+        store.get_manifest(d)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_read_file_names_bad_chunk_and_leaves_nothing(tmp_path, payload, damage):
+    store = open_store(tmp_path / "store")
+    refs = store.add_file(payload)
+    bad = refs[-1]
+    obj = tmp_path / "store" / chunk_key(bad.digest)
+    blob = obj.read_bytes()
+    if damage == "flip":
+        obj.write_bytes(blob[:-40] + bytes([blob[-40] ^ 0xFF]) + blob[-39:])
+    elif damage == "truncate":
+        obj.write_bytes(blob[: len(blob) // 2])
+    else:
+        obj.unlink()
+    dest = tmp_path / "out" / "pages-1.img"
+    with pytest.raises(IntegrityError) as ei:
+        open_store(tmp_path / "store").read_file(refs, dest)
+    msg = str(ei.value)
+    assert bad.digest in msg and str(obj) in msg and str(dest) in msg
+    assert ("missing" if damage == "delete" else "corrupt") in msg
+    assert not dest.exists() and list(dest.parent.iterdir()) == []
+
+
+def test_verify_reports_missing_and_corrupt(tmp_path, payload):
+    store = open_store(tmp_path / "store")
+    snapshot(store, "tiny", {"pages-1.img": payload})
+    assert store.verify().ok
+    files = chunk_files(tmp_path / "store")
+    files[0].unlink()
+    files[1].write_bytes(b"garbage")
+    rep = store.verify()
+    assert not rep.ok and len(rep.missing) == 1 and len(rep.corrupt) == 1
+    assert rep.missing[0].location == str(files[0]) and rep.corrupt[0].location == str(files[1])
+    assert "tiny:latest" in str(rep)
+
+
+def test_gc_removes_only_unreferenced(tmp_path, payload):
+    store = open_store(tmp_path / "store")
+    d1 = snapshot(store, "a", {"p.img": payload})
+    other = write_payload(tmp_path / "other.img", [("random", 2 * MiB)], seed=7)
+    d2 = snapshot(store, "b", {"p.img": other})
+    store.close()
+    before = len(chunk_files(tmp_path / "store"))
+    assert store.gc(grace=0).chunks_removed == 0
+    store.remove_tag("b", "latest")
+    store.close()
+    rep = store.gc(grace=3600, untagged=True)  # too young: nothing goes
+    assert rep.chunks_removed == 0 and rep.manifests_removed == []
+    rep = store.gc(grace=0, untagged=True)
+    assert rep.manifests_removed == [d2] and rep.chunks_removed == 1
+    assert len(chunk_files(tmp_path / "store")) == before - 1
+    assert store.verify().ok and store.list_manifests() == [d1]
+
+
+def test_gc_refuses_while_writer_holds_store(tmp_path, payload):
+    writer = open_store(tmp_path / "store")
+    refs = writer.add_file(payload)  # chunks stored, manifest not yet: gc must not take them
+    with pytest.raises(StoreLocked, match="add_file"):
+        open_store(tmp_path / "store").gc(grace=0)
+    m = make_manifest(writer, "w", {"p.img": payload})
+    assert m.files[0].chunks == refs
+    writer.put_manifest(m)
+    writer.close()
+    assert open_store(tmp_path / "store").gc(grace=0).chunks_removed == 0
+
+
+def test_concurrent_push_and_gc_never_lose_chunks(tmp_path, payload):
+    """Hammer: pushes of new content race gcs; every finished push must verify."""
+    src = open_store(tmp_path / "src")
+    snapshot(src, "base", {"p.img": payload})
+    dst_dir = tmp_path / "dst"
+    errors, done = [], []
+
+    def pusher():
+        try:
+            for i in range(4):
+                f = write_payload(tmp_path / f"f{i}.img", [("random", MiB), ("text", CHUNK_SIZE)], seed=100 + i)
+                snapshot(src, f"s{i}", {"p.img": f, "base.img": payload})
+                with open_store(dst_dir) as dst:
+                    push(src, dst, f"s{i}", "latest")
+                done.append(i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=pusher)
+    t.start()
+    gcs = locked = 0
+    while t.is_alive():
+        try:
+            open_store(dst_dir).gc(grace=0)
+            gcs += 1
+        except StoreLocked:
+            locked += 1
+        time.sleep(0.01)
+    t.join()
+    assert not errors, errors
+    assert done == [0, 1, 2, 3] and gcs + locked > 0
+    dst = open_store(dst_dir)
+    assert dst.gc(grace=0).chunks_removed == 0
+    rep = dst.verify()
+    assert rep.ok and rep.manifests_checked == 4, str(rep)
+
+
+def test_stale_lock_of_dead_process_is_ignored(tmp_path, payload):
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, os; from warmctl.store import open_store; s=open_store(sys.argv[1]); s.add_file(sys.argv[2]); os._exit(0)", str(tmp_path / "store"), str(payload)],
+        check=True,
+    )
+    assert proc.returncode == 0
+    assert list((tmp_path / "store" / "locks").iterdir()), "the killed writer left its lock"
+    rep = open_store(tmp_path / "store").gc(grace=0)
+    assert rep.locks_removed == 1 and rep.chunks_removed == 4
+
+
+def test_push_pull_local_resumes(tmp_path, payload):
+    a = open_store(tmp_path / "a")
+    d = snapshot(a, "tiny", {"pages-1.img": payload})
+    b = open_store(tmp_path / "b")
+    rep = push(a, b, "tiny", "latest")
+    assert rep.digest == d and rep.chunks_copied == rep.chunks_total == 4
+    again = pull(a, b, "tiny", "latest")
+    assert again.chunks_copied == 0 and again.bytes_copied == 0
+    chunk_files(tmp_path / "b")[0].unlink()
+    third = pull(a, open_store(tmp_path / "b"), "tiny", "latest")
+    assert third.chunks_copied == 1
+    assert b.verify().ok and b.get_tag("tiny", "latest") == d
+
+
+class FlakyBackend(Backend):
+    """In-process backend (same interface) that fails the first ``fail`` calls of each op."""
+
+    def __init__(self, inner: Backend, fail: int):
+        self.inner, self.fail, self.calls = inner, fail, {}
+
+    def _maybe(self, op):
+        self.calls[op] = self.calls.get(op, 0) + 1
+        if self.calls[op] <= self.fail:
+            raise TransientBackendError(f"injected {op} failure {self.calls[op]}")
+
+    def location(self, key=""):
+        return self.inner.location(key)
+
+    def save(self, key, data):
+        self._maybe("save")
+        self.inner.save(key, data)
+
+    def load(self, key, offset=0, length=None):
+        self._maybe("load")
+        return self.inner.load(key, offset, length)
+
+    def stat(self, key):
+        return self.inner.stat(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def remove(self, key):
+        self.inner.remove(key)
+
+
+def test_retrying_backend_retries_then_gives_up(tmp_path):
+    seen = []
+    rb = RetryingBackend(FlakyBackend(LocalBackend(tmp_path), 2), attempts=3, base_delay=0.001, on_retry=lambda *a: seen.append(a[:3]))
+    rb.save("x/y", b"data")
+    assert rb.load("x/y") == b"data"
+    assert seen == [("save", "x/y", 1), ("save", "x/y", 2), ("load", "x/y", 1), ("load", "x/y", 2)]
+    hopeless = RetryingBackend(FlakyBackend(LocalBackend(tmp_path), 10), attempts=3, base_delay=0.001)
+    with pytest.raises(TransientBackendError, match="after 3 attempts"):
+        hopeless.load("x/y")
+
+
+def test_local_backend_ranges_list_stat(tmp_path):
+    b = LocalBackend(tmp_path / "r")
+    b.save("chunks/a/1", b"0123456789")
+    b.save("chunks/b/2", b"xy")
+    b.save("tags/t/latest", b"z")
+    assert b.load("chunks/a/1", 3, 4) == b"3456" and b.load("chunks/a/1", 8) == b"89"
+    assert sorted(o.key for o in b.list("chunks/")) == ["chunks/a/1", "chunks/b/2"]
+    assert [o.key for o in b.list("chunks/a")] == ["chunks/a/1"]
+    assert b.stat("chunks/b/2").size == 2 and isinstance(b.stat("chunks/b/2"), ObjectInfo)
+    with pytest.raises(ObjectNotFound, match="nope"):
+        b.load("nope")
+    b.remove("chunks/a/1")
+    b.remove("chunks/a/1")
+    assert not b.exists("chunks/a/1")
+    with pytest.raises(ValueError):
+        b.save("../escape", b"")
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_aborts_cleanly_naming_bytes(tmp_path, tiny_fs):
+    big = write_payload(tmp_path / "big.img", [("random", 3 * CHUNK_SIZE)])
+    store = open_store(tiny_fs / "store")
+    with pytest.raises(HostError) as ei:
+        store.add_file(big)
+    msg = str(ei.value)
+    assert "disk full" in msg and "needed" in msg and str(tiny_fs) in msg
+    assert list((tiny_fs / "store" / "tmp").iterdir()) == []
+    # read_file refuses before writing when the destination is too small
+    src = open_store(tmp_path / "store")
+    refs = src.add_file(big)
+    with pytest.raises(HostError, match=f"needed {3 * CHUNK_SIZE:,} bytes"):
+        src.read_file(refs, tiny_fs / "out.img")
+    assert not list(tiny_fs.glob("*.tmp")) and not (tiny_fs / "out.img").exists()
+
+
+def test_digest_helpers():
+    data = b"abc"
+    assert ck.verify_bytes(data, ck.hash_bytes(data, "sha256"))
+    assert ck.verify_bytes(data, ck.hash_bytes(data, "blake3"))
+    assert not ck.verify_bytes(b"abd", ck.hash_bytes(data))
+    with pytest.raises(ValueError):
+        ck.split_digest("md5:abc")
+    assert ck.is_zero_chunk(ck.zero_digest(10, "sha256"), 10)
+    assert not ck.is_zero_chunk(ck.zero_digest(10), 11)
+    assert ChunkRef(digest=ck.hash_bytes(data), size=3).size == 3

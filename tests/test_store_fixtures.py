@@ -1,0 +1,94 @@
+"""Shared helpers and fixtures for the store tests (imported by tests/test_store*.py)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from warmctl.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.store import CHUNK_SIZE, Store
+
+MiB = 1024 * 1024
+
+
+def write_payload(path: Path, parts: list[tuple[str, int]], seed: int = 0) -> Path:
+    """Write a file of ``parts``: ("random"|"zero"|"text", bytes) in order."""
+    import random
+
+    rnd = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for kind, n in parts:
+            if kind == "random":
+                f.write(rnd.randbytes(n))
+            elif kind == "zero":
+                f.write(bytes(n))
+            elif kind == "text":
+                words = [b"token", b"engine", b"kv-cache", b"llama", b"vllm", b"page", b"\n"]
+                block = b" ".join(rnd.choice(words) for _ in range(12000))  # ~64 KiB
+                out = bytearray()
+                while len(out) < n:  # vary each block a little so chunks differ
+                    out += block + rnd.randbytes(16)
+                f.write(bytes(out[:n]))
+            else:
+                raise ValueError(kind)
+    return path
+
+
+def make_manifest(store: Store, name: str, files: dict[str, Path]) -> Manifest:
+    """Add ``files`` (manifest path -> local file) to ``store`` and build a manifest of them."""
+    entries = []
+    for rel, p in files.items():
+        refs = store.add_file(p)
+        entries.append(FileEntry(path=rel, size=p.stat().st_size, chunks=refs))
+    return Manifest(
+        name=name,
+        profile_digest="sha256:" + "0" * 64,
+        profile={"name": name},
+        host={},
+        canary=CanaryRecord(match="tokens", max_tokens=1, logprobs=0, completions=[]),
+        files=entries,
+    )
+
+
+def snapshot(store: Store, name: str, files: dict[str, Path], tag: str = "latest") -> str:
+    """add files + put_manifest + set_tag; returns the manifest digest."""
+    d = store.put_manifest(make_manifest(store, name, files))
+    store.set_tag(name, tag, d)
+    return d
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A moto S3 server on 127.0.0.1 (random port); yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, monkeypatch):
+    """A fresh bucket on the moto server; yields ``s3://bucket/prefix`` with the endpoint in env."""
+    import boto3
+
+    monkeypatch.setenv("WARMCTL_S3_ENDPOINT", moto_endpoint)
+    bucket = f"warmctl-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/snaps"
+
+
+assert CHUNK_SIZE >= MiB

@@ -1,0 +1,152 @@
+"""Local-disk backend: one file per object under a root directory.
+
+An object ``k`` lives at ``ROOT/k``. Saves are containerd-style ingests: the bytes go to a
+temporary file under ``ROOT/tmp/``, are fsync'ed, their size is checked, and only then is the
+file renamed into place, so a reader never sees a partial object. A full disk removes the
+temporary file and raises :class:`warmctl.errors.HostError` naming the bytes needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from warmctl.errors import HostError
+from warmctl.store.backend import Backend, ObjectInfo, ObjectNotFound
+
+TMP_DIR = "tmp"
+
+
+def disk_full_error(path: Path | str, needed: int, what: str = "") -> HostError:
+    """A :class:`HostError` saying the disk holding ``path`` is full and ``needed`` bytes were needed."""
+    try:
+        free = shutil.disk_usage(_existing_parent(Path(path))).free
+        free_s = f"{free:,} bytes free"
+    except OSError:
+        free_s = "free space unknown"
+    extra = f" ({what})" if what else ""
+    return HostError(f"disk full writing {path}: needed {needed:,} bytes{extra}, {free_s}; free space and retry")
+
+
+def _existing_parent(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+class LocalBackend(Backend):
+    """Objects as files under ``root`` (created on first save). ``fsync``: sync each object."""
+
+    def __init__(self, root: Path | str, fsync: bool = True):
+        self.root = Path(root).absolute()
+        self.fsync = fsync
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"bad object key {key!r}")
+        return self.root / key
+
+    def location(self, key: str = "") -> str:
+        return str(self.root / key) if key else str(self.root)
+
+    def save(self, key: str, data: bytes) -> None:
+        dest = self._path(key)
+        tmpdir = self.root / TMP_DIR
+        tmp = tmpdir / f"{uuid.uuid4().hex}.tmp"
+        fd = -1
+        try:
+            tmpdir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(fd)
+            size = os.fstat(fd).st_size
+            os.close(fd)
+            fd = -1
+            if size != len(data):  # commit only what is complete
+                raise OSError(errno.EIO, f"wrote {size} of {len(data)} bytes")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, dest)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise disk_full_error(dest, len(data), f"object {key}") from None
+            raise
+
+    def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        p = self._path(key)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ObjectNotFound(key, str(p)) from None
+        try:
+            if length is None:
+                length = max(0, os.fstat(fd).st_size - offset)
+            out = bytearray()
+            while len(out) < length:
+                b = os.pread(fd, length - len(out), offset + len(out))
+                if not b:
+                    break
+                out += b
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    def stat(self, key: str) -> ObjectInfo:
+        p = self._path(key)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            raise ObjectNotFound(key, str(p)) from None
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base if base else self.root
+        stack = [start]
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(d)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for e in it:
+                    rel = os.path.relpath(e.path, self.root).replace(os.sep, "/")
+                    if rel == TMP_DIR or rel.startswith(TMP_DIR + "/"):
+                        continue
+                    if e.is_dir(follow_symlinks=False):
+                        if (rel + "/").startswith(prefix) or prefix.startswith(rel + "/"):
+                            stack.append(Path(e.path))
+                    elif rel.startswith(prefix):
+                        try:
+                            st = e.stat()
+                        except FileNotFoundError:
+                            continue
+                        yield ObjectInfo(rel, st.st_size, st.st_mtime)
+
+    def remove(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def list_tmp(self) -> Iterator[ObjectInfo]:
+        """Temporary ingest files (left by a killed writer); gc removes old ones."""
+        d = self.root / TMP_DIR
+        if d.is_dir():
+            for e in os.scandir(d):
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(f"{TMP_DIR}/{e.name}", st.st_size, st.st_mtime)

@@ -1,0 +1,138 @@
+"""Store locks (restic style): writers hold shared locks, gc holds an exclusive one.
+
+A lock is an object ``locks/<id>`` holding JSON ``{"kind": "shared"|"exclusive", "host",
+"pid", "time", "purpose"}``. Its holder rewrites it every ``stale_after/3`` seconds. A lock is
+stale when not refreshed for ``stale_after`` seconds, or when it was taken on this host by a
+process that no longer exists (a killed push); stale locks are ignored and gc removes them.
+
+Protocol: take = write own lock, then list the others. A writer that sees a live exclusive
+lock removes its own and waits; gc that sees any other live lock removes its own and fails
+with :class:`StoreLocked`. With a strongly consistent backend (local disk, S3) a push and a
+gc can therefore never run at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+from warmctl.errors import WarmctlError
+from warmctl.store.backend import Backend, ObjectNotFound
+
+LOCK_PREFIX = "locks/"
+
+
+class StoreLocked(WarmctlError):
+    """Another process holds a conflicting lock on the store."""
+
+    exit_code = 6
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lock:
+    """A held lock; :meth:`release` removes it. Refreshed by a daemon thread while held."""
+
+    def __init__(self, backend: Backend, kind: str, purpose: str, stale_after: float):
+        self.backend = backend
+        self.kind = kind
+        self.purpose = purpose
+        self.stale_after = stale_after
+        self.key = f"{LOCK_PREFIX}{uuid.uuid4().hex}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> bytes:
+        return json.dumps(
+            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "purpose": self.purpose}
+        ).encode()
+
+    def write(self) -> None:
+        self.backend.save(self.key, self._body())
+
+    def start_refresh(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.stale_after / 3):
+                try:
+                    self.write()
+                except Exception:  # noqa: BLE001 - next round retries; staleness is the fallback
+                    pass
+
+        self._thread = threading.Thread(target=loop, name=f"warmctl-lock-{self.key}", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.backend.remove(self.key)
+        except Exception:  # noqa: BLE001 - a leftover lock goes stale
+            pass
+
+
+def describe(info: dict) -> str:
+    age = time.time() - float(info.get("time", 0))
+    return f"{info.get('kind')} lock by {info.get('purpose', '?')} (host {info.get('host')}, pid {info.get('pid')}, refreshed {age:.0f}s ago)"
+
+
+def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tuple[list[dict], list[str]]:
+    """(live locks other than ``own_key``, keys of stale locks)."""
+    live, stale = [], []
+    host = socket.gethostname()
+    now = time.time()
+    for info in backend.list(LOCK_PREFIX):
+        if info.key == own_key:
+            continue
+        try:
+            d = json.loads(backend.load(info.key))
+        except ObjectNotFound:
+            continue
+        except ValueError:
+            d = {"kind": "exclusive", "time": info.mtime, "purpose": "unreadable lock"}
+        t = max(float(d.get("time", 0)), info.mtime)
+        dead = d.get("host") == host and isinstance(d.get("pid"), int) and not _pid_alive(d["pid"])
+        if dead or now - t > stale_after:
+            stale.append(info.key)
+        else:
+            d["key"] = info.key
+            live.append(d)
+    return live, stale
+
+
+def acquire(backend: Backend, kind: str, purpose: str, stale_after: float = 120.0, wait: float = 300.0) -> Lock:
+    """Take a ``kind`` lock (``shared`` or ``exclusive``) on the store behind ``backend``.
+
+    A shared lock waits up to ``wait`` seconds for an exclusive holder to finish; an exclusive
+    lock does not wait. Raises :class:`StoreLocked` naming the conflicting holder.
+    """
+    deadline = time.monotonic() + wait
+    delay = 0.05
+    while True:
+        lock = Lock(backend, kind, purpose, stale_after)
+        lock.write()
+        live, _ = other_locks(backend, lock.key, stale_after)
+        conflict = [d for d in live if kind == "exclusive" or d.get("kind") == "exclusive"]
+        if not conflict:
+            lock.start_refresh()
+            return lock
+        lock.release()
+        if kind == "exclusive" or time.monotonic() > deadline:
+            raise StoreLocked(
+                f"store {backend.location()} is in use: {describe(conflict[0])}; "
+                + ("retry when it finishes" if kind == "exclusive" else f"gave up after {wait:.0f}s")
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
