@@ -1,0 +1,351 @@
+"""Signed manifests: ed25519 keys, signatures stored next to the chunks, and the trust check.
+
+What is signed is the manifest's digest (``sha256:<hex>`` of its canonical bytes), prefixed by a
+domain string: ``b"warmctl/manifest-signature/v1\\n" + digest``. Because every chunk's digest is
+inside the manifest, a valid signature plus digest-checked reads of the manifest and of every
+chunk (the store checks each chunk against its digest on read) covers the whole snapshot: a
+changed manifest byte changes its digest (no signature for it), a changed chunk fails its digest,
+and a chunk swapped for other content's valid digest changes the manifest.
+
+Storage: one JSON object per (manifest, key) in the store's backend, under
+``signatures/<algo>/<hex>/<key_id>.json`` (format in ``catalog/README.md``). Trusted public keys
+are the ``*.pub`` files in ``Settings.keys_dir`` (PEM ``SubjectPublicKeyInfo`` as written by
+:func:`generate_keypair`, or an OpenSSH ``ssh-ed25519 ...`` line). A key's id is the first 32 hex
+digits of the sha256 of its raw 32-byte public key.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from warmctl.errors import IntegrityError, WarmctlError
+from warmctl.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+#: Prefix of the signed message (domain separation: these keys sign nothing else by accident).
+SIGNATURE_DOMAIN = b"warmctl/manifest-signature/v1\n"
+SIGNATURE_FORMAT = 1
+SIGNATURES_PREFIX = "signatures/"
+
+
+class TrustError(WarmctlError):
+    """A snapshot is unsigned, signed only by untrusted keys, or its signature does not verify;
+    or a key file is unusable. Raised before anything from the snapshot is materialized."""
+
+    exit_code = 6
+
+
+class KeyPair(NamedTuple):
+    """Paths written by :func:`generate_keypair` and the key's id."""
+
+    private: Path
+    public: Path
+    key_id: str
+
+
+class SignatureDoc(BaseModel):
+    """A stored signature. ``signature`` is base64 of the 64-byte ed25519 signature over
+    :func:`signed_message` of ``manifest``; ``signed`` (UTC) is informational, not signed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: int = SIGNATURE_FORMAT
+    algorithm: str = "ed25519"
+    key_id: str
+    manifest: str
+    signed: datetime
+    signature: str
+
+
+class Verification(BaseModel):
+    """Result of :func:`verify_manifest`.
+
+    ``trusted``: a trusted key's signature verified. ``key_id``/``key_file``: that key.
+    ``insecure``: verification was skipped by request and ``warning`` says what failed.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    digest: str
+    manifest: Manifest
+    trusted: bool
+    key_id: str | None = None
+    key_file: Path | None = None
+    insecure: bool = False
+    warning: str | None = None
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def key_id(public_key: Ed25519PublicKey) -> str:
+    """First 32 hex digits of sha256 over the raw 32-byte public key."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def generate_keypair(directory: str | Path, name: str = "warmctl", *, overwrite: bool = False) -> KeyPair:
+    """Write ``DIR/NAME.key`` (PEM PKCS#8, unencrypted, mode 0600, created that way, never
+    world-readable even briefly) and ``DIR/NAME.pub`` (PEM SubjectPublicKeyInfo, mode 0644).
+
+    Copy the ``.pub`` file into ``keys_dir`` on every restoring host; point ``signing_key`` at
+    the ``.key`` on the publishing host. Raises :class:`TrustError` if either file exists and
+    ``overwrite`` is false, or ``name`` contains a path separator.
+    """
+    if not name or "/" in name or name.startswith("."):
+        raise TrustError(f"key name {name!r}: want a plain file name (no '/', not starting with '.')")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    priv_path, pub_path = d / f"{name}.key", d / f"{name}.pub"
+    if not overwrite:
+        for p in (priv_path, pub_path):
+            if p.exists():
+                raise TrustError(f"{p} already exists (pass overwrite/--force to replace it)")
+    key = Ed25519PrivateKey.generate()
+    priv_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    pub_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if overwrite:
+        priv_path.unlink(missing_ok=True)
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(priv_pem)
+    os.chmod(priv_path, 0o600)  # umask cannot loosen it, but make the mode explicit
+    pub_path.write_bytes(pub_pem)
+    os.chmod(pub_path, 0o644)
+    return KeyPair(priv_path, pub_path, key_id(key.public_key()))
+
+
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    """Load an unencrypted ed25519 private key (PEM PKCS#8 or OpenSSH).
+
+    Raises :class:`TrustError` naming the file when it is missing, readable by group or others
+    (like ssh, warmctl refuses such a key), not a key, or not ed25519.
+    """
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode & 0o777
+        data = p.read_bytes()
+    except OSError as e:
+        raise TrustError(f"signing key {p}: cannot read: {e.strerror}") from None
+    if mode & 0o077:
+        raise TrustError(f"signing key {p}: mode {mode:04o} lets group/others read it; run: chmod 600 {p}")
+    try:
+        if data.startswith(b"-----BEGIN OPENSSH PRIVATE KEY"):
+            key: Any = serialization.load_ssh_private_key(data, password=None)
+        else:
+            key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
+        raise TrustError(f"signing key {p}: not an unencrypted PEM/OpenSSH private key: {e}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TrustError(f"signing key {p}: is a {type(key).__name__}, warmctl signs with ed25519 only")
+    return key
+
+
+def load_public_key(path: str | Path) -> Ed25519PublicKey:
+    """Load an ed25519 public key (PEM SubjectPublicKeyInfo or one OpenSSH ``ssh-ed25519`` line).
+    Raises :class:`TrustError` naming the file otherwise."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TrustError(f"trusted key {p}: cannot read: {e.strerror}") from None
+    try:
+        if data.lstrip().startswith(b"ssh-"):
+            key: Any = serialization.load_ssh_public_key(data.strip())
+        else:
+            key = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
+        raise TrustError(f"trusted key {p}: not a PEM or OpenSSH public key: {e}") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise TrustError(f"trusted key {p}: is a {type(key).__name__}, warmctl trusts ed25519 keys only")
+    return key
+
+
+def load_trusted_keys(keys_dir: str | Path) -> dict[str, tuple[Path, Ed25519PublicKey]]:
+    """``{key_id: (file, key)}`` for every ``*.pub`` in ``keys_dir`` (sorted by file name).
+
+    A missing directory gives ``{}``. An unusable ``.pub`` file raises :class:`TrustError`
+    naming it: a broken trust directory is a configuration error, not something to skip.
+    """
+    d = Path(keys_dir)
+    if not d.is_dir():
+        return {}
+    keys: dict[str, tuple[Path, Ed25519PublicKey]] = {}
+    for p in sorted(d.glob("*.pub")):
+        k = load_public_key(p)
+        keys.setdefault(key_id(k), (p, k))
+    return keys
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def signed_message(digest: str) -> bytes:
+    """The bytes an ed25519 signature covers for manifest ``digest``."""
+    return SIGNATURE_DOMAIN + digest.encode("ascii")
+
+
+def signature_prefix(digest: str) -> str:
+    """Backend key prefix of ``digest``'s signatures: ``signatures/<algo>/<hex>/``."""
+    algo, sep, hexpart = digest.partition(":")
+    if not sep or not algo.isalnum() or not hexpart or not all(c in "0123456789abcdef" for c in hexpart):
+        raise ValueError(f"malformed manifest digest {digest!r} (want '<algo>:<lowercase hex>')")
+    return f"{SIGNATURES_PREFIX}{algo}/{hexpart}/"
+
+
+def sign_manifest(store: Any, digest: str, key: str | Path | Ed25519PrivateKey) -> SignatureDoc:
+    """Sign manifest ``digest`` with ``key`` (a private key or its file) and save the signature in
+    ``store.backend`` at ``signatures/<algo>/<hex>/<key_id>.json`` (replacing that key's earlier
+    signature of the same manifest). Returns the stored document. Raises :class:`TrustError` for
+    an unusable key file; backend errors pass through.
+    """
+    k = key if isinstance(key, Ed25519PrivateKey) else load_private_key(key)
+    kid = key_id(k.public_key())
+    doc = SignatureDoc(
+        key_id=kid,
+        manifest=digest,
+        signed=datetime.now(timezone.utc),
+        signature=base64.b64encode(k.sign(signed_message(digest))).decode(),
+    )
+    store.backend.save(signature_prefix(digest) + f"{kid}.json", doc.model_dump_json().encode())
+    return doc
+
+
+def signatures(store: Any, digest: str) -> list[SignatureDoc | str]:
+    """Every signature object stored for ``digest``: parsed documents, or for an unparseable
+    object a string naming its location and the problem."""
+    out: list[SignatureDoc | str] = []
+    backend = store.backend
+    for info in sorted(backend.list(signature_prefix(digest)), key=lambda i: i.key):
+        try:
+            doc = SignatureDoc.model_validate_json(backend.load(info.key))
+        except (ValidationError, ValueError) as e:
+            out.append(f"{backend.location(info.key)}: unreadable signature: {str(e).splitlines()[0]}")
+            continue
+        out.append(doc)
+    return out
+
+
+def check_signatures(store: Any, digest: str, keys_dir: str | Path) -> tuple[str, Path]:
+    """The trust decision alone: ``(key_id, key_file)`` of a trusted key whose signature of
+    ``digest`` verifies. Raises :class:`TrustError` listing what was found otherwise (no trusted
+    keys configured, unsigned, signed by untrusted keys, bad signatures)."""
+    trusted = load_trusted_keys(keys_dir)
+    if not trusted:
+        raise TrustError(
+            f"no trusted keys: {keys_dir} has no *.pub file; copy the publisher's public key there "
+            f"(warmctl keygen writes one)"
+        )
+    problems: list[str] = []
+    for doc in signatures(store, digest):
+        if isinstance(doc, str):
+            problems.append(doc)
+            continue
+        if doc.manifest != digest:
+            problems.append(f"signature by key {doc.key_id} is for {doc.manifest}, not {digest}")
+            continue
+        if doc.algorithm != "ed25519":
+            problems.append(f"signature by key {doc.key_id}: algorithm {doc.algorithm!r} is not ed25519")
+            continue
+        if doc.key_id not in trusted:
+            problems.append(f"signed by key {doc.key_id}, which is not trusted (not among {keys_dir}/*.pub)")
+            continue
+        path, pub = trusted[doc.key_id]
+        try:
+            pub.verify(base64.b64decode(doc.signature, validate=True), signed_message(digest))
+        except (InvalidSignature, ValueError):
+            problems.append(f"signature by trusted key {doc.key_id} ({path}) does not verify")
+            continue
+        return doc.key_id, path
+    if not problems:
+        raise TrustError(
+            f"snapshot {digest} is unsigned: no signature at {store.backend.location(signature_prefix(digest))}"
+        )
+    raise TrustError(f"snapshot {digest} is not trusted: " + "; ".join(problems))
+
+
+def verify_manifest(
+    store: Any,
+    digest: str,
+    keys_dir: str | Path,
+    insecure: bool = False,
+    *,
+    verify_chunks: bool = False,
+) -> Verification:
+    """Decide whether manifest ``digest`` in ``store`` may be restored; call it before anything
+    from the snapshot is materialized.
+
+    1. Trust: a signature of ``digest`` by a key in ``keys_dir`` verifies (:func:`check_signatures`).
+    2. Integrity: the stored manifest's bytes hash to ``digest`` (``store.get_manifest`` checks;
+       the parsed manifest's canonical digest is compared again here).
+    3. With ``verify_chunks``: every chunk the manifest names is read back and re-hashed
+       (``store.verify([digest])``), so a changed, truncated, missing or swapped chunk raises
+       here. Reads from the store (``pull``, ``read_file``) check each chunk anyway, so ``up``
+       need not pay for this; it is for audits and for a store that is materialized directly.
+
+    ``insecure=True`` (the CLI's ``--insecure-skip-verify``) turns a failed *trust* step into a
+    loud warning (logged at WARNING and returned in ``warning``); integrity failures still raise.
+    Raises :class:`TrustError`, :class:`warmctl.errors.IntegrityError` (manifest or chunk does
+    not match its digest, or is missing).
+    """
+    key: str | None = None
+    key_file: Path | None = None
+    warning: str | None = None
+    try:
+        key, key_file = check_signatures(store, digest, keys_dir)
+    except TrustError as e:
+        if not insecure:
+            raise
+        warning = f"INSECURE: restoring a snapshot whose signature was not verified: {e}"
+        log.warning(warning)
+    manifest = store.get_manifest(digest)  # IntegrityError: missing, or bytes do not hash to digest
+    if manifest.digest() != digest:
+        raise IntegrityError(f"manifest {digest}: stored content hashes to {manifest.digest()}")
+    if verify_chunks:
+        _verify_chunks(store, digest)
+    return Verification(
+        digest=digest,
+        manifest=manifest,
+        trusted=key is not None,
+        key_id=key,
+        key_file=key_file,
+        insecure=warning is not None,
+        warning=warning,
+    )
+
+
+def _verify_chunks(store: Any, digest: str) -> None:
+    rep = store.verify([digest])
+    problems = [*rep.bad_manifests, *(str(p) for p in rep.missing), *(str(p) for p in rep.corrupt)]
+    if problems:
+        raise IntegrityError(f"snapshot {digest} in {store.location}: " + "; ".join(problems[:5])
+                             + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+
+def signature_summary(store: Any, digest: str, keys_dir: str | Path | None) -> str:
+    """One line for listings: ``trusted (key K)``, ``untrusted: ...`` or ``unsigned``; never raises
+    for trust problems (they are the answer)."""
+    try:
+        if keys_dir is None:
+            raise TrustError("no keys_dir")
+        kid, _ = check_signatures(store, digest, keys_dir)
+        return f"trusted (key {kid})"
+    except TrustError as e:
+        docs = [d for d in signatures(store, digest) if isinstance(d, SignatureDoc)]
+        if not docs:
+            return "unsigned"
+        return f"signed by {', '.join(d.key_id for d in docs)}; not trusted here ({str(e)[:120]})"
