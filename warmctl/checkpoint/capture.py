@@ -1,0 +1,158 @@
+"""What a process tree needs from the file system besides its CRIU image.
+
+CRIU stores memory and file *references*, not the contents of files the processes map or keep
+open. A restore therefore needs:
+
+- ``/dev/shm`` files (vLLM's shared-memory ring buffers ``psm_*``, multiprocessing semaphores
+  ``sem.*``, and the ``link_remap.*`` hard links CRIU makes at dump time for unlinked ones):
+  CRIU records them by size only, so their contents travel with the snapshot (role ``shm``).
+- *bundled files*: regular files the tree maps or holds open outside the interpreter's and the
+  operating system's own directories, e.g. torch.compile's kernels
+  (``~/.cache/vllm/torch_compile_cache/.../*.so``): they travel with the snapshot (role
+  ``file``) and are written back if missing or different.
+- *required files*: mapped files under the interpreter prefix and system directories (the
+  venv's ``.so`` files, libc...). CRIU checks their sizes at restore; warmctl records
+  (path, size) and checks them first, to fail with a clear message instead of CRIU's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+SHM = Path("/dev/shm")
+#: Paths under these prefixes are required (checked), not bundled.
+SYSTEM_PREFIXES = ("/usr/", "/lib/", "/lib64/", "/bin/", "/sbin/", "/etc/", "/proc/", "/sys/", "/dev/")
+
+
+def tree_pids(root_pid: int) -> list[int]:
+    """``root_pid`` and all its descendants (host PIDs); [] if the root is gone."""
+    try:
+        root = psutil.Process(root_pid)
+        return [root.pid] + [c.pid for c in root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _paths_of(pid: int) -> set[str]:
+    paths: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    paths.add(parts[5].rstrip("\n"))
+    except OSError:
+        pass
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/"):
+                paths.add(target)
+    except OSError:
+        pass
+    return paths
+
+
+@dataclass
+class TreeFiles:
+    """Files a tree references, classified (see module docstring). Paths are absolute."""
+
+    shm: list[Path] = field(default_factory=list)
+    bundled: list[Path] = field(default_factory=list)
+    required: dict[str, int] = field(default_factory=dict)  # path -> size in bytes
+
+
+def referenced_files(root_pid: int, exclude: list[Path] = ()) -> TreeFiles:
+    """Classify every file the tree of ``root_pid`` maps or has open.
+
+    ``exclude``: paths (files or directories) never bundled (e.g. the engine's own log, which
+    restore recreates). Deleted files (``... (deleted)``) are skipped: CRIU saves those itself.
+    """
+    prefixes = {str(Path(p).resolve()) + "/" for p in {sys.prefix, sys.base_prefix}}
+    excl = [str(Path(p)) for p in exclude]
+    out = TreeFiles()
+    seen: set[str] = set()
+    for pid in tree_pids(root_pid):
+        seen |= _paths_of(pid)
+    for p in sorted(seen):
+        if p.endswith(" (deleted)") or any(p == e or p.startswith(e + "/") for e in excl):
+            continue
+        path = Path(p)
+        if p.startswith(str(SHM) + "/"):
+            if path.is_file():
+                out.shm.append(path)
+            continue
+        if not path.is_file():
+            continue
+        if p.startswith(SYSTEM_PREFIXES) or any(p.startswith(x) for x in prefixes):
+            out.required[p] = path.stat().st_size
+        else:
+            out.bundled.append(path)
+    return out
+
+
+def shm_names() -> set[str]:
+    """Names now in ``/dev/shm``."""
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def link_remaps_since(before: set[str]) -> list[Path]:
+    """``link_remap.*`` files CRIU created in ``/dev/shm`` since ``before`` was taken."""
+    return sorted(SHM / n for n in shm_names() - before if n.startswith("link_remap."))
+
+
+def orphaned_shm(since: float) -> list[Path]:
+    """``/dev/shm`` files changed at or after ``since`` (Unix seconds, ctime) that no live
+    process maps or holds open: what a killed engine tree left behind (vLLM's ring buffers and
+    semaphores are never unlinked when it is killed).
+    """
+    try:
+        candidates = [p for p in SHM.iterdir() if p.is_file() and p.stat().st_ctime >= since]
+    except OSError:
+        return []
+    if not candidates:
+        return []
+    in_use: set[str] = set()
+    for pid in psutil.pids():
+        in_use |= {x for x in _paths_of(pid) if x.startswith("/dev/shm/")}
+    return [p for p in candidates if str(p) not in in_use]
+
+
+def group_hardlinks(paths: list[Path]) -> dict[Path, Path | None]:
+    """Map each path to the first earlier path with the same inode (``None`` if it is first).
+
+    CRIU's ``link_remap.N`` must come back as a hard link of the file it names.
+    """
+    first_by_inode: dict[tuple[int, int], Path] = {}
+    out: dict[Path, Path | None] = {}
+    for p in sorted(paths, key=lambda q: (q.name.startswith("link_remap."), str(q))):
+        st = p.stat()
+        key = (st.st_dev, st.st_ino)
+        out[p] = first_by_inode.get(key)
+        first_by_inode.setdefault(key, p)
+    return out
+
+
+def missing_or_changed(required: dict[str, int]) -> list[str]:
+    """Human-readable problems with required files: missing, or size differs from the snapshot's."""
+    problems = []
+    for p, size in sorted(required.items()):
+        try:
+            actual = os.stat(p).st_size
+        except OSError:
+            problems.append(f"{p}: missing")
+            continue
+        if actual != size:
+            problems.append(f"{p}: size {actual} bytes, snapshot expects {size}")
+    return problems

@@ -1,0 +1,129 @@
+"""CRIU: dump a whole process tree to an image directory and restore it.
+
+Flags (verified with CRIU 4.2.1 on kernel 6.18 against a running ``vllm serve`` tree, see
+``../shared/DESIGN.md``):
+
+- dump: ``--tcp-established --ext-unix-sk --file-locks --link-remap --manage-cgroups=ignore``
+- restore: the same minus ``--link-remap``, plus ``--restore-detached --pidfile``.
+
+``--link-remap`` makes CRIU keep open-but-unlinked files reachable through ``link_remap.*``
+hard links next to them (for vLLM: multiprocessing semaphores in ``/dev/shm``); those files
+must exist again at restore.
+
+The CRIU binary is ``$WARMCTL_CRIU`` if set, else ``criu`` on ``PATH``, else
+``/usr/local/sbin/criu`` (where ``scripts/install.sh`` puts a source build).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from warmctl.errors import CheckpointError, HostError
+
+DUMP_FLAGS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap",
+              "--manage-cgroups=ignore"]
+RESTORE_FLAGS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore"]
+#: Oldest CRIU known to dump a vLLM tree on kernels >= 6.16 (4.1 fails on TCP sockets there).
+MIN_VERSION = (4, 2)
+
+
+def criu_binary() -> str:
+    """Path of the CRIU binary. Raises :class:`HostError` if none is found."""
+    env = os.environ.get("WARMCTL_CRIU")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise HostError(f"WARMCTL_CRIU={env} is not an executable file")
+        return env
+    found = shutil.which("criu") or ("/usr/local/sbin/criu" if os.access("/usr/local/sbin/criu", os.X_OK) else None)
+    if not found:
+        raise HostError("criu not found (PATH, /usr/local/sbin/criu); run scripts/install.sh or set WARMCTL_CRIU")
+    return found
+
+
+def criu_version(binary: str | None = None) -> tuple[int, ...] | None:
+    """CRIU's version as a tuple, e.g. (4, 2, 1); None if criu is missing or unparsable."""
+    try:
+        out = subprocess.run([binary or criu_binary(), "--version"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (HostError, OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"Version:\s*([\d.]+)", out)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def check() -> str:
+    """Verify CRIU is usable: version >= :data:`MIN_VERSION` and root privileges.
+
+    Returns the binary path. Raises :class:`HostError` saying what is wrong and how to fix it.
+    """
+    binary = criu_binary()
+    ver = criu_version(binary)
+    if ver is None:
+        raise HostError(f"{binary}: cannot read its version")
+    if ver < MIN_VERSION:
+        raise HostError(f"{binary} is CRIU {'.'.join(map(str, ver))}; warmctl needs >= "
+                        f"{'.'.join(map(str, MIN_VERSION))} (scripts/install.sh builds it)")
+    if os.geteuid() != 0:
+        raise HostError("CRIU needs root (or CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN)")
+    return binary
+
+
+def _log_tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no CRIU log)"
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return "\n".join((errs or lines)[-n:])
+
+
+def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600) -> float:
+    """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
+
+    Returns the seconds it took. The tree is killed after a successful dump unless
+    ``leave_running``. Raises :class:`CheckpointError` with the relevant lines of CRIU's log
+    (``images_dir/dump.log``) on failure; the tree then keeps running (CRIU resumes it).
+    """
+    images_dir = Path(images_dir)
+    images_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [check(), "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
+           *DUMP_FLAGS]
+    if leave_running:
+        cmd.append("--leave-running")
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"criu dump of pid {root_pid} did not finish in {timeout_s:.0f} s") from None
+    if r.returncode != 0:
+        raise CheckpointError(f"criu dump of pid {root_pid} failed (exit {r.returncode}); "
+                              f"{images_dir / 'dump.log'}:\n{_log_tail(images_dir / 'dump.log')}")
+    return time.monotonic() - t0
+
+
+def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600) -> tuple[int, float]:
+    """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
+
+    ``log_file`` defaults to ``images_dir/restore.log``. Raises :class:`CheckpointError` with
+    the relevant lines of CRIU's log on failure (CRIU kills what it partly restored).
+    """
+    images_dir = Path(images_dir)
+    log_file = Path(log_file or images_dir / "restore.log")
+    pidfile = Path(pidfile)
+    pidfile.unlink(missing_ok=True)
+    cmd = [check(), "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
+           "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"criu restore from {images_dir} did not finish in {timeout_s:.0f} s") from None
+    if r.returncode != 0:
+        raise CheckpointError(f"criu restore from {images_dir} failed (exit {r.returncode}); "
+                              f"{log_file}:\n{_log_tail(log_file)}")
+    return int(pidfile.read_text().strip()), time.monotonic() - t0

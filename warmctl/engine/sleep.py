@@ -1,0 +1,145 @@
+"""vLLM sleep mode and checkpoint hooks, over the engine's HTTP development endpoints.
+
+Endpoints (vLLM 0.32, ``vllm/entrypoints/serve/dev/``; registered only when the server runs
+with ``VLLM_SERVER_DEV_MODE=1``; sleep levels 1 and 2 also need ``--enable-sleep-mode``, which
+vLLM accepts on CUDA, ROCm and XPU only - ``Platform.is_sleep_mode_available``)::
+
+    POST /sleep?level=N&mode=M     N: 0 pause scheduling, 1 weights offloaded to host RAM and KV
+                                   cache discarded, 2 weights and KV cache discarded; M: what
+                                   happens to running requests: abort | wait | keep
+                                   -> {"status": "sleeping", "level": N}
+    POST /wake_up[?tags=T...]      T in weights | kv_cache | scheduling; none = all
+                                   -> {"status": "awake" | "sleeping", "tags": [...]}
+    GET  /is_sleeping              -> {"is_sleeping": bool}
+    POST /collective_rpc           {"method": M, "args": [str], "kwargs": {str: str},
+                                   "timeout": s} -> {"results": [...]} (one per worker)
+
+Sleep keeps virtual addresses (vLLM's ``CuMemAllocator`` unmaps physical memory but keeps the
+reservations), so CUDA graphs captured at warm-up stay valid after ``wake_up``. Worker methods
+used through ``collective_rpc``: ``checkpoint_prepare`` / ``checkpoint_restore`` (vLLM 0.32
+``gpu_worker.py``: prepare FlashInfer all-reduce / all2all workspaces for a process checkpoint
+and rebuild them after; a no-op for other transports) and ``reload_weights`` (in-place reload
+from ``weights_path``, ``gpu_model_runner.reload_weights``).
+
+Weights outside the process image - what is built here and what is not:
+
+- built: the client calls a snapshot needs around the CUDA checkpoint: :meth:`SleepClient.sleep`
+  (level 2 drops weights and KV cache so neither is in the GPU checkpoint nor the CRIU image),
+  :meth:`SleepClient.wake_up` with ``tags=["weights"]`` then :meth:`SleepClient.reload_weights`
+  from a directory of checkpoint-format safetensors (the engine re-shards them itself), then
+  ``wake_up(["kv_cache"])``; timings and GB/s in :class:`WeightReload`.
+- not built: storing each rank's weights *as the engine laid them out* (post-sharding,
+  post-quantisation tensors per rank, deduplicated across snapshots) and streaming them back
+  into place. That needs a worker extension (``--worker-extension-cls``) exposing
+  save/load-by-name of ``model.named_parameters()`` per rank over ``collective_rpc``, plus a
+  store layout; it is designed in ``docs/gpu.md`` ("Weights outside the image") and not run
+  anywhere yet. Until then ``checkpoint.weights_outside_image`` reloads from the model directory.
+
+Errors are :class:`~warmctl.errors.EngineError` with the endpoint, HTTP status and body.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+
+from warmctl.errors import EngineError
+
+SleepLevel = Literal[0, 1, 2]
+PauseMode = Literal["abort", "wait", "keep"]
+WakeTag = Literal["weights", "kv_cache", "scheduling"]
+
+DEV_MODE_HINT = (
+    "the engine has no development endpoints: start it with VLLM_SERVER_DEV_MODE=1 "
+    "(and --enable-sleep-mode for sleep levels 1 and 2)"
+)
+
+
+@dataclass(frozen=True)
+class WeightReload:
+    """One in-place weight reload. ``seconds`` of wall time; ``nbytes`` read (0 if unknown)."""
+
+    seconds: float
+    nbytes: int
+
+    @property
+    def gb_per_s(self) -> float | None:
+        """Decimal GB/s (1e9 bytes), None when the size or time is unknown."""
+        return self.nbytes / 1e9 / self.seconds if self.nbytes and self.seconds > 0 else None
+
+
+class SleepClient:
+    """Drives one engine's sleep / wake / checkpoint hooks. ``base_url`` like
+    ``http://127.0.0.1:18000``; ``timeout_s`` bounds each request (sleep at level 1 copies all
+    weights to host RAM: size it accordingly)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SleepClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise EngineError(f"vLLM {method} {path}: {type(e).__name__}: {e}") from None
+        if r.status_code == 404:
+            raise EngineError(f"vLLM {method} {path}: 404: {DEV_MODE_HINT}")
+        if r.status_code >= 400:
+            raise EngineError(f"vLLM {method} {path}: HTTP {r.status_code}: {r.text[:500]}")
+        return r
+
+    def is_sleeping(self) -> bool:
+        """GET /is_sleeping."""
+        return bool(self._call("GET", "/is_sleeping").json()["is_sleeping"])
+
+    def sleep(self, level: SleepLevel = 1, mode: PauseMode = "wait") -> float:
+        """POST /sleep; returns seconds taken. ``mode="wait"`` lets running requests finish."""
+        if level not in (0, 1, 2):
+            raise ValueError("sleep level must be 0, 1 or 2")
+        t0 = time.monotonic()
+        self._call("POST", "/sleep", params={"level": level, "mode": mode})
+        return time.monotonic() - t0
+
+    def wake_up(self, tags: list[WakeTag] | None = None) -> bool:
+        """POST /wake_up (all memory when ``tags`` is None); True when fully awake."""
+        params = [("tags", t) for t in tags] if tags else None
+        return self._call("POST", "/wake_up", params=params).json().get("status") == "awake"
+
+    def collective_rpc(self, method: str, args: list[str] | None = None,
+                       kwargs: dict[str, str] | None = None, timeout_s: float | None = None) -> list:
+        """POST /collective_rpc: call ``method`` on every worker; the per-worker results.
+        Arguments are strings (vLLM refuses other types for safety)."""
+        body: dict = {"method": method, "args": args or [], "kwargs": kwargs or {}}
+        if timeout_s is not None:
+            body["timeout"] = timeout_s
+        r = self._call("POST", "/collective_rpc", json=body)
+        return r.json().get("results", []) if r.content else []
+
+    def checkpoint_prepare(self) -> None:
+        """Before the CUDA lock: let the workers quiesce checkpoint-unfriendly communicator
+        workspaces (FlashInfer all-reduce / all2all, vLLM 0.32)."""
+        self.collective_rpc("checkpoint_prepare")
+
+    def checkpoint_restore(self) -> None:
+        """After the CUDA unlock: rebuild what :meth:`checkpoint_prepare` released."""
+        self.collective_rpc("checkpoint_restore")
+
+    def reload_weights(self, weights_path: str, nbytes: int = 0) -> WeightReload:
+        """Reload every worker's weights in place from ``weights_path`` (checkpoint-format
+        files); the engine must be awake with tags ``["weights"]``. ``nbytes`` (the files' size)
+        only feeds the GB/s figure."""
+        t0 = time.monotonic()
+        self.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        return WeightReload(time.monotonic() - t0, nbytes)

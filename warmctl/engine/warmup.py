@@ -1,0 +1,59 @@
+"""The warm-up grid: one round of requests per (prompt tokens, output tokens, concurrency) cell.
+
+Prompts are lists of token ids (``/v1/completions`` accepts them), drawn from a fixed seed in
+``[100, 1000)`` so they are valid for any vocabulary of at least 1000 tokens and every run of a
+profile sends the same shapes. Every request uses ``ignore_eos`` so the engine really decodes
+the requested number of tokens (each decode batch size is compiled, not skipped).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import httpx
+
+from warmctl.errors import EngineError
+from warmctl.profile import WarmupSpec
+
+SEED = 1234
+
+
+def prompt_ids(n_tokens: int, salt: int) -> list[int]:
+    """``n_tokens`` token ids from a seeded generator (``salt`` makes concurrent prompts differ)."""
+    rng = random.Random(SEED * 1_000_003 + n_tokens * 131 + salt)
+    return [rng.randrange(100, 1000) for _ in range(n_tokens)]
+
+
+def run_grid(base_url: str, model: str, spec: WarmupSpec,
+             progress: Callable[[int, int, tuple[int, int, int]], None] | None = None,
+             timeout_s: float = 600.0) -> dict:
+    """Run every cell of ``spec``. Returns ``{"cells": n, "requests": n, "seconds": s}``.
+
+    ``progress(done, total, cell)`` is called after each cell. Raises :class:`EngineError`
+    naming the cell if any request fails (a warm-up that fails would snapshot a cold shape).
+    """
+    cells = spec.cells()
+    t0 = time.monotonic()
+    n_req = 0
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        def one(args: tuple[int, int, int]) -> None:
+            p, o, salt = args
+            r = client.post("/v1/completions", json={
+                "model": model, "prompt": prompt_ids(p, salt), "max_tokens": o,
+                "temperature": 0.0, "ignore_eos": True})
+            r.raise_for_status()
+
+        for i, (p, o, c) in enumerate(cells):
+            try:
+                with ThreadPoolExecutor(max_workers=c) as pool:
+                    list(pool.map(one, [(p, o, s) for s in range(c)]))
+            except httpx.HTTPError as e:
+                raise EngineError(f"warm-up cell (prompt {p} tokens, output {o} tokens, "
+                                  f"concurrency {c}) failed: {e}") from None
+            n_req += c
+            if progress:
+                progress(i + 1, len(cells), (p, o, c))
+    return {"cells": len(cells), "requests": n_req, "seconds": time.monotonic() - t0}

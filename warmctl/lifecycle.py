@@ -1,0 +1,292 @@
+"""``up``, ``down`` and ``status``: bring a snapshot (or a cold engine) to the public port.
+
+``up(name)`` runs, each phase timed (the breakdown of seed 000 section 10):
+
+1. pre-flight: the engine is not already up (then ``up`` changes nothing); the public and
+   internal ports are free; CRIU usable — all before anything is written or restored;
+2. find the snapshot ``NAME:TAG`` in the store; with none, say why and cold-start instead;
+3. ``materialize``: every chunk fetched and verified against its digest (a corrupt chunk stops
+   ``up`` here, naming the chunk), the image directory written, ``/dev/shm`` files and bundled
+   files put back, required files checked;
+4. ``restore``: CRIU restores the tree (new host PIDs, its own PID namespace);
+5. ``health``, then ``canary``: the canary replayed and compared bit for bit with the record;
+   on any mismatch the tree is killed, its ``/dev/shm`` files removed, and
+   :class:`CanaryMismatch` raised — the public port never opens;
+6. ``gate``: the public port opens (:mod:`warmctl.gate`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from warmctl import snapshot as snap
+from warmctl.checkpoint import capture, criu
+from warmctl.config import Settings
+from warmctl.engine import canary, vllm
+from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
+from warmctl.gate import require_port_free
+from warmctl.gate import start as start_gate
+from warmctl.manifest import Manifest
+from warmctl.profile import Profile
+from warmctl.progress import Reporter
+from warmctl.state import EngineState
+from warmctl.state import load as load_state
+from warmctl.state import remove as remove_state
+from warmctl.state import save as save_state
+from warmctl.store import open_store
+
+
+@dataclass
+class UpResult:
+    """Outcome of :func:`up`. ``path`` is ``"restore"``, ``"cold"`` or ``"already-up"``;
+    ``timings`` are seconds by phase; ``reason`` says why the cold path was taken."""
+
+    state: EngineState
+    path: str
+    timings: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+    snapshot_digest: str | None = None
+
+
+def _public(profile: Profile, settings: Settings, port: int | None, host: str | None) -> tuple[str, int]:
+    return (host or settings.gate_host or profile.gate.host,
+            port or settings.gate_port or profile.gate.port)
+
+
+def _cleanup(st: EngineState) -> None:
+    """Kill the gate and the engine tree of ``st`` and remove its ``/dev/shm`` files."""
+    if st.gate_pid:
+        vllm.kill_tree(st.gate_pid, timeout_s=5)
+    if st.root_pid:
+        for p in capture.referenced_files(st.root_pid).shm:
+            if str(p) not in st.shm_files:
+                st.shm_files.append(str(p))
+        vllm.kill_tree(st.root_pid)
+    for f in st.shm_files:
+        Path(f).unlink(missing_ok=True)
+    if st.started_at:
+        for p in capture.orphaned_shm(st.started_at - 1):
+            p.unlink(missing_ok=True)
+
+
+def _materialize(store, m: Manifest, images: Path, reporter: Reporter) -> list[str]:
+    """Write the manifest's files back (see module doc). Returns the ``/dev/shm`` paths written.
+
+    Raises :class:`IntegrityError` (from the store) on a bad chunk, :class:`HostError` when a
+    required file is missing/changed or a ``/dev/shm`` file of the snapshot already exists
+    (another restore of it is running on this host).
+    """
+    problems = capture.missing_or_changed(m.restore.get("required_files", {}))
+    if problems:
+        raise HostError("this host lacks files the snapshot's processes map (install the same engine "
+                        "environment at the same path):\n  " + "\n  ".join(problems[:10]))
+    shm_targets = [capture.SHM / f.path for f in m.files if f.role == "shm"]
+    clash = [str(p) for p in shm_targets if p.exists()]
+    if clash:
+        raise HostError(f"shared-memory files of this snapshot already exist ({', '.join(clash[:3])}): "
+                        "another restore of it is running on this host; `warmctl down` it first")
+    if images.exists():
+        shutil.rmtree(images)
+    images.mkdir(parents=True)
+    total = m.total_size()
+    advance = reporter.bytes_progress("materialize", total)
+    written_shm: list[str] = []
+    try:
+        for f in sorted(m.files, key=lambda f: f.hardlink_to is not None):
+            if f.role == "image":
+                dest = images / f.path
+            elif f.role == "shm":
+                dest = capture.SHM / f.path
+                written_shm.append(str(dest))
+            elif f.role == "file":
+                dest = Path("/") / f.path
+                if dest.is_file() and dest.stat().st_size == f.size:
+                    advance(f.size)
+                    continue
+            else:
+                continue  # "weights": loaded after wake-up on GPU hosts (docs/gpu.md)
+            if f.hardlink_to is not None:
+                os.link(dest.parent / f.hardlink_to, dest)
+                continue
+            store.read_file(f.chunks, dest, progress=advance)
+            os.chmod(dest, f.mode)
+    except BaseException:
+        for p in written_shm:
+            Path(p).unlink(missing_ok=True)
+        raise
+    return written_shm
+
+
+def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest",
+       profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
+       snapshot_after: bool = False) -> UpResult:
+    """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
+    is left alone and reported (``path="already-up"``).
+
+    ``profile`` is needed for the cold path (no snapshot) and to check that a snapshot was made
+    from the same profile; without it, the snapshot's embedded profile is used.
+    Raises :class:`HostError` (pre-flight), :class:`SnapshotNotFound` (no snapshot and no
+    profile), :class:`IntegrityError`, :class:`CheckpointError`, :class:`CanaryMismatch`.
+    """
+    existing = load_state(settings.run_dir, name)
+    if existing and existing.engine_alive() and existing.gate_alive():
+        return UpResult(existing, "already-up")
+    if existing:  # left over from a crash or a dead engine: clean before starting again
+        _cleanup(existing)
+        remove_state(settings.run_dir, name)
+
+    store = open_store(settings.store_dir)
+    digest = store.get_tag(name, tag)
+    reason = ""
+    manifest = None
+    if digest is None:
+        reason = f"no snapshot {name}:{tag} in the store {settings.store_dir}"
+    else:
+        manifest = store.get_manifest(digest)
+        if profile is not None and manifest.profile_digest != profile.digest():
+            reason = (f"snapshot {name}:{tag} ({digest[:19]}) was made from a different profile "
+                      f"({manifest.profile_digest[:19]} != {profile.digest()[:19]})")
+            manifest = None
+    if manifest is None:
+        if profile is None:
+            raise SnapshotNotFound(f"{reason}, and no profile named {name} to cold-start from")
+        return _cold_up(profile, settings, reporter, public_port, public_host, reason, snapshot_after, tag)
+
+    prof = Profile.model_validate(manifest.profile)
+    host_, port = _public(prof, settings, public_port, public_host)
+    require_port_free(host_, port, "public port")
+    require_port_free("127.0.0.1", prof.engine.port, "engine port")
+    criu.check()
+
+    run = snap.engine_dir(settings, name)
+    log_path = Path(manifest.restore.get("log_path", run / "engine.log"))
+    st = EngineState(name=name, phase="restoring", source="restore", manifest_digest=digest, started_at=time.time(),
+                     profile_digest=manifest.profile_digest, internal_port=prof.engine.port,
+                     public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
+                     log_path=str(log_path))
+    images = run / "images"
+    try:
+        with reporter.phase("materialize", f"verifying and writing {manifest.total_size() / 2**20:,.0f} MiB"):
+            st.shm_files = _materialize(store, manifest, images, reporter)
+            for p in (log_path.parent, Path(manifest.restore.get("cwd", run))):
+                p.mkdir(parents=True, exist_ok=True)
+            log_path.touch()
+        save_state(settings.run_dir, st)
+        with reporter.phase("restore", "CRIU restore of the process tree"):
+            st.root_pid, _ = criu.restore(images, run / "engine.pid", log_file=run / "restore.log")
+        st.phase = "health"
+        save_state(settings.run_dir, st)
+        eng = vllm.EngineProcess(None, st.root_pid, prof.engine.port, log_path)
+        with reporter.phase("health", "waiting for /health"):
+            vllm.wait_healthy(eng, 120)
+        st.phase = "canary"
+        with reporter.phase("canary", "replaying the canary, bit for bit"):
+            canary.verify(manifest.canary, eng.base_url, prof.canary, prof.engine.served_model_name)
+        with reporter.phase("gate", f"opening {host_}:{port}"):
+            st.gate_pid = start_gate(host_, port, prof.engine.port, st.root_pid, run / "gate.log")
+    except BaseException:
+        st.phase = "failed"
+        _cleanup(st)
+        remove_state(settings.run_dir, name)
+        raise
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+    st.phase = "serving"
+    st.timings = {p.name: p.seconds for p in reporter.phases}
+    st.timings["total"] = sum(st.timings.values())
+    save_state(settings.run_dir, st)
+    return UpResult(st, "restore", st.timings, snapshot_digest=digest)
+
+
+def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_port: int | None,
+             public_host: str | None, reason: str, snapshot_after: bool, tag: str) -> UpResult:
+    host_, port = _public(profile, settings, public_port, public_host)
+    require_port_free(host_, port, "public port")
+    snap.preflight(profile, settings)
+    reporter.info(f"[yellow]cold start:[/] {reason}")
+    if snapshot_after:
+        criu.check()
+    started = time.time()
+    eng, startup = snap.cold_start(profile, settings, reporter)
+    st = EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(), started_at=started,
+                     root_pid=eng.root_pid, internal_port=profile.engine.port, public_host=host_,
+                     public_port=port, served_model_name=profile.engine.served_model_name,
+                     log_path=str(eng.log_path))
+    save_state(settings.run_dir, st)
+    digest = None
+    try:
+        record = snap.warm_and_record(eng, profile, reporter)
+        if snapshot_after:
+            res = snap.checkpoint(eng, profile, settings, record, startup, reporter, tag=tag, leave_running=True)
+            digest = res.digest
+            reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
+        st.shm_files = [str(p) for p in capture.referenced_files(eng.root_pid).shm]
+        with reporter.phase("gate", f"opening {host_}:{port}"):
+            st.gate_pid = start_gate(host_, port, profile.engine.port, eng.root_pid,
+                                     snap.engine_dir(settings, profile.name) / "gate.log")
+    except BaseException:
+        _cleanup(st)
+        remove_state(settings.run_dir, profile.name)
+        raise
+    st.phase = "serving"
+    st.timings = {**startup, **{p.name: p.seconds for p in reporter.phases}}
+    save_state(settings.run_dir, st)
+    return UpResult(st, "cold", st.timings, reason=reason, snapshot_digest=digest)
+
+
+def down(name: str, settings: Settings) -> EngineState | None:
+    """Stop ``name``: close the gate, kill the engine tree, remove its ``/dev/shm`` files and
+    state. Returns the state it stopped, or None if nothing of that name was recorded."""
+    st = load_state(settings.run_dir, name)
+    if st is None:
+        return None
+    _cleanup(st)
+    remove_state(settings.run_dir, name)
+    return st
+
+
+@dataclass
+class EngineStatus:
+    """``state`` plus live facts: processes alive, ``/health`` answering."""
+
+    state: EngineState
+    engine_alive: bool
+    gate_alive: bool
+    healthy: bool
+
+
+def status(settings: Settings, name: str | None = None) -> list[EngineStatus]:
+    """Status of every recorded engine (or just ``name``)."""
+    from warmctl.state import all_states
+
+    out = []
+    for st in all_states(settings.run_dir):
+        if name and st.name != name:
+            continue
+        healthy = False
+        if st.engine_alive():
+            try:
+                healthy = httpx.get(f"http://127.0.0.1:{st.internal_port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+        out.append(EngineStatus(st, st.engine_alive(), st.gate_alive(), healthy))
+    return out
+
+
+def snapshots(settings: Settings) -> list[tuple[str, str, str, Manifest]]:
+    """Every tagged snapshot in the local store: (name, tag, digest, manifest)."""
+    store = open_store(settings.store_dir)
+    out = []
+    for name, tag, digest in store.list_tags():
+        try:
+            out.append((name, tag, digest, store.get_manifest(digest)))
+        except WarmctlError:
+            continue
+    return out
+

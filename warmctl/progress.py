@@ -1,0 +1,96 @@
+"""Progress and phase timing for long operations (snapshot, up, push, pull).
+
+Pipelines take a :class:`Reporter`; the CLI passes one that draws on the terminal, the agent
+one that feeds a job's log and progress. The base class only records phase timings.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from warmctl.manifest import Phase
+
+
+class Reporter:
+    """Records phases (name, seconds) in order; subclasses show them.
+
+    ``phase(name)`` is a context manager that times its block; ``info(msg)`` reports a line;
+    ``bytes_progress(desc, total)`` returns a callable that takes the number of bytes just done.
+    """
+
+    def __init__(self) -> None:
+        self.phases: list[Phase] = []
+
+    @contextmanager
+    def phase(self, name: str, desc: str = "") -> Iterator[None]:
+        t0 = time.monotonic()
+        self.started(name, desc)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            secs = time.monotonic() - t0
+            self.phases.append(Phase(name=name, seconds=secs))
+            self.finished(name, secs, ok)
+
+    def seconds(self, name: str) -> float:
+        """Seconds recorded for phase ``name`` (summed if it ran more than once)."""
+        return sum(p.seconds for p in self.phases if p.name == name)
+
+    # hooks for subclasses
+    def started(self, name: str, desc: str) -> None:  # pragma: no cover - display only
+        pass
+
+    def finished(self, name: str, seconds: float, ok: bool) -> None:  # pragma: no cover
+        pass
+
+    def info(self, msg: str) -> None:  # pragma: no cover - display only
+        pass
+
+    def bytes_progress(self, desc: str, total: int) -> Callable[[int], None]:
+        return lambda n: None
+
+
+class ConsoleReporter(Reporter):
+    """Draws phases, messages and byte progress bars with rich on stderr."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        super().__init__()
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.quiet = quiet
+        self._status = None
+
+    def started(self, name: str, desc: str) -> None:
+        if not self.quiet:
+            self._status = self.console.status(f"[bold]{name}[/] {desc}")
+            self._status.start()
+
+    def finished(self, name: str, seconds: float, ok: bool) -> None:
+        if self._status:
+            self._status.stop()
+            self._status = None
+        if not self.quiet:
+            mark = "[green]ok[/]" if ok else "[red]failed[/]"
+            self.console.print(f"  {mark} {name:<18} {seconds:8.2f} s")
+
+    def info(self, msg: str) -> None:
+        if not self.quiet:
+            self.console.print(msg, highlight=False)
+
+    def bytes_progress(self, desc: str, total: int) -> Callable[[int], None]:
+        if self.quiet or self._status is None:
+            return lambda n: None
+        done = [0]
+        status = self._status
+
+        def advance(n: int) -> None:
+            done[0] += n
+            pct = 100.0 * done[0] / total if total else 100.0
+            status.update(f"[bold]{desc}[/] {done[0] / 2**20:,.0f} / {total / 2**20:,.0f} MiB ({pct:.0f}%)")
+
+        return advance

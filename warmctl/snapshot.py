@@ -1,0 +1,206 @@
+"""The snapshot pipeline: cold start, warm up, record the canary, CRIU-dump, store.
+
+``snapshot(profile)`` runs, each phase timed:
+
+1. pre-flight: CRIU usable, the engine's internal port free, no engine of that name running;
+2. cold start in its own PID namespace with io_uring blocked (:mod:`warmctl.engine.vllm`),
+   wait for ``/health``, parse the start-up log into phases (weights, torch.compile, ...);
+3. the warm-up grid (:mod:`warmctl.engine.warmup`), then the canary (:mod:`warmctl.engine.canary`);
+4. CRIU dump of the whole tree (:mod:`warmctl.checkpoint.criu`); capture of ``/dev/shm`` files
+   and of files the tree maps outside the interpreter and OS (:mod:`warmctl.checkpoint.capture`);
+5. every file chunked into the content-addressed store; the manifest is written last, then
+   tagged ``NAME:TAG``. A failure at any point leaves no manifest and no tag (chunks already
+   written are unreferenced and ``warmctl gc`` removes them), no process and no ``/dev/shm``
+   file of the tree.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from warmctl import host, tinymodel
+from warmctl.checkpoint import capture, criu
+from warmctl.config import Settings
+from warmctl.engine import canary, vllm, warmup
+from warmctl.errors import EngineError, HostError
+from warmctl.gate import require_port_free
+from warmctl.manifest import CanaryRecord, FileEntry, Manifest, Phase
+from warmctl.profile import Profile
+from warmctl.progress import Reporter
+from warmctl.state import load as load_state
+from warmctl.store import open_store
+
+
+@dataclass
+class SnapshotResult:
+    """What ``snapshot`` produced: manifest digest, the manifest, and its total size in bytes."""
+
+    digest: str
+    manifest: Manifest
+    size: int
+
+
+def resolve_model(profile: Profile, settings: Settings) -> str:
+    """The model path for ``profile``; builds the ``builtin:tiny`` model on first use.
+
+    Raises :class:`EngineError` if a model path does not exist.
+    """
+    m = profile.engine.model
+    if m == "builtin:tiny":
+        return str(tinymodel.build(tinymodel.model_dir(settings.models_dir)))
+    if m.startswith("/") or m.startswith("."):
+        if not Path(m).exists():
+            raise EngineError(f"profile {profile.name}: engine.model {m} does not exist")
+    return m
+
+
+def engine_dir(settings: Settings, name: str) -> Path:
+    """``<home>/run/NAME``: the engine's working directory, log and state."""
+    d = settings.run_dir / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def preflight(profile: Profile, settings: Settings) -> None:
+    """Refuse early: an engine of this name already recorded as running, or the port taken."""
+    st = load_state(settings.run_dir, profile.name)
+    if st and st.engine_alive():
+        raise HostError(f"engine {profile.name} is running (pid {st.root_pid}); `warmctl down {profile.name}` first")
+    require_port_free("127.0.0.1", profile.engine.port, f"engine port for {profile.name}:")
+
+
+def cold_start(profile: Profile, settings: Settings, reporter: Reporter) -> tuple[vllm.EngineProcess, dict[str, float]]:
+    """Start the engine cold and wait until healthy. Returns (engine, start-up phases in seconds).
+
+    On failure the tree is killed and :class:`EngineError` raised (with the log's tail).
+    """
+    model = resolve_model(profile, settings)
+    d = engine_dir(settings, profile.name)
+    log_path = d / "engine.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    eng = vllm.start(profile, model, log_path, cwd=d)
+    try:
+        with reporter.phase("cold_start", f"starting {profile.engine.kind} for {profile.name} (log: {log_path})"):
+            total = vllm.wait_healthy(eng, profile.engine.startup_timeout_s)
+    except BaseException:
+        vllm.kill_tree(eng.root_pid)
+        raise
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return eng, vllm.parse_startup_phases(text, total_s=total)
+
+
+def warm_and_record(eng: vllm.EngineProcess, profile: Profile, reporter: Reporter) -> CanaryRecord:
+    """Run the warm-up grid, then record the canary."""
+    with reporter.phase("warmup", f"warm-up grid: {len(profile.warmup.cells())} cells"):
+        warmup.run_grid(eng.base_url, profile.engine.served_model_name, profile.warmup)
+    with reporter.phase("canary_record", f"recording canary ({len(profile.canary.prompts)} prompts)"):
+        return canary.run(eng.base_url, profile.canary, profile.engine.served_model_name)
+
+
+def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, record: CanaryRecord,
+               startup: dict[str, float], reporter: Reporter, tag: str = "latest",
+               leave_running: bool = False) -> SnapshotResult:
+    """Dump the engine tree with CRIU and write everything into the store (see module doc).
+
+    With ``leave_running`` the engine keeps serving after the dump; otherwise CRIU kills it.
+    Raises :class:`warmctl.errors.CheckpointError` or the store's errors; in every case the
+    temporary image directory is removed, and without ``leave_running`` the tree and its
+    ``/dev/shm`` files are gone.
+    """
+    store = open_store(settings.store_dir)
+    d = engine_dir(settings, profile.name)
+    work = Path(tempfile.mkdtemp(prefix=f"snap-{profile.name}-", dir=settings.home))
+    images = work / "images"
+    shm_files: list[Path] = []
+    try:
+        time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
+        files = capture.referenced_files(eng.root_pid, exclude=[d])
+        shm_files = list(files.shm)
+        shm_before = capture.shm_names()
+        with reporter.phase("criu_dump", f"CRIU dump of pid {eng.root_pid} and its children"):
+            criu.dump(eng.root_pid, images, leave_running=leave_running)
+        shm_files += capture.link_remaps_since(shm_before)
+        links = capture.group_hardlinks(shm_files)
+        entries: list[FileEntry] = []
+        items: list[tuple[Path, str, str]] = []  # (source, role, path in manifest)
+        for p in sorted(images.iterdir()):
+            if p.is_file():
+                items.append((p, "image", p.name))
+        for p in shm_files:
+            items.append((p, "shm", p.name))
+        for p in files.bundled:
+            items.append((p, "file", str(p).lstrip("/")))
+        total = sum(p.stat().st_size for p, _, _ in items)
+        with reporter.phase("store", f"chunking {total / 2**20:,.0f} MiB into {store}"):
+            advance = reporter.bytes_progress("store", total)
+            for src, role, rel in items:
+                st = src.stat()
+                if role == "shm" and links.get(src) is not None:
+                    entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777,
+                                             hardlink_to=links[src].name))
+                    continue
+                chunks = store.add_file(src, progress=advance)
+                entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777, chunks=chunks))
+        phases = [Phase(name=k, seconds=v) for k, v in startup.items()] + list(reporter.phases)
+        manifest = Manifest(
+            name=profile.name,
+            profile_digest=profile.digest(),
+            profile=profile.model_dump(mode="json"),
+            host=host.fingerprint().model_dump(mode="json"),
+            canary=record,
+            phases=phases,
+            restore={
+                "log_path": str(eng.log_path),
+                "cwd": str(d),
+                "internal_port": profile.engine.port,
+                "required_files": files.required,
+                "images_bytes": sum(p.stat().st_size for p in images.iterdir() if p.is_file()),
+            },
+            files=entries,
+        )
+        digest = store.put_manifest(manifest)
+        store.set_tag(profile.name, tag, digest)
+        return SnapshotResult(digest, manifest, manifest.total_size())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not leave_running:
+            vllm.kill_tree(eng.root_pid)
+            for p in shm_files:
+                Path(p).unlink(missing_ok=True)
+        else:
+            for p in shm_files:
+                if p.name.startswith("link_remap."):
+                    p.unlink(missing_ok=True)
+
+
+def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest") -> SnapshotResult:
+    """Cold-start ``profile``, warm it up, record its canary and snapshot it into the store.
+
+    Returns the :class:`SnapshotResult`. Raises :class:`HostError` (pre-flight),
+    :class:`EngineError` (start-up, warm-up, canary), :class:`warmctl.errors.CheckpointError`
+    (CRIU) or store errors; nothing of the engine survives a failure.
+    """
+    criu.check()
+    preflight(profile, settings)
+    since = time.time() - 1
+    try:
+        return _snapshot(profile, settings, reporter, tag)
+    finally:
+        for p in capture.orphaned_shm(since):
+            p.unlink(missing_ok=True)
+
+
+def _snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str) -> SnapshotResult:
+    eng, startup = cold_start(profile, settings, reporter)
+    try:
+        record = warm_and_record(eng, profile, reporter)
+    except BaseException:
+        vllm.kill_tree(eng.root_pid)
+        raise
+    return checkpoint(eng, profile, settings, record, startup, reporter, tag=tag)

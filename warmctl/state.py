@@ -1,0 +1,83 @@
+"""Runtime state of engines on this host: ``<home>/run/NAME/state.json``.
+
+Written before anything that leaves processes or files behind (restore, cold start, gate) so
+that ``warmctl down`` (or the agent after a crash) can always find and remove them. Writes are
+atomic (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+from warmctl.engine.vllm import pid_alive
+
+EnginePhase = Literal["starting", "restoring", "health", "canary", "serving", "failed"]
+
+
+class EngineState(BaseModel):
+    """One engine on this host. PIDs are host PIDs; ports are TCP ports; times are Unix seconds."""
+
+    name: str
+    phase: EnginePhase
+    source: Literal["restore", "cold"]
+    manifest_digest: str | None = None
+    profile_digest: str | None = None
+    root_pid: int | None = None
+    gate_pid: int | None = None
+    internal_port: int
+    public_host: str
+    public_port: int
+    served_model_name: str
+    shm_files: list[str] = []
+    log_path: str
+    started_at: float = 0.0
+    timings: dict[str, float] = {}
+
+    def engine_alive(self) -> bool:
+        return bool(self.root_pid) and pid_alive(self.root_pid)
+
+    def gate_alive(self) -> bool:
+        return bool(self.gate_pid) and pid_alive(self.gate_pid)
+
+
+def state_path(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / name / "state.json"
+
+
+def load(run_dir: Path, name: str) -> EngineState | None:
+    """The recorded state of ``name``, or None if there is none."""
+    p = state_path(run_dir, name)
+    try:
+        return EngineState.model_validate_json(p.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def save(run_dir: Path, st: EngineState) -> None:
+    p = state_path(run_dir, st.name)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if not st.started_at:
+        st.started_at = time.time()
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(st.model_dump_json(indent=2))
+    os.replace(tmp, p)
+
+
+def remove(run_dir: Path, name: str) -> None:
+    state_path(run_dir, name).unlink(missing_ok=True)
+
+
+def all_states(run_dir: Path) -> list[EngineState]:
+    """Every recorded engine, sorted by name."""
+    out = []
+    for p in sorted(Path(run_dir).glob("*/state.json")):
+        try:
+            out.append(EngineState.model_validate_json(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
