@@ -94,10 +94,11 @@ def open_backend(url: str | Path, retry: bool = True) -> Backend:
     raise ValueError(f"unsupported store URL {s!r}: use a directory, file:///path or s3://bucket/prefix")
 
 
-def open_store(url: str | Path, workers: int | None = None) -> Store:
+def open_store(url: str | Path, workers: int | None = None, chunk_size: int = CHUNK_SIZE) -> Store:
     """A :class:`Store` on ``url`` (see :func:`open_backend`). ``workers``: parallel threads
-    (default 4 local, 16 S3). Nothing is created until the first write."""
-    return Store(open_backend(url), workers=workers)
+    (default 4 local, 16 S3); ``chunk_size``: bytes per new chunk. Nothing is created until
+    the first write. Raises ValueError for an unsupported URL."""
+    return Store(open_backend(url), workers=workers, chunk_size=chunk_size)
 
 
 def parse_ref(ref: str, default_tag: str = "latest") -> tuple[str, str]:

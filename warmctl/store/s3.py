@@ -72,7 +72,7 @@ class S3Backend(Backend):
         self.part_size = part_size
         cfg = botocore.config.Config(
             max_pool_connections=max_connections,
-            retries={"max_attempts": 1, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             s3={"addressing_style": "path"} if self.endpoint_url else {},

@@ -216,13 +216,25 @@ class Store:
     """A content-addressed snapshot store on ``backend``.
 
     ``workers``: threads for hashing/compressing/transferring (default: 4 local, 16 S3).
+    ``chunk_size``: bytes per chunk for :meth:`add_file` (readers need not know it; changing
+    it loses dedup against chunks cut at another size).
     ``lock_stale_after``/``lock_wait``: seconds (see :mod:`warmctl.store.lock`). The first
     write takes a shared lock held until :meth:`close` (or process exit), so a concurrent gc
     cannot remove chunks this writer relies on. Usable as a context manager.
     """
 
-    def __init__(self, backend: Backend, workers: int | None = None, lock_stale_after: float = 120.0, lock_wait: float = 300.0):
+    def __init__(
+        self,
+        backend: Backend,
+        workers: int | None = None,
+        lock_stale_after: float = 120.0,
+        lock_wait: float = 300.0,
+        chunk_size: int = ck.CHUNK_SIZE,
+    ):
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be > 0")
         self.backend = backend
+        self.chunk_size = chunk_size
         inner = getattr(backend, "inner", backend)
         self.is_local = isinstance(inner, LocalBackend)
         self.workers = workers or (4 if self.is_local else 16)
@@ -271,7 +283,7 @@ class Store:
                 f"store {self.location} has format {cfg.get('format')!r}; this warmctl reads format {ck.STORE_FORMAT}"
             )
         if cfg is None and writing:
-            body = {"format": ck.STORE_FORMAT, "chunk_size": ck.CHUNK_SIZE, "digest": ck.DIGEST_ALGORITHM, "compression": f"zstd:{ck.ZSTD_LEVEL}"}
+            body = {"format": ck.STORE_FORMAT, "chunk_size": self.chunk_size, "digest": ck.DIGEST_ALGORITHM, "compression": f"zstd:{ck.ZSTD_LEVEL}"}
             self.backend.save("config", json.dumps(body, sort_keys=True).encode() + b"\n")
         if cfg is not None or writing:
             self._config_checked = True
@@ -342,7 +354,7 @@ class Store:
         return self.load_chunk_blob(ref, context)[1]
 
     def add_file(self, path: Path | str, progress: Progress | None = None) -> list[ChunkRef]:
-        """Split ``path`` into chunks (fixed :data:`~warmctl.store.chunks.CHUNK_SIZE` bytes),
+        """Split ``path`` into chunks (fixed ``chunk_size`` bytes, default 4 MiB),
         store the ones missing, return their refs in file order.
 
         All-zero chunks are never stored. ``progress(n)`` is called (in this thread) with the
@@ -360,7 +372,7 @@ class Store:
                 pass
 
             def work(off: int) -> ChunkRef:
-                want = min(ck.CHUNK_SIZE, size - off)
+                want = min(self.chunk_size, size - off)
                 data = os.pread(fd, want, off)
                 while len(data) < want:  # short reads (rare): keep going
                     more = os.pread(fd, want - len(data), off + len(data))
@@ -370,7 +382,7 @@ class Store:
                 return self._put_chunk(data)[0]
 
             refs = []
-            for ref in ordered_map(work, range(0, size, ck.CHUNK_SIZE), self.workers):
+            for ref in ordered_map(work, range(0, size, self.chunk_size), self.workers):
                 refs.append(ref)
                 if progress:
                     progress(ref.size)
