@@ -42,7 +42,7 @@ def _size(n: int) -> str:
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to ``app``."""
-    out = Console(highlight=False, soft_wrap=True)
+    out = Console(highlight=False, soft_wrap=True, markup=False)
 
     @app.command()
     def host(
