@@ -1,0 +1,5 @@
+"""``python -m warmctl`` runs the CLI."""
+
+from warmctl.cli import main
+
+main()
