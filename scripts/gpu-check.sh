@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU check: snapshot and restore a small CUDA PyTorch server (a captured CUDA graph answering
+# greedy requests) with warmctl's CRIU + CUDA checkpoint pieces, and check bit-identical output.
+#
+# For a machine with one NVIDIA GPU (driver 570+; 580+ for GPU remapping) and no network.
+# Needs: root; a Python with CUDA PyTorch (PYTHON, default python3); CRIU 4.2+, either on PATH
+# or as the bundle made by scripts/criu-bundle.sh (CRIU_BUNDLE, default ./shared/criu-bundle or
+# ./criu-bundle). Prints timings per phase and one JSON result line; finishes in < 5 min.
+#   usage: scripts/gpu-check.sh [WORKDIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+WORK=${1:-$(mktemp -d /tmp/warmctl-gpu-check.XXXXXX)}
+LIMIT=${GPU_CHECK_TIMEOUT_S:-290}
+
+say() { printf '[gpu-check] %s\n' "$*"; }
+fail() { say "FAIL: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || fail "CRIU needs root"
+command -v nvidia-smi >/dev/null || fail "nvidia-smi not found: no NVIDIA driver"
+say "driver: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+
+if [ -z "${WARMCTL_CRIU:-}" ]; then
+  for b in "${CRIU_BUNDLE:-}" shared/criu-bundle criu-bundle; do
+    if [ -n "$b" ] && [ -x "$b/criu" ]; then export WARMCTL_CRIU="$PWD/$b/criu"; break; fi
+  done
+fi
+CRIU=${WARMCTL_CRIU:-$(command -v criu || true)}
+[ -n "$CRIU" ] || fail "no CRIU: build the bundle with scripts/criu-bundle.sh and copy it here"
+say "criu: $CRIU ($("$CRIU" --version | head -1))"
+"$CRIU" check >/dev/null 2>&1 || { "$CRIU" check || true; fail "criu check failed"; }
+
+"$PYTHON" - <<'PY' || fail "$PYTHON has no CUDA PyTorch"
+import torch, sys
+assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+print(f"[gpu-check] torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+PY
+
+say "work dir: $WORK"
+set +e
+timeout "$LIMIT" "$PYTHON" scripts/gpu_check.py --work "$WORK" | tee "$WORK/result.json"
+rc=${PIPESTATUS[0]}
+set -e
+"$PYTHON" - "$WORK/result.json" <<'PY' || true
+import json, sys
+try:
+    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+except Exception:
+    sys.exit(0)
+for k, v in r.get("seconds", {}).items():
+    print(f"[gpu-check] {k:>28}: {v:8.3f} s")
+print(f"[gpu-check] api={r.get('api')} ranks={r.get('ranks')} gpu_bytes={r.get('gpu_bytes')} image_bytes={r.get('image_bytes')}")
+print(f"[gpu-check] bit_identical={r.get('bit_identical')} gpu_state_survived={r.get('gpu_state_survived')} error={r.get('error')}")
+PY
+[ "$rc" = 124 ] && fail "did not finish within $LIMIT s"
+[ "$rc" = 0 ] && say "PASS" || fail "see $WORK (server.log, img/dump.log, restore.log)"
