@@ -1,7 +1,196 @@
-"""CLI commands: store (registered on the root app by :func:`register`)."""
+"""CLI commands for the snapshot store: push, pull, verify, gc, du.
+
+The local store is ``load_settings().store_dir`` (``$WARMCTL_HOME/store`` unless
+``$WARMCTL_STORE`` says otherwise); remote URLs are directories or ``s3://bucket/prefix``
+(endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from warmctl.errors import IntegrityError, WarmctlError
+
+def _console() -> Console:  # created per use, so COLUMNS and redirections made later apply
+    return Console(stderr=True)
+
+
+def _out() -> Console:
+    return Console()
+
+
+@contextmanager
+def byte_progress(desc: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar (bytes, bytes/s, ETA) on stderr; yields ``advance(n_bytes)``."""
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=_console(),
+        transient=False,
+    ) as prog:
+        task = prog.add_task(desc, total=total)
+        yield lambda n: prog.advance(task, n)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _local(store: Optional[str]):
+    from warmctl.config import load_settings
+    from warmctl.store import open_store
+
+    return open_store(store or load_settings().store_dir)
+
+
+def _remote(url: Optional[str], flag: str):
+    from warmctl.config import load_settings
+    from warmctl.store import open_store
+
+    url = url or load_settings().remote_store
+    if not url:
+        raise WarmctlError(f"no remote store: pass {flag} URL (a directory or s3://bucket/prefix) or set WARMCTL_REMOTE_STORE")
+    try:
+        return open_store(url)
+    except ValueError as e:
+        raise WarmctlError(str(e)) from None
+
+
+def _copy(src, dst, ref: str, verb: str) -> None:
+    from warmctl.store import copy_snapshot, parse_ref
+
+    name, tag = parse_ref(ref)
+    digest = src.resolve(name, tag)
+    total = src.get_manifest(digest).total_size()
+    with byte_progress(f"{verb} {name}:{tag}", total) as advance:
+        rep = copy_snapshot(src, dst, name, tag, progress=advance)
+    rate = rep.bytes_copied / rep.seconds if rep.seconds else 0
+    _console().print(
+        f"{verb} {name}:{tag} ({rep.digest[:19]}) {src.location} -> {dst.location}: "
+        f"{rep.chunks_copied}/{rep.chunks_total} chunks copied, {_human(rep.bytes_copied)} moved "
+        f"({_human(rate)}/s), {_human(rep.logical)} of files, {rep.seconds:.1f} s",
+        highlight=False,
+    )
+    src.close()
+    dst.close()
 
 
 def register(app: typer.Typer) -> None:
-    """Add this area's commands to ``app``."""
+    """Add push, pull, verify, gc and du to ``app``."""
+
+    @app.command()
+    def push(
+        ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="Snapshot in the local store (tag defaults to 'latest')."),
+        to: Optional[str] = typer.Option(None, "--to", help="Destination store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
+    ) -> None:
+        """Publish a snapshot: copy its missing chunks (verified), then its manifest, then its tag.
+
+        Safe to interrupt and rerun: only what is missing is sent. Example:
+        `warmctl push tiny:latest --to s3://my-bucket/warmctl`
+        """
+        _copy(_local(store), _remote(to, "--to"), ref, "push")
+
+    @app.command()
+    def pull(
+        ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="Snapshot in the remote store (tag defaults to 'latest')."),
+        from_: Optional[str] = typer.Option(None, "--from", help="Source store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
+    ) -> None:
+        """Fetch a snapshot into the local store (parallel, each chunk verified against its digest).
+
+        Resumable: a killed pull, rerun, fetches only the chunks still missing; the tag appears
+        only once every chunk and the manifest are in place. Example:
+        `warmctl pull tiny --from s3://my-bucket/warmctl`
+        """
+        _copy(_remote(from_, "--from"), _local(store), ref, "pull")
+
+    @app.command()
+    def verify(
+        refs: Optional[list[str]] = typer.Argument(None, metavar="[NAME[:TAG]]...", help="Snapshots to check (default: every manifest)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store to check: directory or s3://bucket/prefix (default: local store)."),
+    ) -> None:
+        """Re-hash every chunk of the store's snapshots; name each missing or corrupt chunk.
+
+        Exits 5 when anything is missing or corrupt.
+        """
+        from warmctl.store import parse_ref
+
+        s = _remote(store, "--store") if store else _local(None)
+        digests = None
+        if refs:
+            digests = [s.resolve(*parse_ref(r)) for r in refs]
+        with byte_progress("verify", None) as advance:
+            rep = s.verify(digests, progress=advance)
+        _out().print(str(rep), highlight=False)
+        if not rep.ok:
+            raise IntegrityError(f"store {s.location}: {len(rep.missing)} missing, {len(rep.corrupt)} corrupt chunk(s), {len(rep.bad_manifests)} bad manifest(s)")
+
+    @app.command()
+    def gc(
+        grace: float = typer.Option(300.0, "--grace", help="Keep unreferenced objects younger than this many seconds."),
+        untagged: bool = typer.Option(False, "--untagged", help="Also remove manifests no tag or catalog entry names."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be removed."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store to clean: directory or s3://bucket/prefix (default: local store)."),
+    ) -> None:
+        """Remove chunks that no manifest references.
+
+        Takes the store's exclusive lock: refuses (exit 6) while a push, pull or snapshot is
+        writing to the store, so it never removes a chunk a writer is about to reference.
+        """
+        s = _remote(store, "--store") if store else _local(None)
+        rep = s.gc(grace=grace, untagged=untagged, dry_run=dry_run)
+        verb = "would remove" if dry_run else "removed"
+        _out().print(
+            f"{verb} {rep.chunks_removed} chunks ({_human(rep.bytes_removed)}), {len(rep.manifests_removed)} manifests, "
+            f"{rep.tmp_removed} temp files, {rep.locks_removed} stale locks; kept {rep.chunks_kept} chunks of "
+            f"{rep.manifests_kept} manifests ({rep.chunks_too_new} unreferenced but younger than {grace:g} s)",
+            highlight=False,
+        )
+
+    @app.command()
+    def du(
+        store: Optional[str] = typer.Option(None, "--store", help="Store to measure: directory or s3://bucket/prefix (default: local store)."),
+    ) -> None:
+        """Space used per snapshot: file bytes, stored bytes, and how much is shared with others.
+
+        `unique` is what removing that snapshot (then gc) would free; `zero` bytes are never stored.
+        """
+        s = _remote(store, "--store") if store else _local(None)
+        rep = s.du()
+        t = Table(title=f"store {s.location}")
+        for col in ("manifest", "tags", "files", "stored", "unique", "shared", "zero"):
+            t.add_column(col, justify="left" if col in ("manifest", "tags") else "right", overflow="fold")
+        for r in rep.rows:
+            t.add_row(
+                r.digest[:19] + ("" if not r.missing_chunks else f" ({r.missing_chunks} missing)"),
+                ", ".join(r.tags) or f"({r.name}, untagged)",
+                _human(r.logical),
+                _human(r.stored),
+                _human(r.unique),
+                _human(r.shared),
+                _human(r.zero),
+            )
+        _out().print(t)
+        _out().print(f"total stored {_human(rep.total_stored)} in {rep.chunk_count} chunks; unreferenced {_human(rep.unreferenced)}", highlight=False)

@@ -70,6 +70,17 @@ def tag_key(name: str, tag: str) -> str:
     return f"tags/{check_name('name', name)}/{check_name('tag', tag)}"
 
 
+def attachment_prefixes(digest: str) -> list[str]:
+    """Key prefixes of objects that belong to manifest ``digest`` and are copied with it
+    (signatures: ``signatures/sha256/<hex>/``)."""
+    return [f"signatures/{digest.replace(':', '/', 1)}/"]
+
+
+#: Objects under these prefixes may name manifests (``sha256:<hex>``) that gc must keep.
+ROOT_PREFIXES = ("tags/", "catalog/")
+_MANIFEST_DIGEST_RE = re.compile(rb"sha256:[0-9a-f]{64}")
+
+
 def _digest_from_chunk_key(key: str) -> str | None:
     parts = key.split("/")
     if len(parts) == 4 and parts[0] == "chunks" and parts[1] in ck.ALGORITHMS:
@@ -294,6 +305,8 @@ class Store:
         with self._mu:
             if self._lock is None:
                 self._lock = lk.acquire(self.backend, "shared", purpose, self.lock_stale_after, self.lock_wait)
+                # a Store dropped without close() still releases its lock
+                weakref.finalize(self, self._lock.release)
 
     # -- chunks
 
@@ -627,7 +640,8 @@ class Store:
         return rep
 
     def gc(self, grace: float = 300.0, untagged: bool = False, dry_run: bool = False) -> GcReport:
-        """Remove chunks no manifest references (and, with ``untagged``, manifests no tag names).
+        """Remove chunks no manifest references (and, with ``untagged``, manifests that no tag
+        and no catalog entry names, with their signatures).
 
         Takes the exclusive lock (StoreLocked if a push/pull holds the store); this Store's own
         writer lock is released first, so do not call it between add_file and put_manifest. Objects younger
@@ -647,12 +661,21 @@ class Store:
                     self.backend.remove(k)
                 rep.locks_removed += 1
             tagged = {d for _, _, d in self.list_tags()}
+            if untagged:  # anything that names a manifest (catalog entries) keeps it too
+                for o in self.backend.list("catalog/"):
+                    try:
+                        tagged |= {m.decode() for m in _MANIFEST_DIGEST_RE.findall(self.backend.load(o.key))}
+                    except ObjectNotFound:
+                        continue
             mtimes = {"sha256:" + o.key.rsplit("/", 1)[1]: o.mtime for o in self.backend.list("manifests/sha256/")}
             live: set[str] = set()
             for d, mt in mtimes.items():
                 if untagged and d not in tagged and now - mt >= grace:
                     if not dry_run:
                         self.backend.remove(manifest_key(d))
+                        for prefix in attachment_prefixes(d):
+                            for a in self.backend.list(prefix):
+                                self.backend.remove(a.key)
                     rep.manifests_removed.append(d)
                     continue
                 live |= self.get_manifest(d).chunk_digests()
@@ -773,6 +796,16 @@ def copy_snapshot(src: Store, dst: Store, name: str, tag: str = "latest", progre
         dst.put_manifest(manifest)
         if not dst.has_manifest(digest):  # pragma: no cover - would mean to_bytes is not canonical
             dst.backend.save(manifest_key(digest), data)
+    # Attachments of the manifest (signatures, see warmctl.trust) travel with it.
+    for prefix in attachment_prefixes(digest):
+        for o in src.backend.list(prefix):
+            blob = src.backend.load(o.key)
+            try:
+                if dst.backend.load(o.key) == blob:
+                    continue
+            except ObjectNotFound:
+                pass
+            dst.backend.save(o.key, blob)
     dst.set_tag(name, tag, digest)
     rep.seconds = time.monotonic() - t0
     return rep
