@@ -138,22 +138,26 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
     Raises :class:`HostError` (with the gate's own message) if it cannot listen.
     """
     log_path = Path(log_path)
+    offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(
             [sys.executable, "-m", "warmctl.gate", "--listen", f"{listen_host}:{listen_port}",
              "--upstream", f"127.0.0.1:{upstream_port}", "--engine-pid", str(engine_pid)],
             stdin=devnull, stdout=log, stderr=log, start_new_session=True)
+
+    def output() -> str:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     deadline = time.monotonic() + timeout_s
-    probe_host = "127.0.0.1" if listen_host in ("0.0.0.0", "", "::") else listen_host
     while time.monotonic() < deadline:
+        if "ready" in output().split():  # printed by the gate once its socket is listening
+            return proc.pid
         if proc.poll() is not None:
-            msg = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            msg = output().strip().splitlines()[-1:] or ["(no output)"]
             raise HostError(f"the gate could not open {listen_host}:{listen_port}: {msg[0]}")
-        try:
-            with socket.create_connection((probe_host, listen_port), timeout=0.5):
-                return proc.pid
-        except OSError:
-            time.sleep(0.05)
+        time.sleep(0.05)
     proc.kill()
     raise HostError(f"the gate did not open {listen_host}:{listen_port} within {timeout_s:.0f} s")
 

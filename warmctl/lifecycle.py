@@ -27,10 +27,12 @@ import httpx
 
 from warmctl import snapshot as snap
 from warmctl.checkpoint import capture, criu
+from warmctl.catalog import Catalog
 from warmctl.config import Settings
 from warmctl.engine import canary, vllm
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.gate import require_port_free
+from warmctl.host import fingerprint
 from warmctl.gate import start as start_gate
 from warmctl.manifest import Manifest
 from warmctl.profile import Profile
@@ -125,14 +127,18 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter) -> list[s
 
 def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest",
        profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
-       snapshot_after: bool = False) -> UpResult:
+       snapshot_after: bool = False, insecure: bool = False) -> UpResult:
     """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
     is left alone and reported (``path="already-up"``).
 
+    The snapshot is chosen by the catalog's rules for this host's fingerprint and its signature
+    verified before anything is written (:meth:`warmctl.catalog.Catalog.resolve`);
+    ``insecure`` turns an unsigned or untrusted snapshot into a loud warning instead of an error.
     ``profile`` is needed for the cold path (no snapshot) and to check that a snapshot was made
     from the same profile; without it, the snapshot's embedded profile is used.
     Raises :class:`HostError` (pre-flight), :class:`SnapshotNotFound` (no snapshot and no
-    profile), :class:`IntegrityError`, :class:`CheckpointError`, :class:`CanaryMismatch`.
+    profile), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
+    :class:`CheckpointError`, :class:`CanaryMismatch`.
     """
     existing = load_state(settings.run_dir, name)
     if existing and existing.engine_alive() and existing.gate_alive():
@@ -142,20 +148,23 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         remove_state(settings.run_dir, name)
 
     store = open_store(settings.store_dir)
-    digest = store.get_tag(name, tag)
     reason = ""
     manifest = None
-    if digest is None:
-        reason = f"no snapshot {name}:{tag} in the store {settings.store_dir}"
-    else:
-        manifest = store.get_manifest(digest)
-        if profile is not None and manifest.profile_digest != profile.digest():
-            reason = (f"snapshot {name}:{tag} ({digest[:19]}) was made from a different profile "
-                      f"({manifest.profile_digest[:19]} != {profile.digest()[:19]})")
-            manifest = None
+    try:
+        res = Catalog(store).resolve(name, fingerprint(criu=settings.criu), settings.keys_dir, tag=tag,
+                                     insecure=insecure, driver=settings.match_driver)
+        manifest, digest = res.manifest, res.entry.manifest
+        if res.verification.warning:
+            reporter.info(f"[bold red]{res.verification.warning}[/]")
+    except SnapshotNotFound as e:
+        reason = str(e)
+    if manifest is not None and profile is not None and manifest.profile_digest != profile.digest():
+        reason = (f"snapshot {name}:{tag} ({digest[:19]}) was made from a different profile "
+                  f"({manifest.profile_digest[:19]} != {profile.digest()[:19]})")
+        manifest = None
     if manifest is None:
         if profile is None:
-            raise SnapshotNotFound(f"{reason}, and no profile named {name} to cold-start from")
+            raise SnapshotNotFound(f"{reason}; and no profile named {name} to cold-start from")
         return _cold_up(profile, settings, reporter, public_port, public_host, reason, snapshot_after, tag)
 
     prof = Profile.model_validate(manifest.profile)

@@ -17,12 +17,14 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from warmctl import host, tinymodel
+from warmctl import host, tinymodel, trust
+from warmctl.catalog import Catalog
 from warmctl.checkpoint import capture, criu
 from warmctl.config import Settings
 from warmctl.engine import canary, vllm, warmup
@@ -63,6 +65,26 @@ def engine_dir(settings: Settings, name: str) -> Path:
     d = settings.run_dir / name
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def signing_key(settings: Settings, reporter: Reporter) -> Path:
+    """The key that signs manifests: ``settings.signing_key``, else this host's own key
+    ``<home>/keys/local.key``, generated on first use; its public half is then installed as
+    ``<keys_dir>/local-<hostname>.pub`` so that snapshots made here are trusted here (and nowhere
+    else until an operator copies that file). See :mod:`warmctl.trust`.
+    """
+    if settings.signing_key:
+        return Path(settings.signing_key)
+    d = settings.home / "keys"
+    key = d / "local.key"
+    if not key.exists():
+        pair = trust.generate_keypair(d, "local")
+        settings.keys_dir.mkdir(parents=True, exist_ok=True)
+        dest = settings.keys_dir / f"local-{socket.gethostname()}.pub"
+        shutil.copyfile(pair.public, dest)
+        reporter.info(f"generated this host's signing key {pair.private} (key id {pair.key_id}); "
+                      f"trusted here via {dest}")
+    return key
 
 
 def preflight(profile: Profile, settings: Settings) -> None:
@@ -152,7 +174,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             name=profile.name,
             profile_digest=profile.digest(),
             profile=profile.model_dump(mode="json"),
-            host=host.fingerprint().model_dump(mode="json"),
+            host=host.fingerprint(criu=settings.criu).model_dump(mode="json"),
             canary=record,
             phases=phases,
             restore={
@@ -165,7 +187,8 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             files=entries,
         )
         digest = store.put_manifest(manifest)
-        store.set_tag(profile.name, tag, digest)
+        with reporter.phase("publish", f"signing and publishing {profile.name}:{tag}"):
+            Catalog(store).publish(digest, manifest, tag=tag, signer=signing_key(settings, reporter))
         return SnapshotResult(digest, manifest, manifest.total_size())
     finally:
         shutil.rmtree(work, ignore_errors=True)

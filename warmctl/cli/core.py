@@ -71,6 +71,8 @@ def register(app: typer.Typer) -> None:
         host: Optional[str] = typer.Option(None, help="Public address to listen on (default: the profile's)."),
         snapshot_after: bool = typer.Option(False, "--snapshot-after", help="On the cold path, snapshot the warmed engine (it keeps serving)."),
         json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        insecure: bool = typer.Option(False, "--insecure-skip-signature-check",
+                                      help="INSECURE: restore an unsigned or untrusted snapshot (a snapshot is executable state)."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
 
@@ -90,8 +92,13 @@ def register(app: typer.Typer) -> None:
         except ProfileError:
             prof = None
         rep = ConsoleReporter(quiet=json_out)
-        res = run_up(ref, settings, rep, tag=tag, profile=prof, public_port=port, public_host=host,
-                     snapshot_after=snapshot_after)
+        if settings.agent_url:  # a configured agent does the work (issue 5); same output
+            from warmctl.client import AgentClient
+            res = AgentClient.from_settings(settings).up(ref, rep, tag=tag, public_port=port, public_host=host,
+                                                         snapshot_after=snapshot_after, insecure=insecure)
+        else:
+            res = run_up(ref, settings, rep, tag=tag, profile=prof, public_port=port, public_host=host,
+                         snapshot_after=snapshot_after, insecure=insecure)
         st = res.state
         if json_out:
             out.print_json(json.dumps({"name": st.name, "path": res.path, "reason": res.reason,
@@ -117,7 +124,12 @@ def register(app: typer.Typer) -> None:
         """
         from warmctl.lifecycle import down as run_down
 
-        st = run_down(name, load_settings())
+        settings = load_settings()
+        if settings.agent_url:  # a configured agent does the work (issue 5); same output
+            from warmctl.client import AgentClient
+            st = AgentClient.from_settings(settings).down(name)
+        else:
+            st = run_down(name, settings)
         out.print(f"{name} is down" if st else f"{name} is not up; nothing to do")
 
     @app.command()
@@ -128,7 +140,12 @@ def register(app: typer.Typer) -> None:
         """Engines on this host: phase, processes, health, public port, restore timings."""
         from warmctl.lifecycle import status as run_status
 
-        rows = run_status(load_settings(), name)
+        settings = load_settings()
+        if settings.agent_url:  # a configured agent answers (issue 5); same output
+            from warmctl.client import AgentClient
+            rows = AgentClient.from_settings(settings).status(name)
+        else:
+            rows = run_status(settings, name)
         if json_out:
             out.print_json(json.dumps([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
                                         "gate_alive": r.gate_alive, "healthy": r.healthy} for r in rows]))

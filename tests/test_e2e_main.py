@@ -1,0 +1,206 @@
+"""The main job end to end, with real CRIU and the real vLLM engine (CPU build) on ``tiny``.
+
+One session snapshot (``tiny_snapshot``) serves every test here; each test brings the engine
+up from it and down again. Order matters only for speed, not correctness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import warmctl
+from warmctl.catalog import Catalog
+from warmctl.config import load_settings
+from warmctl.manifest import Manifest
+from warmctl.store import chunk_key, open_store
+
+pytestmark = pytest.mark.e2e
+
+
+def _settings(env):
+    old = os.environ.get("WARMCTL_CONFIG")
+    os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
+    try:
+        return load_settings()
+    finally:
+        if old is None:
+            os.environ.pop("WARMCTL_CONFIG")
+        else:
+            os.environ["WARMCTL_CONFIG"] = old
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _completion(port: int, prompt: str, max_tokens: int = 12) -> dict:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 3,
+        "return_token_ids": True, "ignore_eos": True})
+    r.raise_for_status()
+    c = r.json()["choices"][0]
+    return {"ids": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]}
+
+
+PROMPTS = ["The capital of France is", "Name three fruits.", "Water boils at"]
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def test_snapshot_reports_phases(tiny_snapshot, wc_env):
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    m = store.get_manifest(tiny_snapshot["digest"])
+    names = {p.name for p in m.phases}
+    assert {"weights", "torch_compile", "total", "warmup", "canary_record", "criu_dump", "store"} <= names
+    assert next(p.seconds for p in m.phases if p.name == "torch_compile") > 0
+    roles = {f.role for f in m.files}
+    assert {"image", "shm"} <= roles
+    assert m.canary.completions and all(len(c.token_ids) == m.canary.max_tokens for c in m.canary.completions)
+    # nothing of the snapshot's engine is left running or in /dev/shm
+    assert not any(f.path in _shm() for f in m.files if f.role == "shm")
+
+
+def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_ports):
+    """Cold path (empty tag) and restore path give bit-identical greedy output."""
+    _, gate = engine_ports
+    # cold path: a tag with no snapshot -> up says why and cold-starts from the profile
+    r = warmctl("up", "tiny:none", "--json", env=wc_env, timeout=900)
+    res = json.loads(r.stdout)
+    assert res["path"] == "cold" and "no snapshot tiny:none" in res["reason"]
+    cold = [_completion(gate, p) for p in PROMPTS]
+    warmctl("down", "tiny", env=wc_env)
+    assert not _listening(gate)
+
+    r = warmctl("up", "tiny", "--json", env=wc_env)
+    res = json.loads(r.stdout)
+    assert res["path"] == "restore" and res["snapshot"] == tiny_snapshot["digest"]
+    assert {"materialize", "restore", "health", "canary", "gate", "total"} <= set(res["timings_s"])
+    restored = [_completion(gate, p) for p in PROMPTS]
+    assert restored == cold
+    # chat completion on the public port
+    chat = httpx.post(f"http://127.0.0.1:{gate}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8, "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 8
+    # up again changes nothing
+    again = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)
+    assert again["path"] == "already-up"
+    st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
+    assert st["phase"] == "serving" and st["healthy"] and st["gate_alive"]
+
+    shm_before_down = _shm()
+    warmctl("down", "tiny", env=wc_env)
+    assert not _listening(gate)
+    m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
+    assert not ({f.path for f in m.files if f.role == "shm"} & _shm())
+    assert _shm() <= shm_before_down
+
+    # a second up from the same snapshot after down works too
+    res2 = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)
+    assert res2["path"] == "restore"
+    assert [_completion(gate, p) for p in PROMPTS] == cold
+    warmctl("down", "tiny", env=wc_env)
+
+
+def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports):
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    m = store.get_manifest(tiny_snapshot["digest"])
+    # the largest stored (non-zero) chunk of a page image
+    chunk, path = max(((c, s.store_dir / chunk_key(c.digest)) for f in m.files if f.role == "image"
+                       for c in f.chunks if (s.store_dir / chunk_key(c.digest)).is_file()),
+                      key=lambda cp: cp[0].size)
+    original = path.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x01
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(flipped))
+    try:
+        shm0 = _shm()
+        r = warmctl("up", "tiny", env=wc_env, check=False)
+        assert r.returncode != 0
+        assert chunk.digest.split(":")[1][:16] in (r.stderr + r.stdout)
+        assert not _listening(engine_ports[1])
+        assert _shm() <= shm0
+        assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
+    finally:
+        path.write_bytes(original)
+
+
+def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engine_ports):
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    m = store.get_manifest(tiny_snapshot["digest"])
+    data = m.model_dump(mode="json")
+    data["canary"]["completions"][0]["logprobs"][3] += 1e-6
+    bad = Manifest.model_validate(data)
+    digest = store.put_manifest(bad)
+    # signed with this host's trusted key: only the canary can catch it
+    Catalog(store).publish(digest, bad, tag="tampered", signer=s.home / "keys" / "local.key")
+
+    opened = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            if _listening(engine_ports[1]):
+                opened.append(time.time())
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    shm0 = _shm()
+    try:
+        r = warmctl("up", "tiny:tampered", env=wc_env, check=False)
+    finally:
+        stop.set()
+        t.join()
+    out = r.stderr + r.stdout
+    assert r.returncode == 3, out
+    assert "canary mismatch" in out and "position 3" in out
+    assert not opened, "public port accepted a connection before/without a passing canary"
+    assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
+    assert _shm() <= shm0
+    assert _our_engine_pids(wc_env) == []
+    Catalog(store).remove("tiny", "tampered", digest)
+
+
+def _our_engine_pids(env) -> list[int]:
+    """PIDs of vLLM processes started with this test session's environment (restored ones too:
+    CRIU restores the environment block)."""
+    out = []
+    for p in psutil.process_iter(["name"]):
+        try:
+            if "vllm" in (p.info["name"] or "").lower() and p.environ().get("WARMCTL_TEST_HOME") == env["WARMCTL_TEST_HOME"]:
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_public_port_taken_fails_before_restore(tiny_snapshot, wc_env, engine_ports):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", engine_ports[1]))
+        s.listen()
+        r = warmctl("up", "tiny", env=wc_env, check=False)
+    out = r.stderr + r.stdout
+    assert r.returncode != 0
+    assert f"public port 127.0.0.1:{engine_ports[1]} is already in use" in out.replace("\n", " ")
+    assert "materialize" not in out and "restore" not in out.split("error")[0]
+    assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []

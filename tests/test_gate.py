@@ -1,0 +1,96 @@
+"""The gate, with real sockets: a real uvicorn upstream (streaming), the real gate process."""
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from warmctl import gate
+from warmctl.errors import HostError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    app = FastAPI()
+
+    @app.get("/echo/{x}")
+    def echo(x: str):
+        return {"x": x}
+
+    @app.get("/stream")
+    def stream():
+        def gen():
+            for i in range(5):
+                yield f"data: {i}\n\n"
+                time.sleep(0.05)
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.02)
+    yield port
+    server.should_exit = True
+    t.join(5)
+
+
+def test_relays_requests_and_streams(upstream, tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    port = _free_port()
+    pid = gate.start("127.0.0.1", port, upstream, sleeper.pid, tmp_path / "gate.log")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+            assert c.get("/echo/abc").json() == {"x": "abc"}
+            with c.stream("GET", "/stream") as r:
+                arrivals = [time.monotonic() for _ in r.iter_lines() if _]
+        assert len(arrivals) == 5
+        assert arrivals[-1] - arrivals[0] > 0.15  # streamed, not buffered
+        # the gate closes when the engine is gone
+        sleeper.kill()
+        sleeper.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and gate.port_free("127.0.0.1", port) is False:
+            time.sleep(0.1)
+        assert gate.port_free("127.0.0.1", port)
+    finally:
+        subprocess.run(["kill", str(pid)], check=False)
+        sleeper.kill()
+
+
+def test_port_taken_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(HostError) as e:
+            gate.require_port_free("127.0.0.1", port, "public port")
+        assert f"public port 127.0.0.1:{port} is already in use" in str(e.value)
+        assert f"pid {__import__('os').getpid()}" in str(e.value)
+        with pytest.raises(HostError, match="could not open"):
+            gate.start("127.0.0.1", port, 1, 1, tmp_path / "g.log")
+
+
+def test_upstream_down_gives_502(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    port = _free_port()
+    pid = gate.start("127.0.0.1", port, _free_port(), sleeper.pid, tmp_path / "gate.log")
+    try:
+        assert httpx.get(f"http://127.0.0.1:{port}/x").status_code == 502
+    finally:
+        subprocess.run(["kill", str(pid)], check=False)
+        sleeper.kill()

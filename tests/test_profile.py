@@ -1,0 +1,62 @@
+"""Profiles: the shipped ones validate; a malformed one is refused with file, field and expectation."""
+
+from pathlib import Path
+
+import pytest
+
+from warmctl.profile import PROFILES_DIR, ProfileError, load_profile, load_profile_file
+
+
+@pytest.mark.parametrize("path", sorted(PROFILES_DIR.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_profiles_validate(path):
+    p = load_profile_file(path)
+    assert p.name == path.stem
+    assert p.canary.prompts and p.warmup.cells()
+
+
+def test_digest_ignores_comments_and_order(tmp_path):
+    src = (PROFILES_DIR / "tiny.toml").read_text()
+    a = tmp_path / "a.toml"
+    a.write_text(src)
+    b = tmp_path / "b.toml"
+    b.write_text("# another comment\n" + src)
+    assert load_profile_file(a).digest() == load_profile_file(b).digest()
+    c = tmp_path / "c.toml"
+    c.write_text(src.replace("max_tokens = 16", "max_tokens = 17"))
+    assert load_profile_file(c).digest() != load_profile_file(a).digest()
+
+
+def test_malformed_profile_names_file_and_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((PROFILES_DIR / "tiny.toml").read_text().replace(
+        "prompt_tokens = [16, 128, 512]", "prompt_tokens = [16, -1]"))
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(bad)
+    msg = str(e.value)
+    assert str(bad) in msg and "warmup.prompt_tokens" in msg and "positive" in msg
+
+
+def test_unknown_field_and_wrong_type(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((PROFILES_DIR / "tiny.toml").read_text().replace("port = 8000", 'port = "eight"\ncolour = "red"'))
+    msg = str(pytest.raises(ProfileError, load_profile_file, bad).value)
+    assert "gate.port" in msg and "gate.colour" in msg and "eight" in msg
+
+
+def test_not_toml_and_missing(tmp_path):
+    bad = tmp_path / "x.toml"
+    bad.write_text("name = [unclosed\n")
+    assert "not valid TOML" in str(pytest.raises(ProfileError, load_profile_file, bad).value)
+    assert "no profile named 'nope'" in str(pytest.raises(ProfileError, load_profile, "nope").value)
+    assert "no such profile file" in str(pytest.raises(ProfileError, load_profile_file, Path(tmp_path / "z.toml")).value)
+
+
+def test_cli_reports_bad_profile(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "tiny.toml"
+    bad.write_text((PROFILES_DIR / "tiny.toml").read_text().replace("max_tokens = 16", "max_tokens = 0"))
+    r = subprocess.run([sys.executable, "-m", "warmctl", "snapshot", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "canary.max_tokens" in r.stderr and "greater than 0" in r.stderr
