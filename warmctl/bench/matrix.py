@@ -113,6 +113,10 @@ class DecodeCell:
     usage_mismatches: int = 0
     measured_s: float | None = None
     errors: list[str] = field(default_factory=list)
+    #: per request: ``start_s`` (from the window's start), ``ttft_s``, ``total_s``,
+    #: ``output_tokens`` (streamed), ``usage_prompt_tokens``, ``usage_completion_tokens``
+    #: (server), ``completed``, ``cut``, ``error``
+    request_log: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -175,6 +179,10 @@ def summarize_cell(cell: DecodeCell, results: list[RequestResult], t0: float, du
     cell.usage_mismatches = sum(1 for r in done if r.usage_completion_tokens is not None
                                 and r.usage_completion_tokens != r.output_tokens)
     cell.status = VALID if not cell.failed else (FAILED if not ok else ERRORS)
+    cell.request_log = [{"start_s": round(r.start - t0, 4), "ttft_s": r.ttft, "total_s": r.total,
+                         "output_tokens": r.output_tokens, "usage_prompt_tokens": r.usage_prompt_tokens,
+                         "usage_completion_tokens": r.usage_completion_tokens, "completed": r.completed,
+                         "cut": r.cut, "error": r.error} for r in sorted(results, key=lambda r: r.start)]
     return cell
 
 

@@ -116,7 +116,7 @@ def register(app: typer.Typer) -> None:
                 raise
         d = _out_dir(out_dir, "matrix")
         paths = write_matrix(res, d)
-        out.print(markdown(res), highlight=False, markup=False)
+        typer.echo(markdown(res))
         out.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
         failed = res.failed_requests()
         if failed:
@@ -154,7 +154,7 @@ def register(app: typer.Typer) -> None:
         (d / "startup.json").write_text(json.dumps(res.to_json(), indent=2) + "\n")
         md = markdown(res)
         (d / "startup.md").write_text(md)
-        out.print(md, highlight=False, markup=False)
+        typer.echo(md)
         out.print(f"wrote {d / 'startup.json'}, {d / 'startup.md'}", highlight=False)
         if any(r.error for r in res.cold + res.restore):
             raise typer.Exit(2)
@@ -209,7 +209,7 @@ def register(app: typer.Typer) -> None:
                                                    "results": results}, indent=2) + "\n")
         md = probes.markdown(results, m)
         (d / "probes.md").write_text(md)
-        out.print(md, highlight=False, markup=False)
+        typer.echo(md)
         out.print(f"wrote {d / 'probes.json'}, {d / 'probes.md'}", highlight=False)
         if any(r.get("failed") for r in results):
             raise typer.Exit(2)
