@@ -1,0 +1,532 @@
+"""The agent's REST API (FastAPI): :func:`create_app`.
+
+Everything under ``/v1`` needs ``Authorization: Bearer <token>`` (401 otherwise); ``/healthz``,
+``/readyz`` and ``/openapi.json`` do not. Errors have one shape, :class:`ErrorBody`
+(``{"error": code, "message": text, "holder": job id or null}``); request validation errors
+are FastAPI's 422. Long operations answer ``202`` with the :class:`Job` (and a ``Location``
+header); follow it with ``GET /v1/jobs/{id}`` or ``GET /v1/jobs/{id}/events`` (SSE).
+
+Engine phases (``EngineView.phase``), the state machine a scheduler watches::
+
+    down --up--> pending --> restoring --> health --> canary --> serving
+                        \\--> starting (cold path) -----------/
+    serving --down--> stopping --> down       any --error--> failed --> down
+    serving --(engine or gate died)--> dead --down--> down
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+
+import warmctl
+from warmctl import lifecycle
+from warmctl.config import Settings
+from warmctl.errors import WarmctlError
+from warmctl.state import EngineState
+
+from .jobs import Conflict, Event, Job, JobManager, JobReporter, PhaseRecord, dumps
+from .metrics import Metrics
+from .recovery import RecoveryReport, recover
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+JOB_PATTERN = r"^j-[0-9a-f]{12}$"
+
+EngineViewPhase = Literal["down", "pending", "starting", "restoring", "health", "canary", "serving",
+                          "failed", "dead", "stopping"]
+
+
+# ------------------------------------------------------------------------- models
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: a short ``error`` code (``unauthorized``, ``not_found``,
+    ``conflict``, ``unprocessable``), a message for the operator, and for ``conflict`` the id
+    of the job that holds the engine or port (``null`` when an engine, not a job, holds it)."""
+
+    error: str
+    message: str
+    holder: str | None = None
+
+
+class UpRequest(BaseModel):
+    """Bring engine NAME up from snapshot ``NAME:tag`` (or cold from the profile NAME).
+    ``port``/``host``: public address (default: settings, then the profile's);
+    ``snapshot_after``: on the cold path, snapshot the warmed engine."""
+
+    model_config = {"extra": "forbid"}
+    tag: str = Field("latest", pattern=TAG_PATTERN)
+    port: int | None = Field(None, ge=1, le=65535)
+    host: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9.:-]+$")
+    snapshot_after: bool = False
+
+
+class SnapshotRequest(BaseModel):
+    """Snapshot profile ``profile`` (a profile NAME the agent can find) as ``profile:tag``."""
+
+    model_config = {"extra": "forbid"}
+    profile: str = Field(..., pattern=NAME_PATTERN)
+    tag: str = Field("latest", pattern=TAG_PATTERN)
+
+
+class EngineView(BaseModel):
+    """One engine: ``phase`` (see the module doc), the recorded ``state`` (``null`` when
+    nothing is recorded), whether its processes live and ``/health`` answers, the live job on
+    it (``job``), and per-phase seconds (``timings``: the recorded ones once serving, else the
+    running job's phases so far, the current one with its elapsed time)."""
+
+    name: str
+    phase: EngineViewPhase
+    state: EngineState | None = None
+    engine_alive: bool = False
+    gate_alive: bool = False
+    healthy: bool = False
+    job: str | None = None
+    job_phase: str | None = None
+    timings: dict[str, float] = {}
+
+
+class SnapshotView(BaseModel):
+    """A tagged snapshot in the local store; ``size`` in bytes, ``created`` ISO 8601."""
+
+    name: str
+    tag: str
+    digest: str
+    size: int
+    created: str
+    profile_digest: str
+
+
+class Deleted(BaseModel):
+    """Result of a delete: what was removed (the manifest stays until ``warmctl gc``)."""
+
+    name: str
+    tag: str
+    digest: str
+
+
+class AgentInfo(BaseModel):
+    """The agent itself: version, PID, start time (Unix seconds), whether TLS is on, and
+    what it did at start (``recovery``)."""
+
+    version: str
+    pid: int
+    started_at: float
+    tls: bool
+    home: str
+    recovery: RecoveryReport | None = None
+
+
+class Health(BaseModel):
+    status: str
+    detail: str = ""
+
+
+# ------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, holder: str | None = None):
+        self.status, self.code, self.message, self.holder = status, code, message, holder
+
+
+def _err(status: int, code: str, message: str, holder: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(ErrorBody(error=code, message=message, holder=holder).model_dump(), status_code=status,
+                        headers=headers)
+
+
+ERRORS = {
+    401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
+}
+NOT_FOUND = {404: {"model": ErrorBody, "description": "No such object"}}
+CONFLICT = {409: {"model": ErrorBody, "description": "Another job holds the engine or port (named in `holder`)"}}
+
+
+# ------------------------------------------------------------------------- app
+
+
+class AgentState:
+    """What the app's handlers share: settings, jobs, metrics, readiness, recovery report."""
+
+    def __init__(self, settings: Settings, token: str | None, tls: bool):
+        self.settings = settings
+        self.token = token
+        self.tls = tls
+        self.started_at = time.time()
+        self.jobs = JobManager(settings.home / "agent" / "jobs", on_finish=self._finished)
+        self.metrics = Metrics(settings, self.jobs.counts)
+        self.ready = False
+        self.ready_detail = "starting: recovery not finished"
+        self.recovery: RecoveryReport | None = None
+        self._host_cache: tuple[float, dict] | None = None
+
+    def _finished(self, job: Job) -> None:
+        m = self.metrics
+        m.jobs_finished.labels(job.kind, job.state).inc()
+        if job.kind == "up" and job.state == "succeeded" and job.result:
+            timings = job.result.get("timings") or {}
+            if job.result.get("path") == "restore":
+                for k, v in timings.items():
+                    m.restore_phase.labels(k).observe(v)
+            elif job.result.get("path") == "cold":
+                m.cold_start.observe(sum(p.seconds or 0 for p in job.progress.phases))
+
+    def start(self) -> None:
+        """Load jobs from disk, recover engines (see :mod:`.recovery`), become ready."""
+        interrupted = self.jobs.load_from_disk()
+        self.recovery = recover(self.settings, interrupted)
+        for a in self.recovery.actions:
+            self.metrics.recovered.labels(a.action).inc()
+        self.ready = True
+        self.ready_detail = "ready"
+
+
+def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_startup: bool = True) -> FastAPI:
+    """The agent's ASGI app over ``settings``.
+
+    ``token``: the bearer token every ``/v1`` request must carry; ``None`` disables auth
+    (only for generating the OpenAPI document). With ``run_startup`` the app's lifespan loads
+    jobs and recovers engines (:meth:`AgentState.start`) before it serves.
+    """
+    agent = AgentState(settings, token, tls)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if run_startup:
+            await asyncio.to_thread(agent.start)
+        yield
+
+    app = FastAPI(
+        title="warmctl agent",
+        version=warmctl.__version__,
+        description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else "",
+        lifespan=lifespan,
+    )
+    app.state.agent = agent
+    bearer = HTTPBearer(auto_error=False, description="The token from the agent's token file")
+
+    def auth(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if agent.token is None:
+            return
+        if creds is None or creds.scheme.lower() != "bearer" or not hmac.compare_digest(
+                creds.credentials.encode(), agent.token.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return _err(e.status, e.code, e.message, e.holder, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        return _err(422, "unprocessable", msgs)
+
+    v1 = dict(dependencies=[Depends(auth)], responses=ERRORS)
+    s = settings
+
+    # -- probes and metrics --------------------------------------------------------------
+
+    @app.get("/healthz", response_model=Health, tags=["probes"])
+    def healthz() -> Health:
+        """Liveness: the process serves HTTP. No auth."""
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, tags=["probes"],
+             responses={503: {"model": Health, "description": "Not ready (recovery running, home not writable)"}})
+    def readyz() -> Any:
+        """Readiness: start-up recovery finished and the data directory is writable. No auth."""
+        if not agent.ready:
+            return JSONResponse(Health(status="starting", detail=agent.ready_detail).model_dump(), status_code=503)
+        if not os.access(s.home, os.W_OK):
+            return JSONResponse(Health(status="unready", detail=f"{s.home} is not writable").model_dump(),
+                                status_code=503)
+        return Health(status="ready")
+
+    @app.get("/metrics", tags=["probes"], dependencies=[Depends(auth)], responses={
+        **ERRORS, 200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text"}})
+    def metrics() -> Response:
+        """Prometheus metrics (see :mod:`warmctl.agent.metrics`). Needs the bearer token."""
+        return Response(agent.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- agent ---------------------------------------------------------------------------
+
+    @app.get("/v1/agent", response_model=AgentInfo, tags=["agent"], **v1)
+    def agent_info() -> AgentInfo:
+        """Version, PID, start time, and the start-up recovery report (engines adopted or
+        cleaned, jobs interrupted, orphaned /dev/shm files removed)."""
+        return AgentInfo(version=warmctl.__version__, pid=os.getpid(), started_at=agent.started_at, tls=agent.tls,
+                         home=str(s.home), recovery=agent.recovery)
+
+    # -- engines ---------------------------------------------------------------------------
+
+    def _live_job(name: str) -> Job | None:
+        return agent.jobs.holder(f"engine:{name}")
+
+    def _view(name: str, st: lifecycle.EngineStatus | None) -> EngineView:
+        job = _live_job(name)
+        v = EngineView(name=name, phase="down", job=job.id if job else None,
+                       job_phase=job.progress.phase if job else None)
+        if st is not None:
+            v.state, v.engine_alive, v.gate_alive, v.healthy = st.state, st.engine_alive, st.gate_alive, st.healthy
+            v.phase = st.state.phase
+            if st.state.phase == "serving" and not (st.engine_alive and st.gate_alive):
+                v.phase = "dead"
+            v.timings = dict(st.state.timings)
+        if job is not None:
+            if job.kind == "down":
+                v.phase = "stopping"
+            elif job.kind == "up" and (st is None or st.state.phase != "serving"):
+                if st is None:
+                    v.phase = "pending"
+                v.timings = _job_timings(job.progress.phases)
+        return v
+
+    @app.get("/v1/engines", response_model=list[EngineView], tags=["engines"], **v1)
+    def engines() -> list[EngineView]:
+        """Every engine recorded on this host, plus engines an ``up`` job is bringing up."""
+        rows = {r.state.name: r for r in lifecycle.status(s)}
+        names = set(rows) | {j.target for j in agent.jobs.running() if j.kind == "up"}
+        return [_view(n, rows.get(n)) for n in sorted(names)]
+
+    @app.get("/v1/engines/{name}", response_model=EngineView, tags=["engines"], **v1)
+    def engine(name: str = Path(..., pattern=NAME_PATTERN)) -> EngineView:
+        """Engine ``name``: phase, processes, health, per-phase timings. ``phase`` is
+        ``down`` when nothing is recorded and no job works on it."""
+        rows = lifecycle.status(s, name)
+        return _view(name, rows[0] if rows else None)
+
+    def _submit(kind: str, target: str, resources: list[str], fn, params: dict, reporter=None) -> JSONResponse:
+        try:
+            job = agent.jobs.submit(kind, target, resources, fn, params, reporter)  # type: ignore[arg-type]
+        except Conflict as e:
+            raise ApiError(409, "conflict", str(e), e.holder.id if e.holder else None) from None
+        return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
+
+    def _port_conflict(name: str, port: int | None) -> None:
+        if port is None:
+            return
+        for st in lifecycle.status(s):
+            if st.state.name != name and st.state.public_port == port and (st.engine_alive or st.gate_alive):
+                raise ApiError(409, "conflict", f"port {port} is held by engine {st.state.name} "
+                                                f"({st.state.phase}); choose another port or take it down first")
+
+    def _ports_for(name: str, tag: str, req_port: int | None) -> tuple[int | None, int | None]:
+        """(public port, internal engine port) ``up name`` would use, when they can be known."""
+        from warmctl.profile import Profile, ProfileError, load_profile
+
+        prof = None
+        try:
+            prof = load_profile(name, s.profile_dirs)
+        except (ProfileError, OSError):
+            try:
+                from warmctl.store import open_store
+
+                st = open_store(s.store_dir)
+                d = st.get_tag(name, tag)
+                if d:
+                    prof = Profile.model_validate(st.get_manifest(d).profile)
+            except (WarmctlError, ValueError, OSError):
+                prof = None
+        public = req_port or s.gate_port or (prof.gate.port if prof else None)
+        return public, (prof.engine.port if prof else None)
+
+    @app.post("/v1/engines/{name}/up", status_code=202, response_model=Job, tags=["engines"],
+              responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])
+    def engine_up(req: UpRequest, name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
+        """Start a job that brings ``name`` up: restore ``name:tag`` behind the canary, or
+        cold-start the profile ``name`` when no snapshot fits (the job's result says which
+        and why). 409 when a job already works on this engine or its ports, naming it."""
+        public, internal = _ports_for(name, req.tag, req.port)
+        _port_conflict(name, public)
+        resources = [f"engine:{name}"] + ([f"port:{public}"] if public else []) + (
+            [f"port:{internal}"] if internal and internal != public else [])
+
+        def run(rep: JobReporter, job: Job) -> dict:
+            from warmctl.profile import ProfileError, load_profile
+
+            try:
+                prof = load_profile(name, s.profile_dirs)
+            except ProfileError:
+                prof = None
+            res = lifecycle.up(name, s, rep, tag=req.tag, profile=prof, public_port=req.port, public_host=req.host,
+                               snapshot_after=req.snapshot_after)
+            return {"path": res.path, "reason": res.reason, "snapshot": res.snapshot_digest,
+                    "timings": res.timings, "state": res.state.model_dump(mode="json")}
+
+        def reporter(job_id: str) -> JobReporter:
+            def on_phase(phase: str, secs: float, ok: bool) -> None:
+                if phase == "canary":
+                    agent.metrics.canary.labels("pass" if ok else "fail").inc()
+            return JobReporter(agent.jobs, job_id, on_phase=on_phase, on_bytes=agent.metrics.bytes_pulled.inc)
+
+        return _submit("up", name, resources, run, req.model_dump(), reporter)
+
+    @app.post("/v1/engines/{name}/down", status_code=202, response_model=Job, tags=["engines"],
+              responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])
+    def engine_down(name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
+        """Start a job that takes ``name`` down (gate closed, processes killed, /dev/shm files
+        removed). Its result says ``was_up``: false when nothing was recorded. 409 while
+        another job works on this engine."""
+
+        def run(rep: JobReporter, job: Job) -> dict:
+            with rep.phase("down", f"stopping {name}"):
+                st = lifecycle.down(name, s)
+            return {"was_up": st is not None, "state": st.model_dump(mode="json") if st else None}
+
+        return _submit("down", name, [f"engine:{name}"], run, {})
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    @app.get("/v1/snapshots", response_model=list[SnapshotView], tags=["snapshots"], **v1)
+    def snapshots() -> list[SnapshotView]:
+        """Tagged snapshots in the local store."""
+        return [SnapshotView(name=n, tag=t, digest=d, size=m.total_size(), created=m.created.isoformat(),
+                             profile_digest=m.profile_digest) for n, t, d, m in lifecycle.snapshots(s)]
+
+    @app.post("/v1/snapshots", status_code=202, response_model=Job, tags=["snapshots"],
+              responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])
+    def snapshot_create(req: SnapshotRequest) -> Any:
+        """Start a job that snapshots profile ``profile`` (cold start, warm-up, canary, CRIU
+        dump, store) as ``profile:tag``. 409 while a job works on that engine or its port."""
+        from warmctl.profile import ProfileError, load_profile
+
+        try:
+            prof = load_profile(req.profile, s.profile_dirs)
+        except ProfileError as e:
+            raise ApiError(404, "not_found", str(e)) from None
+        resources = [f"engine:{prof.name}", f"port:{prof.engine.port}"]
+
+        def run(rep: JobReporter, job: Job) -> dict:
+            from warmctl.snapshot import snapshot as run_snapshot
+
+            res = run_snapshot(prof, s, rep, tag=req.tag)
+            return {"name": prof.name, "tag": req.tag, "digest": res.digest, "size": res.size}
+
+        return _submit("snapshot", prof.name, resources, run, req.model_dump())
+
+    @app.delete("/v1/snapshots/{name}/{tag}", response_model=Deleted, tags=["snapshots"],
+                responses={**ERRORS, **NOT_FOUND, **CONFLICT}, dependencies=[Depends(auth)])
+    def snapshot_delete(name: str = Path(..., pattern=NAME_PATTERN), tag: str = Path(..., pattern=TAG_PATTERN)) -> Deleted:
+        """Remove the tag ``name:tag`` from the local store (chunks stay until ``warmctl gc``).
+        404 when there is no such tag; 409 while a job works on engine ``name``."""
+        from warmctl.store import open_store
+
+        holder = agent.jobs.holder(f"engine:{name}")
+        if holder is not None:
+            raise ApiError(409, "conflict", str(Conflict(f"engine:{name}", holder)), holder.id)
+        st = open_store(s.store_dir)
+        d = st.get_tag(name, tag)
+        if d is None:
+            raise ApiError(404, "not_found", f"no snapshot {name}:{tag} in the store {s.store_dir}")
+        st.remove_tag(name, tag)
+        return Deleted(name=name, tag=tag, digest=d)
+
+    # -- catalog, host ----------------------------------------------------------------------
+
+    @app.get("/v1/catalog", tags=["catalog"], **v1)
+    def catalog() -> list[dict[str, Any]]:
+        """Every catalog entry (name, tag, manifest, host fingerprint, signatures), as
+        ``warmctl catalog ls --json`` prints them."""
+        from warmctl.catalog import Catalog
+        from warmctl.store import open_store
+
+        c = Catalog(open_store(s.catalog_url))
+        out = []
+        for n in c.names():
+            for t in c.tags(n):
+                out.extend(e.model_dump(mode="json") for e in c.entries(n, t))
+        return out
+
+    @app.get("/v1/host", tags=["host"], **v1)
+    def host() -> dict[str, Any]:
+        """This host's fingerprint (GPUs, driver, CPU, kernel, CRIU, engine), as
+        ``warmctl host --json`` prints it. Cached for 60 s."""
+        from warmctl.host import fingerprint
+
+        now = time.monotonic()
+        if agent._host_cache is None or now - agent._host_cache[0] > 60:
+            agent._host_cache = (now, fingerprint(criu=s.criu).model_dump(mode="json"))
+        return agent._host_cache[1]
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    @app.get("/v1/jobs", response_model=list[Job], tags=["jobs"], **v1)
+    def jobs(state: Literal["queued", "running", "succeeded", "failed", "interrupted"] | None = None,
+             limit: int = Query(50, ge=1, le=500), log_lines: int = Query(10, ge=0, le=500)) -> list[Job]:
+        """Jobs, newest first (at most ``limit``; each with its last ``log_lines`` lines)."""
+        out = [j for j in agent.jobs.list() if state is None or j.state == state][:limit]
+        for j in out:
+            j.log = j.log[len(j.log) - log_lines:] if log_lines else []
+        return out
+
+    @app.get("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"], responses={**ERRORS, **NOT_FOUND},
+             dependencies=[Depends(auth)])
+    def job(job_id: str = Path(..., pattern=JOB_PATTERN), log_lines: int = Query(50, ge=0, le=500)) -> Job:
+        """Job ``job_id``: state, progress (phases with seconds, bytes), the last ``log_lines``
+        log lines, and the outcome (``result`` or ``error``)."""
+        j = agent.jobs.get(job_id)
+        if j is None:
+            raise ApiError(404, "not_found", f"no job {job_id} (finished jobs are kept: the last 200)")
+        j.log = j.log[len(j.log) - log_lines:] if log_lines else []
+        return j
+
+    @app.get("/v1/jobs/{job_id}/events", tags=["jobs"], dependencies=[Depends(auth)], responses={
+        **ERRORS, **NOT_FOUND,
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+              "description": "Server-sent events: `id` = seq, `event` = type, `data` = JSON"}})
+    async def job_events(request: Request, job_id: str = Path(..., pattern=JOB_PATTERN),
+                         after: int = Query(0, ge=0, description="Send events with seq > after"),
+                         last_event_id: str | None = Header(None, alias="Last-Event-ID")) -> Any:
+        """Follow job ``job_id`` as server-sent events (``state``, ``phase_started``,
+        ``phase_finished``, ``log``, ``progress``, then one ``end`` with the outcome, after
+        which the stream closes). Resume with ``Last-Event-ID`` or ``?after=SEQ``."""
+        if agent.jobs.get(job_id) is None:
+            raise ApiError(404, "not_found", f"no job {job_id}")
+        start = after
+        if last_event_id and last_event_id.isdigit():
+            start = max(start, int(last_event_id))
+
+        async def stream():
+            seq = start
+            last_sent = time.monotonic()
+            while True:
+                evs, ended = agent.jobs.events_since(job_id, seq, 0)
+                for e in evs:
+                    seq = e.seq
+                    yield _sse(e)
+                    last_sent = time.monotonic()
+                if ended and not evs:
+                    return
+                if await request.is_disconnected():
+                    return
+                if time.monotonic() - last_sent > 15:
+                    yield b": keep-alive\n\n"
+                    last_sent = time.monotonic()
+                await asyncio.sleep(0.1)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def _sse(e: Event) -> bytes:
+    return f"id: {e.seq}\nevent: {e.type}\ndata: {dumps({**e.data, 'time': e.time})}\n\n".encode()
+
+
+def _job_timings(phases: list[PhaseRecord]) -> dict[str, float]:
+    now = time.time()
+    return {p.name: (p.seconds if p.seconds is not None else now - p.started_at) for p in phases}

@@ -1,0 +1,220 @@
+"""A small client for the warmctl agent's REST API (``warmctl agent``), used by the CLI when
+``agent_url`` is configured so that ``warmctl up/down/status`` behave the same either way.
+
+``AgentClient(url, token)`` returns the same types as :mod:`warmctl.lifecycle`
+(:class:`~warmctl.lifecycle.UpResult`, :class:`~warmctl.state.EngineState`,
+:class:`~warmctl.lifecycle.EngineStatus`) and feeds a job's phases and log lines into a
+:class:`~warmctl.progress.Reporter` while following its server-sent events. A failed job
+raises the same :class:`~warmctl.errors.WarmctlError` subclass (and exit code) the local
+call would have; the agent being unreachable raises :class:`HostError`, a wrong token or a
+409 a :class:`AgentError` with the agent's message (which names the holder job).
+
+Tests pass ``transport=httpx.ASGITransport(app)`` or talk to a real agent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from warmctl import errors
+from warmctl.config import Settings
+from warmctl.errors import HostError, WarmctlError
+from warmctl.manifest import Phase
+from warmctl.progress import Reporter
+from warmctl.state import EngineState
+
+
+class AgentError(WarmctlError):
+    """The agent refused a request (401 wrong token, 404, 409 conflict, 422 invalid).
+    ``status`` is the HTTP status, ``holder`` the conflicting job id (409) or ``None``."""
+
+    def __init__(self, message: str, status: int, holder: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.holder = holder
+
+
+class JobFailed(WarmctlError):
+    """A job failed with an error type this client does not know; ``exit_code`` is the
+    agent's."""
+
+    def __init__(self, type_: str, message: str, exit_code: int = 1):
+        super().__init__(f"{message}")
+        self.type = type_
+        self.exit_code = exit_code
+
+
+def _error_for(err: dict[str, Any]) -> WarmctlError:
+    cls = getattr(errors, str(err.get("type", "")), None)
+    if isinstance(cls, type) and issubclass(cls, WarmctlError):
+        return cls(err.get("message", ""))
+    return JobFailed(err.get("type", "error"), err.get("message", ""), int(err.get("exit_code", 1)))
+
+
+def read_token_file(path: Path) -> str:
+    """First line of ``path``, stripped. Raises :class:`HostError` when unreadable or empty."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise HostError(f"agent token file {path}: {e.strerror}") from None
+    if not text:
+        raise HostError(f"agent token file {path} is empty")
+    return text.splitlines()[0].strip()
+
+
+class AgentClient:
+    """Client for the agent at ``url`` (``http[s]://host:port``) with bearer ``token``.
+
+    ``timeout``: seconds per request (streams wait as long as the job runs); ``transport``:
+    an httpx transport (tests); ``verify``: TLS verification (``True``, ``False`` or a CA
+    bundle path; ``$SSL_CERT_FILE`` is honoured)."""
+
+    def __init__(self, url: str, token: str | None, *, timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None, verify: bool | str = True) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
+                                 verify=verify)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw: Any) -> "AgentClient":
+        """A client for ``settings.agent_url`` with the token in ``settings.agent_token_file``
+        (else ``<home>/agent/token``)."""
+        if not settings.agent_url:
+            raise HostError("no agent configured (set agent_url or $WARMCTL_AGENT_URL)")
+        tf = settings.agent_token_file or settings.home / "agent" / "token"
+        return cls(settings.agent_url, read_token_file(tf), **kw)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "AgentClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        """One API call; returns the decoded JSON. Raises :class:`HostError` when the agent
+        cannot be reached, :class:`AgentError` for a 4xx answer, ``httpx.HTTPStatusError``
+        for a 5xx."""
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise HostError(f"cannot reach the warmctl agent at {self.url}: {e}") from None
+        if 400 <= r.status_code < 500:
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"message": r.text}
+            msg = body.get("message") or body.get("detail") or r.text
+            if r.status_code == 401:
+                msg = f"the agent at {self.url} refused the token: {msg}"
+            raise AgentError(str(msg), r.status_code, body.get("holder"))
+        r.raise_for_status()
+        return r.json()
+
+    def events(self, job_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
+        """Follow job ``job_id``'s server-sent events (``{"seq", "type", "data"}``) until its
+        ``end`` event; reconnects (resuming after the last seen ``seq``) when the stream
+        drops early."""
+        last = after
+        while True:
+            try:
+                with self.http.stream("GET", f"/v1/jobs/{job_id}/events", params={"after": last},
+                                      timeout=httpx.Timeout(self.http.timeout.connect, read=60.0)) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        raise AgentError(r.text, r.status_code)
+                    ev: dict[str, Any] = {}
+                    for line in r.iter_lines():
+                        if not line:
+                            if ev.get("type"):
+                                last = int(ev.get("seq", last))
+                                yield ev
+                                if ev["type"] == "end":
+                                    return
+                            ev = {}
+                        elif line.startswith(":"):
+                            continue
+                        else:
+                            k, _, v = line.partition(":")
+                            v = v[1:] if v.startswith(" ") else v
+                            if k == "id":
+                                ev["seq"] = int(v)
+                            elif k == "event":
+                                ev["type"] = v
+                            elif k == "data":
+                                ev["data"] = json.loads(v)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout):
+                time.sleep(0.5)
+                continue
+            except httpx.TransportError as e:
+                raise HostError(f"lost the warmctl agent at {self.url}: {e}") from None
+            # the stream closed without an end event: the job may be from an earlier agent
+            job = self.request("GET", f"/v1/jobs/{job_id}")
+            if job["state"] not in ("queued", "running"):
+                yield {"seq": last + 1, "type": "end",
+                       "data": {"state": job["state"], "result": job["result"], "error": job["error"]}}
+                return
+
+    def follow(self, job_id: str, reporter: Reporter | None = None) -> dict[str, Any]:
+        """Wait for job ``job_id``, showing its phases and log on ``reporter``. Returns the
+        job's ``result``; raises the job's error (see the module doc)."""
+        rep = reporter or Reporter()
+        for ev in self.events(job_id):
+            d = ev.get("data", {})
+            t = ev["type"]
+            if t == "phase_started":
+                rep.started(d["phase"], d.get("desc", ""))
+            elif t == "phase_finished":
+                rep.phases.append(Phase(name=d["phase"], seconds=d["seconds"]))
+                rep.finished(d["phase"], d["seconds"], d["ok"])
+            elif t == "log":
+                rep.info(d["line"])
+            elif t == "end":
+                if d.get("state") == "succeeded":
+                    return d.get("result") or {}
+                raise _error_for(d.get("error") or {"type": "error", "message": f"job {job_id} {d.get('state')}"})
+        raise HostError(f"the event stream of job {job_id} ended without an outcome")
+
+    # ------------------------------------------------------------------ operations
+
+    def up(self, name: str, reporter: Reporter | None = None, *, tag: str = "latest", public_port: int | None = None,
+           public_host: str | None = None, snapshot_after: bool = False):
+        """Like :func:`warmctl.lifecycle.up` through the agent. Returns an ``UpResult``."""
+        from warmctl.lifecycle import UpResult
+
+        job = self.request("POST", f"/v1/engines/{name}/up",
+                           json={"tag": tag, "port": public_port, "host": public_host, "snapshot_after": snapshot_after})
+        res = self.follow(job["id"], reporter)
+        return UpResult(EngineState.model_validate(res["state"]), res["path"], res.get("timings") or {},
+                        res.get("reason") or "", res.get("snapshot"))
+
+    def down(self, name: str) -> EngineState | None:
+        """Like :func:`warmctl.lifecycle.down` through the agent: the stopped state, or
+        ``None`` when nothing of that name was up."""
+        job = self.request("POST", f"/v1/engines/{name}/down")
+        res = self.follow(job["id"])
+        return EngineState.model_validate(res["state"]) if res.get("state") else None
+
+    def status(self, name: str | None = None):
+        """Like :func:`warmctl.lifecycle.status` through the agent: ``EngineStatus`` rows of
+        recorded engines (engines an ``up`` job has not recorded yet are left out)."""
+        from warmctl.lifecycle import EngineStatus
+
+        rows = self.request("GET", "/v1/engines")
+        return [EngineStatus(EngineState.model_validate(r["state"]), r["engine_alive"], r["gate_alive"], r["healthy"])
+                for r in rows if r.get("state") and (name is None or r["name"] == name)]
+
+    def snapshot(self, profile: str, reporter: Reporter | None = None, *, tag: str = "latest") -> dict[str, Any]:
+        """Snapshot ``profile`` through the agent; returns ``{name, tag, digest, size}``."""
+        job = self.request("POST", "/v1/snapshots", json={"profile": profile, "tag": tag})
+        return self.follow(job["id"], reporter)
