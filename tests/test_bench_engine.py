@@ -136,7 +136,7 @@ def test_cli_matrix_by_name(engine_url, wc_env, tmp_path):
 
 def test_cli_matrix_unreachable_endpoint(wc_env, tmp_path):
     r = warmctl("bench", "matrix", "http://127.0.0.1:9", "-o", str(tmp_path), env=wc_env, check=False)
-    assert r.returncode == 1 and "not a usable OpenAI-compatible endpoint" in r.stderr
+    assert r.returncode == 1 and "not a usable OpenAI-compatible endpoint" in " ".join(r.stderr.split())
 
 
 def test_cli_probes(engine_url, wc_env, tmp_path):
@@ -154,3 +154,10 @@ def test_cli_probes(engine_url, wc_env, tmp_path):
     assert ag["shared_ttft_s"] > 0 and ag["unseen_ttft_s"] > 0
     assert d["spec_decode"]["available"] is False and "not available" in d["spec_decode"]["verdict"]
     assert "## needle" in r.stdout and "## agent_turns" in r.stdout
+
+
+def test_cli_startup_refuses_while_engine_is_up(engine_url, wc_env, tmp_path):
+    r = warmctl("bench", "startup", "tiny", "--runs", "1", "-o", str(tmp_path), env=wc_env, check=False)
+    msg = " ".join(r.stderr.split())  # rich wraps long lines
+    assert r.returncode == 1 and "engine tiny is up" in msg and "warmctl down tiny" in msg
+    assert not (tmp_path / "startup.json").exists()

@@ -135,6 +135,15 @@ def markdown(res: MatrixResult, *, title: str = "Speed test matrix") -> str:
     return "\n".join(lines)
 
 
+def _log2_ticks(ax, values: list[int], label) -> None:
+    """Log-2 x axis with a labelled tick at each measured value."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [label(v) for v in values])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plots(res: MatrixResult, out_dir: Path) -> list[Path]:
     """Write ``prefill.png`` (prompt tok/s and TTFT by context) and ``decode.png`` (total and
     per-request tok/s by concurrency, one line per context). Returns the paths written."""
@@ -150,10 +159,11 @@ def plots(res: MatrixResult, out_dir: Path) -> list[Path]:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
         xs = [r.context for r in pre]
         a1.plot(xs, [r.tok_s for r in pre], marker="o")
-        a1.set(xscale="log", xlabel="context (tokens)", ylabel="prompt tokens/s", title="Prefill throughput")
+        a1.set(xlabel="context (tokens)", ylabel="prompt tokens/s", title="Prefill throughput")
         a2.plot(xs, [r.ttft_s * 1000 for r in pre], marker="o", color="tab:orange")
-        a2.set(xscale="log", xlabel="context (tokens)", ylabel="TTFT (ms)", title="Time to first token")
+        a2.set(xlabel="context (tokens)", ylabel="TTFT (ms)", title="Time to first token")
         for a in (a1, a2):
+            _log2_ticks(a, xs, fmt_tokens)
             a.grid(True, alpha=0.3)
         fig.suptitle(f"{res.meta.get('model')} · prefill")
         fig.tight_layout()
@@ -168,9 +178,10 @@ def plots(res: MatrixResult, out_dir: Path) -> list[Path]:
             cs = sorted((c for c in dec if c.context == ctx), key=lambda c: c.concurrency)
             a1.plot([c.concurrency for c in cs], [c.total_tok_s for c in cs], marker="o", label=fmt_tokens(ctx))
             a2.plot([c.concurrency for c in cs], [c.per_request_tok_s or 0 for c in cs], marker="o", label=fmt_tokens(ctx))
-        a1.set(xscale="log", xlabel="simultaneous requests", ylabel="total output tokens/s", title="Sustained decode")
-        a2.set(xscale="log", xlabel="simultaneous requests", ylabel="tokens/s per request", title="Per request")
+        a1.set(xlabel="simultaneous requests", ylabel="total output tokens/s", title="Sustained decode")
+        a2.set(xlabel="simultaneous requests", ylabel="tokens/s per request", title="Per request")
         for a in (a1, a2):
+            _log2_ticks(a, sorted({c.concurrency for c in dec}), str)
             a.grid(True, alpha=0.3)
             a.legend(title="context")
         fig.suptitle(f"{res.meta.get('model')} · decode")
