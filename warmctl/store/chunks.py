@@ -29,7 +29,7 @@ CHUNK_SIZE = 4 * 1024 * 1024
 #: Digest algorithm for new chunks.
 DIGEST_ALGORITHM = "blake3" if _blake3 is not None else "sha256"
 #: zstd compression level for new chunks.
-ZSTD_LEVEL = 1
+ZSTD_LEVEL = -1
 #: Algorithms a reader accepts.
 ALGORITHMS = ("blake3", "sha256")
 

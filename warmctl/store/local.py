@@ -94,7 +94,10 @@ class LocalBackend(Backend):
         try:
             if length is None:
                 length = max(0, os.fstat(fd).st_size - offset)
-            out = bytearray()
+            data = os.pread(fd, length, offset)  # one syscall, no extra copy in the common case
+            if len(data) == length or not data:
+                return data
+            out = bytearray(data)
             while len(out) < length:
                 b = os.pread(fd, length - len(out), offset + len(out))
                 if not b:
