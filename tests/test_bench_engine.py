@@ -127,10 +127,13 @@ def test_failed_requests_are_counted_not_dropped(engine_url):
 
 def test_cli_matrix_by_name(engine_url, wc_env, tmp_path):
     r = warmctl("bench", "matrix", "tiny", "-c", "64", "-n", "1", "-d", "1", "--max-output", "8", "--prefill-repeats", "1",
-                "-o", str(tmp_path), env=wc_env, timeout=300)
+                "--prompt", "corpus", "-o", str(tmp_path), env=wc_env, timeout=300)
     assert "## Sustained decode" in r.stdout and "| 64 |" in r.stdout
     d = json.loads((tmp_path / "matrix.json").read_text())
     assert d["meta"]["url"] == engine_url and d["meta"]["capacity_tokens"] == 2_097_152
+    assert d["meta"]["options"]["prompt"] == "corpus" and d["prefill"][0]["prompt_tokens"] == 64
+    log = d["decode"][0]["request_log"]
+    assert log and all(q["usage_prompt_tokens"] == 64 for q in log if q["completed"])
     assert (tmp_path / "decode.png").stat().st_size > 0 and (tmp_path / "prefill.png").stat().st_size > 0
 
 

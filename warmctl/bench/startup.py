@@ -27,7 +27,6 @@ from warmctl.config import Settings
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
-from warmctl.store import open_store
 
 #: A tag no snapshot has: ``up`` with it takes the cold path.
 COLD_TAG = "bench-startup-no-such-tag"
@@ -53,6 +52,8 @@ class StartupRun:
     first_request_tokens: int | None
     ready_s: float | None
     error: str | None = None
+    snapshot_digest: str | None = None
+    reason: str = ""
 
 
 @dataclass
@@ -117,34 +118,38 @@ def _one(name: str, settings: Settings, profile: Profile, tag: str, reporter: Re
         except (httpx.HTTPError, KeyError, ValueError) as e:
             fr, ntok, err = None, None, f"first request failed: {e}"
         phases = {k: v for k, v in res.timings.items() if k != "total"}
-        return StartupRun(res.path, phases, wall, fr, ntok, None if fr is None else wall + fr, error=err)
+        reporter.info(f"  {res.path}: up {wall:.2f} s" + (f", first answer {fr:.2f} s, ready {wall + fr:.2f} s"
+                                                           if fr is not None else f"; {err}"))
+        return StartupRun(res.path, phases, wall, fr, ntok, None if fr is None else wall + fr, error=err,
+                          snapshot_digest=res.snapshot_digest, reason=res.reason)
     finally:
         lifecycle.down(name, settings)
 
 
 def run_startup(profile: Profile, settings: Settings, runs: int = 3, tag: str = "latest",
                 reporter_factory: Callable[[str], Reporter] | None = None) -> StartupResult:
-    """Alternate cold and restore ``runs`` times each (see module doc).
+    """Restore, then cold start, ``runs`` times each (see module doc).
 
     ``reporter_factory(label)`` gives the reporter for one ``up`` (``label`` like ``"cold 1/3"``).
-    Refuses (:class:`HostError`) if the engine is already up, and
-    (:class:`SnapshotNotFound`) if ``NAME:TAG`` has no snapshot. A failed run is recorded with its
+    Each iteration restores first; refuses (:class:`HostError`) if the engine is already up, and
+    stops (:class:`SnapshotNotFound`) if ``up NAME:TAG`` takes the cold path. A failed run is recorded with its
     error and left out of the medians; the engine is always brought down after each run.
     """
     name = profile.name
     if any(s.engine_alive() or s.gate_alive() for s in (x.state for x in lifecycle.status(settings, name))):
         raise HostError(f"engine {name} is up; `warmctl down {name}` before measuring its start-up")
-    digest = open_store(settings.store_dir).get_tag(name, tag)
-    if digest is None:
-        raise SnapshotNotFound(f"no snapshot {name}:{tag} to restore from; run `warmctl snapshot {name}` first")
     make = reporter_factory or (lambda label: Reporter())
-    out = StartupResult(name, tag, digest)
+    out = StartupResult(name, tag, "")
     for i in range(runs):
-        out.cold.append(_one(name, settings, profile, COLD_TAG, make(f"cold {i + 1}/{runs}")))
+        # restore first: if `up` would not restore (no snapshot for this host in the catalog,
+        # another profile), stop before spending a cold start
         r = _one(name, settings, profile, tag, make(f"restore {i + 1}/{runs}"))
         if r.error is None and r.path != "restore":
-            r.error = f"up took the {r.path} path, not restore (snapshot made from a different profile?)"
+            raise SnapshotNotFound(f"`warmctl up {name}:{tag}` does not restore on this host ({r.reason}); "
+                                   f"`warmctl snapshot {name}` first")
+        out.snapshot_digest = out.snapshot_digest or (r.snapshot_digest or "")
         out.restore.append(r)
+        out.cold.append(_one(name, settings, profile, COLD_TAG, make(f"cold {i + 1}/{runs}")))
     return out
 
 
@@ -155,7 +160,7 @@ def markdown(res: StartupResult) -> str:
     keys += [k for k in list(c) + list(r) if k not in keys and k not in ("up_wall_s", "first_request_s", "ready_s")]
     f = lambda x: "—" if x is None else f"{x:,.2f} s"  # noqa: E731
     n_ok = lambda runs: sum(x.error is None for x in runs)  # noqa: E731
-    lines = [f"# Start-up: {res.profile} (snapshot {res.profile}:{res.tag}, {res.snapshot_digest[:19]})", "",
+    lines = [f"# Start-up: {res.profile} (snapshot {res.profile}:{res.tag}, {res.snapshot_digest[:19] or 'none'})", "",
              f"Medians of {n_ok(res.cold)} cold and {n_ok(res.restore)} restore runs "
              f"({len(res.cold)} and {len(res.restore)} attempted).", "",
              "| Phase | Cold start | Restore (`up` from snapshot) |", "|---|---:|---:|"]
