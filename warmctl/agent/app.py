@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, Field
 
 import warmctl
@@ -41,6 +42,8 @@ from .recovery import RecoveryReport, recover
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 JOB_PATTERN = r"^j-[0-9a-f]{12}$"
+#: answered without a token (probes and the API description)
+OPEN_PATHS = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 EngineViewPhase = Literal["down", "pending", "starting", "restoring", "health", "canary", "serving",
                           "failed", "dead", "stopping"]
@@ -208,26 +211,65 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
             await asyncio.to_thread(agent.start)
         yield
 
+    bearer = HTTPBearer(auto_error=False, description="The token from the agent's token file")
+
+    def _check(header: str | None) -> None:
+        if agent.token is None:
+            return
+        scheme, _, cred = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(cred.strip().encode(), agent.token.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    def auth(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        """Per-operation auth (documents the bearer scheme in OpenAPI)."""
+        _check(request.headers.get("authorization"))
+
+    def auth_first(request: Request) -> None:
+        """App-wide and first: a request without the token learns nothing, not even 422."""
+        if request.url.path not in OPEN_PATHS:
+            _check(request.headers.get("authorization"))
+
+    def strict_query(request: Request) -> None:
+        """Refuse query parameters the operation does not declare (a typo must not pass silently)."""
+        route = request.scope.get("route")
+        dependant = getattr(route, "dependant", None)
+        if dependant is None or not request.query_params:
+            return
+        from fastapi.dependencies.utils import get_flat_dependant
+
+        known = {q.alias for q in get_flat_dependant(dependant).query_params}
+        unknown = sorted(set(request.query_params) - known)
+        if unknown:
+            raise ApiError(422, "unprocessable", f"unknown query parameter(s): {', '.join(unknown)[:200]}")
+
     app = FastAPI(
+        dependencies=[Depends(auth_first), Depends(strict_query)],
         title="warmctl agent",
         version=warmctl.__version__,
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else "",
         lifespan=lifespan,
     )
     app.state.agent = agent
-    bearer = HTTPBearer(auto_error=False, description="The token from the agent's token file")
-
-    def auth(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if agent.token is None:
-            return
-        if creds is None or creds.scheme.lower() != "bearer" or not hmac.compare_digest(
-                creds.credentials.encode(), agent.token.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         return _err(e.status, e.code, e.message, e.holder, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        headers = dict(e.headers or {})
+        if e.status_code == 405:  # Starlette lists only the first matching route's methods
+            from starlette.routing import Match
+
+            allowed: set[str] = set()
+            for route in app.routes:
+                match, _ = route.matches({**request.scope, "method": "GET"})
+                if match != Match.NONE and getattr(route, "methods", None):
+                    allowed |= set(route.methods) - {"HEAD"}
+            headers["Allow"] = ", ".join(sorted(allowed))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return _err(e.status_code, code, str(e.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

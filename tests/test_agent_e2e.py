@@ -1,0 +1,265 @@
+"""End to end: `warmctl agent` as a subprocess (env = ``wc_env``) on loopback, driven like a
+scheduler over REST against the real ``tiny`` snapshot; the CLI through the agent; and the
+agent killed with SIGKILL in the middle of an ``up`` and while an engine serves.
+
+Only one engine runs at a time; every test leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import warmctl
+from tests.test_agent_api import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+class Agent:
+    """`python -m warmctl agent` with ``env``; ``http`` carries its token."""
+
+    def __init__(self, env: dict[str, str], port: int | None = None):
+        self.env = env
+        self.home = Path(env["WARMCTL_TEST_HOME"])
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(self.home.parent / f"agent-{self.port}-{time.time():.0f}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "warmctl", "agent", "--port", str(self.port)], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, f"agent exited: {self.logtext()}"
+            assert time.monotonic() < deadline, f"agent not ready: {self.logtext()}"
+            time.sleep(0.2)
+        token = (self.home / "agent" / "token").read_text().strip()
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def logtext(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def wait_job(self, job_id: str, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            j = self.http.get(f"/v1/jobs/{job_id}").json()
+            if j["state"] not in ("queued", "running"):
+                return j
+            assert time.monotonic() < deadline, f"job {job_id} still {j['state']}: {j['log'][-5:]}"
+            time.sleep(0.2)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.http.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self.log.close()
+
+
+def _engine_procs(home: Path) -> list[psutil.Process]:
+    run = (home / "run").resolve()
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if Path(p.cwd()).is_relative_to(run) or any(str(run) in a for a in p.cmdline()):
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def _snapshot_shm(env) -> list[str]:
+    """Names of /dev/shm files the tiny snapshot restores."""
+    from warmctl.config import load_settings
+    from warmctl.store import open_store
+
+    old = os.environ.get("WARMCTL_CONFIG")
+    os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
+    try:
+        s = load_settings()
+    finally:
+        if old is None:
+            os.environ.pop("WARMCTL_CONFIG")
+        else:
+            os.environ["WARMCTL_CONFIG"] = old
+    st = open_store(s.store_dir)
+    m = st.get_manifest(st.get_tag("tiny", "latest"))
+    return [f.path for f in m.files if f.role == "shm"]
+
+
+@pytest.fixture
+def clean(wc_env, engine_ports):
+    """Make sure no tiny engine is left, before and after."""
+    warmctl("down", "tiny", env=wc_env, check=False)
+    yield
+    warmctl("down", "tiny", env=wc_env, check=False)
+    home = Path(wc_env["WARMCTL_TEST_HOME"])
+    left = _engine_procs(home)
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
+
+
+def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, clean):
+    agent = Agent(wc_env)
+    try:
+        h = agent.http
+        assert h.get("/v1/snapshots").json()[0]["digest"] == tiny_snapshot["digest"]
+        r = h.post("/v1/engines/tiny/up", json={"tag": "latest"})
+        assert r.status_code == 202, r.text
+        job = r.json()
+        # a second operation on the same engine is refused, naming the holder
+        r2 = h.post("/v1/engines/tiny/down")
+        assert r2.status_code == 409 and r2.json()["holder"] == job["id"]
+        r3 = h.post("/v1/engines/tiny/up", json={})
+        assert r3.status_code == 409 and r3.json()["holder"] == job["id"]
+        seen_phases = set()
+        deadline = time.monotonic() + 300
+        while True:
+            v = h.get("/v1/engines/tiny").json()
+            seen_phases.add(v["phase"])
+            if v["phase"] == "serving" and v["job"] is None:
+                break
+            assert v["phase"] != "failed" and time.monotonic() < deadline, v
+            time.sleep(0.1)
+        j = agent.wait_job(job["id"])
+        assert j["state"] == "succeeded", j
+        assert j["result"]["path"] == "restore" and j["result"]["snapshot"] == tiny_snapshot["digest"]
+        names = [p["name"] for p in j["progress"]["phases"]]
+        assert names == ["materialize", "restore", "health", "canary", "gate"], names
+        assert seen_phases & {"pending", "restoring", "health", "canary"}, seen_phases
+        assert v["healthy"] and v["engine_alive"] and v["gate_alive"]
+        assert set(v["timings"]) >= {"materialize", "restore", "health", "canary", "gate", "total"}
+        # the engine answers on the public port
+        r = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/completions",
+                       json={"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        m = h.get("/metrics").text
+        assert 'warmctl_canary_total{result="pass"} 1.0' in m
+        assert 'warmctl_engine_state{name="tiny",phase="serving"} 1.0' in m
+        assert 'warmctl_restore_phase_seconds_count{phase="restore"} 1.0' in m
+        pulled = float(next(ln.split()[-1] for ln in m.splitlines() if ln.startswith("warmctl_bytes_pulled_total")))
+        assert pulled > 100 * 2**20
+        # up again changes nothing
+        j2 = agent.wait_job(h.post("/v1/engines/tiny/up", json={}).json()["id"])
+        assert j2["state"] == "succeeded" and j2["result"]["path"] == "already-up"
+        # down
+        jd = agent.wait_job(h.post("/v1/engines/tiny/down").json()["id"], 60)
+        assert jd["state"] == "succeeded" and jd["result"]["was_up"] is True
+        assert h.get("/v1/engines/tiny").json()["phase"] == "down"
+        assert not _engine_procs(agent.home)
+        for name in _snapshot_shm(wc_env):
+            assert not Path("/dev/shm", name).exists(), name
+    finally:
+        agent.stop()
+
+
+def test_cli_through_the_agent_gives_the_same_output(wc_env, tiny_snapshot, clean):
+    agent = Agent(wc_env)
+    try:
+        env = {**wc_env, "WARMCTL_AGENT_URL": agent.url}
+        up = warmctl("up", "tiny", env=env, timeout=300)
+        assert "tiny up (restore)" in up.stdout and "serving tiny on http://127.0.0.1:" in up.stdout, up.stdout
+        for phase in ("materialize", "restore", "canary", "gate"):
+            assert phase in up.stdout
+        assert "ok canary" in up.stderr.replace("  ", " ") or "canary" in up.stderr
+        assert [j["kind"] for j in agent.http.get("/v1/jobs").json()] == ["up"], "the CLI did not go through the agent"
+        via_agent = warmctl("status", "--json", env=env).stdout
+        local = warmctl("status", "--json", env=wc_env).stdout
+        import json
+
+        a, b = json.loads(via_agent), json.loads(local)
+        assert a == b and a[0]["phase"] == "serving" and a[0]["healthy"] is True
+        tbl_a = warmctl("status", env=env).stdout
+        tbl_b = warmctl("status", env=wc_env).stdout
+        assert tbl_a == tbl_b
+        again = warmctl("up", "tiny", env=env, timeout=120)
+        assert "is already up" in again.stdout and "nothing changed" in again.stdout
+        down = warmctl("down", "tiny", env=env, timeout=120)
+        assert down.stdout.strip() == "tiny is down"
+        down2 = warmctl("down", "tiny", env=env, timeout=120)
+        assert down2.stdout.strip() == "tiny is not up; nothing to do"
+        r = warmctl("status", "tiny", env=env, check=False)
+        assert r.returncode == 1 and "no engines named tiny" in r.stdout
+        bad = warmctl("up", "nosuch", env=env, check=False)
+        assert bad.returncode == 4 and "no snapshot nosuch:latest" in bad.stderr
+    finally:
+        agent.stop()
+
+
+def test_kill9_mid_up_then_restart_cleans_up(wc_env, tiny_snapshot, engine_ports, clean):
+    home = Path(wc_env["WARMCTL_TEST_HOME"])
+    agent = Agent(wc_env)
+    port = agent.port
+    job = agent.http.post("/v1/engines/tiny/up", json={}).json()
+    deadline = time.monotonic() + 120
+    while True:  # kill it once the restored tree exists and the canary has not passed yet
+        j = agent.http.get(f"/v1/jobs/{job['id']}").json()
+        done = {p["name"] for p in j["progress"]["phases"] if p["seconds"] is not None}
+        if "restore" in done:
+            break
+        assert j["state"] == "running" and time.monotonic() < deadline, j
+        time.sleep(0.05)
+    agent.kill9()
+    agent.log.close()
+    assert (home / "run" / "tiny" / "state.json").exists()
+    assert _engine_procs(home), "the restored engine should outlive the killed agent"
+
+    agent = Agent(wc_env, port)
+    try:
+        # it may have finished health/canary/gate in the background? No: those ran in the dead agent.
+        report = agent.http.get("/v1/agent").json()["recovery"]
+        assert report["interrupted_jobs"] == [job["id"]]
+        acts = {a["engine"]: a for a in report["actions"]}
+        assert acts["tiny"]["action"] == "cleaned", report
+        assert "recovery: cleaned tiny" in agent.logtext()
+        j = agent.http.get(f"/v1/jobs/{job['id']}").json()
+        assert j["state"] == "interrupted" and j["error"]["type"] == "Interrupted"
+        assert not (home / "run" / "tiny" / "state.json").exists()
+        assert not _engine_procs(home)
+        for name in _snapshot_shm(wc_env):
+            assert not Path("/dev/shm", name).exists(), name
+        from warmctl.gate import port_free
+
+        assert port_free("127.0.0.1", engine_ports[1]) and port_free("127.0.0.1", engine_ports[0])
+        assert agent.http.get("/v1/engines/tiny").json()["phase"] == "down"
+        # and the engine comes up cleanly afterwards
+        j = agent.wait_job(agent.http.post("/v1/engines/tiny/up", json={}).json()["id"])
+        assert j["state"] == "succeeded" and j["result"]["path"] == "restore", j
+
+        # kill -9 while it serves: the next agent adopts it
+        agent.kill9()
+        agent.log.close()
+        agent = Agent(wc_env, port)
+        report = agent.http.get("/v1/agent").json()["recovery"]
+        assert [(a["action"], a["engine"]) for a in report["actions"]] == [("adopted", "tiny")], report
+        v = agent.http.get("/v1/engines/tiny").json()
+        assert v["phase"] == "serving" and v["healthy"]
+        jd = agent.wait_job(agent.http.post("/v1/engines/tiny/down").json()["id"], 60)
+        assert jd["result"]["was_up"] is True
+        assert not _engine_procs(home)
+    finally:
+        agent.stop()
