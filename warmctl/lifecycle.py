@@ -77,9 +77,10 @@ def _cleanup(st: EngineState) -> None:
             p.unlink(missing_ok=True)
 
 
-def _materialize(store, m: Manifest, images: Path, reporter: Reporter) -> list[str]:
+def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=None) -> list[str]:
     """Write the manifest's files back (see module doc). Returns the ``/dev/shm`` paths written.
 
+    ``cache``: a local store that keeps chunks read from a remote ``store``.
     Raises :class:`IntegrityError` (from the store) on a bad chunk, :class:`HostError` when a
     required file is missing/changed or a ``/dev/shm`` file of the snapshot already exists
     (another restore of it is running on this host).
@@ -116,7 +117,7 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter) -> list[s
             if f.hardlink_to is not None:
                 os.link(dest.parent / f.hardlink_to, dest)
                 continue
-            store.read_file(f.chunks, dest, progress=advance)
+            store.read_file(f.chunks, dest, progress=advance, cache=cache)
             os.chmod(dest, f.mode)
     except BaseException:
         for p in written_shm:
@@ -147,11 +148,15 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         _cleanup(existing)
         remove_state(settings.run_dir, name)
 
-    store = open_store(settings.store_dir)
+    local = open_store(settings.store_dir)
+    # the catalog (remote store when configured) decides; chunks then stream from it through the
+    # local store, which keeps them as a cache for the next up
+    store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url)
     reason = ""
     manifest = None
     try:
-        res = Catalog(store).resolve(name, fingerprint(criu=settings.criu), settings.keys_dir, tag=tag,
+        fp = fingerprint(criu=settings.criu)
+        res = Catalog(store).resolve(name, fp, settings.keys_dir, tag=tag,
                                      insecure=insecure, driver=settings.match_driver)
         manifest, digest = res.manifest, res.entry.manifest
         if res.verification.warning:
@@ -182,7 +187,7 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     images = run / "images"
     try:
         with reporter.phase("materialize", f"verifying and writing {manifest.total_size() / 2**20:,.0f} MiB"):
-            st.shm_files = _materialize(store, manifest, images, reporter)
+            st.shm_files = _materialize(store, manifest, images, reporter, cache=None if store is local else local)
             for p in (log_path.parent, Path(manifest.restore.get("cwd", run))):
                 p.mkdir(parents=True, exist_ok=True)
             log_path.touch()
@@ -192,6 +197,9 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         st.phase = "health"
         save_state(settings.run_dir, st)
         eng = vllm.EngineProcess(None, st.root_pid, prof.engine.port, log_path)
+        if prof.checkpoint.cuda:
+            with reporter.phase("gpu_restore", "CUDA restore and unlock of every rank"):
+                _restore_gpu(st.root_pid, manifest, prof, fp, eng.base_url)
         with reporter.phase("health", "waiting for /health"):
             vllm.wait_healthy(eng, 120)
         st.phase = "canary"
@@ -211,6 +219,29 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     st.timings["total"] = sum(st.timings.values())
     save_state(settings.run_dir, st)
     return UpResult(st, "restore", st.timings, snapshot_digest=digest)
+
+
+def _restore_gpu(root_pid: int, m: Manifest, prof: Profile, fp, base_url: str) -> None:
+    """After CRIU restored the processes: check free GPU memory, restore and unlock every rank
+    (GPU UUIDs remapped when this host's differ), then bring vLLM back (checkpoint hooks, wake
+    from sleep, weights reloaded from the model directory when kept outside the image). On
+    failure the ranks are killed (the caller cleans the rest). Not run on CPU-only hosts.
+    """
+    from warmctl.checkpoint import ranks
+    from warmctl.engine.sleep import SleepClient
+
+    g = m.restore["gpu"]
+    pids = ranks.restored_ranks(root_pid, g["nspids"])
+    pairs = ranks.default_gpu_pairs([x["uuid"] for x in m.host.get("gpus", [])], [x.uuid for x in fp.gpus])
+    ranks.restore_ranks(pids, pairs, g["gpu_bytes"])
+    with SleepClient(base_url) as sc:
+        sc.checkpoint_restore()
+        if prof.checkpoint.weights_outside_image:
+            sc.wake_up(["weights"])
+            sc.reload_weights(prof.engine.model)
+            sc.wake_up(["kv_cache"])
+        elif prof.checkpoint.sleep_level:
+            sc.wake_up()
 
 
 def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_port: int | None,

@@ -140,13 +140,17 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
     work = Path(tempfile.mkdtemp(prefix=f"snap-{profile.name}-", dir=settings.home))
     images = work / "images"
     shm_files: list[Path] = []
+    gpu: dict | None = None
     try:
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
         files = capture.referenced_files(eng.root_pid, exclude=[d])
         shm_files = list(files.shm)
         shm_before = capture.shm_names()
         with reporter.phase("criu_dump", f"CRIU dump of pid {eng.root_pid} and its children"):
-            criu.dump(eng.root_pid, images, leave_running=leave_running)
+            if profile.checkpoint.cuda:
+                gpu = _dump_with_gpu(eng, profile, images, leave_running)
+            else:
+                criu.dump(eng.root_pid, images, leave_running=leave_running)
         shm_files += capture.link_remaps_since(shm_before)
         links = capture.group_hardlinks(shm_files)
         entries: list[FileEntry] = []
@@ -183,6 +187,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
                 "internal_port": profile.engine.port,
                 "required_files": files.required,
                 "images_bytes": sum(p.stat().st_size for p in images.iterdir() if p.is_file()),
+                **({"gpu": gpu} if gpu else {}),
             },
             files=entries,
         )
@@ -191,6 +196,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             Catalog(store).publish(digest, manifest, tag=tag, signer=signing_key(settings, reporter))
         return SnapshotResult(digest, manifest, manifest.total_size())
     finally:
+        store.close()  # releases the store's writer lock (gc waits for it)
         shutil.rmtree(work, ignore_errors=True)
         if not leave_running:
             vllm.kill_tree(eng.root_pid)
@@ -200,6 +206,30 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             for p in shm_files:
                 if p.name.startswith("link_remap."):
                     p.unlink(missing_ok=True)
+
+
+def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool) -> dict:
+    """The GPU path (``checkpoint.cuda``): optional vLLM sleep, then every rank locked and
+    checkpointed through the CUDA driver (:mod:`warmctl.checkpoint.ranks`) around the CRIU dump;
+    ranks are rolled back (restored and unlocked) if anything fails. Returns what the restore
+    needs: namespace PIDs of the ranks and GPU bytes per GPU UUID. Not run on CPU-only hosts
+    (no GPU was available to this project's CI; ``scripts/gpu-check.sh`` exercises the parts).
+    """
+    from warmctl.checkpoint import ranks
+    from warmctl.engine.sleep import SleepClient
+    from warmctl.errors import CheckpointError
+
+    pids = ranks.gpu_ranks(eng.root_pid)
+    if not pids:
+        raise CheckpointError(f"profile {profile.name} asks for a CUDA checkpoint, but no process of "
+                              f"the engine (pid {eng.root_pid}) holds a GPU")
+    with SleepClient(eng.base_url) as sc:
+        if profile.checkpoint.sleep_level:
+            sc.sleep(profile.checkpoint.sleep_level)
+        sc.checkpoint_prepare()
+    with ranks.checkpoint_ranks(pids, profile.checkpoint.lock_timeout_s) as rep:
+        criu.dump(eng.root_pid, images, leave_running=leave_running)
+    return {"nspids": list(rep.nspids.values()), "gpu_bytes": rep.gpu_bytes, "ranks": rep.to_dict()}
 
 
 def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest") -> SnapshotResult:

@@ -1,12 +1,15 @@
 """The ``tiny`` model: a small Llama made locally, so the whole pipeline runs with no model hub.
 
 Shape (see ``../shared/DESIGN.md``): 2 layers, hidden size 128, 4 attention heads / 2 KV heads,
-vocabulary 1024, random weights from a fixed seed, and a byte-level BPE tokenizer trained on
-``warmctl/data/corpus.txt`` with a simple chat template. Building twice gives the same weights
-and tokenizer, so a snapshot's canary can be compared against a fresh cold start.
+vocabulary 1024, weights initialised from a fixed seed, and a byte-level BPE tokenizer trained on
+``warmctl/data/corpus.txt`` with a simple chat template. The weights are then trained for
+:data:`TRAIN_STEPS` full-batch steps (AdamW, one thread) on that corpus plus a few chat turns, so
+the model answers "What is the capital of France? One word." with "Paris." instead of noise:
+a demo whose output a person can check by eye. Training on one thread with a fixed seed is
+deterministic on a given machine; the model is built once per data directory and reused.
 
 Building needs ``torch``, ``transformers`` and ``tokenizers`` (installed with the engine); it
-takes a few seconds and about 2 MB of disk.
+takes 10-30 s on 2 cores and about 2 MB of disk.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 SEED = 20261129
 VOCAB_SIZE = 1024
 #: Bump when the recipe below changes; it is part of the model's directory name.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+TRAIN_STEPS = 80
+#: Chat turns learnt verbatim (question, answer).
+CHAT_TURNS = [
+    ("What is the capital of France? One word.", "Paris."),
+    ("What is two plus two?", "Four."),
+    ("Name three fruits.", "Apples, pears and plums."),
+    ("Hello!", "Hello! How can I help you today?"),
+]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -93,12 +104,42 @@ def build(dest: Path) -> Path:
             torch_dtype="float32",
         )
         model = LlamaForCausalLM(config)
+        _train(model, fast)
         model.save_pretrained(tmp, safe_serialization=True)
         os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _train(model, tok) -> float:
+    """Full-batch training on the corpus lines and :data:`CHAT_TURNS`; returns the final loss."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        end = tok.convert_tokens_to_ids("<|end|>")
+        docs = [ln for ln in CORPUS.read_text().splitlines() if ln.strip()]
+        docs += [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                         tokenize=False) for q, a in CHAT_TURNS] * 4
+        ids = [tok(d)["input_ids"] + [end] for d in docs]
+        width = max(map(len, ids))
+        batch = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x in ids])
+        labels = batch.clone()
+        labels[batch == tok.pad_token_id] = -100
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model.train()
+        for _ in range(TRAIN_STEPS):
+            loss = model(input_ids=batch, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        return float(loss)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> None:  # pragma: no cover - thin script entry

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,13 +113,24 @@ def link_remaps_since(before: set[str]) -> list[Path]:
     return sorted(SHM / n for n in shm_names() - before if n.startswith("link_remap."))
 
 
+#: Only multiprocessing's named semaphores are swept as orphans (the one leak observed: a killed
+#: vLLM tree leaves ``sem.mp-*`` files that none of its processes maps).
+ORPHAN_PATTERN = "sem.mp-*"
+#: A file younger than this may belong to an engine that is starting right now (its spawned
+#: children open the semaphore by name a moment later), so it is never swept.
+ORPHAN_MIN_AGE_S = 60.0
+
+
 def orphaned_shm(since: float) -> list[Path]:
-    """``/dev/shm`` files changed at or after ``since`` (Unix seconds, ctime) that no live
-    process maps or holds open: what a killed engine tree left behind (vLLM's ring buffers and
-    semaphores are never unlinked when it is killed).
+    """Semaphore files in ``/dev/shm`` created at or after ``since`` (Unix seconds, ctime),
+    at least :data:`ORPHAN_MIN_AGE_S` old, that no live process maps or holds open: what a
+    killed engine tree left behind. Files of the tree that are known by path (ring buffers,
+    restored files) are removed by the caller directly.
     """
+    now = time.time()
     try:
-        candidates = [p for p in SHM.iterdir() if p.is_file() and p.stat().st_ctime >= since]
+        candidates = [p for p in SHM.glob(ORPHAN_PATTERN)
+                      if p.is_file() and since <= p.stat().st_ctime <= now - ORPHAN_MIN_AGE_S]
     except OSError:
         return []
     if not candidates:

@@ -121,12 +121,15 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     raise EngineError("engine launcher did not create its PID namespace within 30 s")
 
 
-def tail(path: Path, lines: int = 25) -> str:
-    """Last ``lines`` lines of a text file ('' if missing)."""
+def tail(path: Path, lines: int = 12) -> str:
+    """The lines of a log that explain a failure: the last 5 lines naming an error (vLLM's root
+    cause is often far above its final traceback), then the last ``lines`` lines."""
     try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+        all_lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    errors = [ln for ln in all_lines[:-lines] if re.search(r"Error|ERROR|Killed|Traceback", ln)][-5:]
+    return "\n".join(errors + (["..."] if errors else []) + all_lines[-lines:])
 
 
 def wait_healthy(eng: EngineProcess, timeout_s: float, progress=None) -> float:

@@ -1,0 +1,131 @@
+"""Cold start vs ``warmctl up`` from the local store: time to the first *correct* token.
+
+Both sides run in one process, interleaved (this machine is shared and noisy; the ratio of
+medians is the result, not the absolute seconds):
+
+- **cold**: what an operator does without warmctl: launch ``vllm serve`` for the ``tiny``
+  profile (same flags, same launcher) and send the first canary prompt until a token comes back.
+- **restore**: ``warmctl up tiny`` (the real CLI, from the local store: materialize, CRIU
+  restore, canary, gate), then the same request on the public port.
+
+"Correct" means the returned token id equals the first token of the snapshot's canary record.
+Usage::
+
+    python benchmarks/restore_vs_cold.py [--runs 3] [--keep-home DIR]
+
+Prints one line per run and a summary with medians and the ratio cold/restore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+ENGINE_PORT, GATE_PORT = 18600, 18680
+
+
+def setup(home_root: Path) -> dict[str, str]:
+    profiles = home_root / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    text = (REPO / "profiles" / "tiny.toml").read_text()
+    text = re.sub(r"(?m)^port = 18000", f"port = {ENGINE_PORT}", text)
+    text = re.sub(r"(?m)^port = 8000", f"port = {GATE_PORT}", text)
+    (profiles / "tiny.toml").write_text(text)
+    cfg = home_root / "config.toml"
+    cfg.write_text(f'home = "{home_root / "home"}"\nprofile_dirs = ["{profiles}"]\nkeys_dir = "{home_root / "keys"}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
+    env["WARMCTL_CONFIG"] = str(cfg)
+    return env
+
+
+def wc(env, *args, check=True):
+    r = subprocess.run([sys.executable, "-m", "warmctl", *args], env=env, capture_output=True, text=True)
+    if check and r.returncode:
+        sys.exit(f"warmctl {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def first_token(port: int, prompt: str, deadline_s: float = 900) -> tuple[int, float]:
+    """Poll until the engine on ``port`` answers ``prompt`` with one token; (token id, time)."""
+    t_end = time.monotonic() + deadline_s
+    with httpx.Client(timeout=30) as c:
+        while time.monotonic() < t_end:
+            try:
+                r = c.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "return_token_ids": True, "seed": 0, "ignore_eos": True})
+                if r.status_code == 200:
+                    return r.json()["choices"][0]["token_ids"][0], time.monotonic()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"no token from port {port} within {deadline_s} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs of each side (default 3)")
+    ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep this work dir (its snapshot)")
+    a = ap.parse_args()
+    root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-bench-"))
+    env = setup(root)
+    os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
+
+    from warmctl.config import load_settings
+    from warmctl.engine import vllm
+    from warmctl.profile import load_profile
+    from warmctl.snapshot import resolve_model
+    from warmctl.store import open_store
+
+    settings = load_settings()
+    prof = load_profile("tiny", settings.profile_dirs)
+    store = open_store(settings.store_dir)
+    if store.get_tag("tiny", "latest") is None:
+        print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
+        wc(env, "snapshot", "tiny", "--quiet")
+    manifest = store.get_manifest(store.get_tag("tiny", "latest"))
+    prompt = manifest.canary.completions[0].prompt
+    expected = manifest.canary.completions[0].token_ids[0]
+    model = resolve_model(prof, settings)
+
+    cold, restore = [], []
+    for i in range(a.runs):
+        wc(env, "down", "tiny")
+        t0 = time.monotonic()
+        eng = vllm.start(prof, model, root / f"cold-{i}.log")
+        tok, t1 = first_token(prof.engine.port, prompt)
+        vllm.kill_tree(eng.root_pid)
+        assert tok == expected, f"cold engine's first token {tok} != canary {expected}"
+        cold.append(t1 - t0)
+        print(f"run {i}: cold start -> first correct token {cold[-1]:7.2f} s", flush=True)
+        time.sleep(2)
+
+        t0 = time.monotonic()
+        wc(env, "up", "tiny")
+        tok, t1 = first_token(GATE_PORT, prompt)
+        assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
+        restore.append(t1 - t0)
+        timings = wc(env, "status", "tiny", "--json").stdout
+        wc(env, "down", "tiny")
+        print(f"run {i}: warmctl up  -> first correct token {restore[-1]:7.2f} s", flush=True)
+        time.sleep(2)
+
+    mc, mr = statistics.median(cold), statistics.median(restore)
+    print(f"\nmedian over {a.runs} runs: cold {mc:.2f} s, warmctl up {mr:.2f} s, ratio cold/up = {mc / mr:.1f}x")
+    print(f"snapshot: {manifest.total_size() / 2**30:.2f} GiB logical; last up status: {timings.strip()[:400]}")
+
+
+if __name__ == "__main__":
+    main()
