@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -327,7 +328,7 @@ def test_agent_process_with_tls(tmp_path):
         deadline = time.monotonic() + 60
         while True:
             try:
-                r = httpx.get(f"https://127.0.0.1:{port}/healthz", verify=str(cert), timeout=2)
+                r = httpx.get(f"https://127.0.0.1:{port}/healthz", verify=ssl.create_default_context(cafile=str(cert)), timeout=2)
                 break
             except httpx.TransportError:
                 assert proc.poll() is None and time.monotonic() < deadline, "TLS agent did not start"

@@ -78,6 +78,10 @@ class AgentClient:
                  transport: httpx.BaseTransport | None = None, verify: bool | str = True) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if isinstance(verify, (str, Path)):
+            import ssl
+
+            verify = ssl.create_default_context(cafile=str(verify))  # type: ignore[assignment]
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
                                  verify=verify)
 
@@ -188,12 +192,13 @@ class AgentClient:
     # ------------------------------------------------------------------ operations
 
     def up(self, name: str, reporter: Reporter | None = None, *, tag: str = "latest", public_port: int | None = None,
-           public_host: str | None = None, snapshot_after: bool = False):
+           public_host: str | None = None, snapshot_after: bool = False, insecure: bool = False):
         """Like :func:`warmctl.lifecycle.up` through the agent. Returns an ``UpResult``."""
         from warmctl.lifecycle import UpResult
 
         job = self.request("POST", f"/v1/engines/{name}/up",
-                           json={"tag": tag, "port": public_port, "host": public_host, "snapshot_after": snapshot_after})
+                           json={"tag": tag, "port": public_port, "host": public_host, "snapshot_after": snapshot_after,
+                                 "insecure": insecure})
         res = self.follow(job["id"], reporter)
         return UpResult(EngineState.model_validate(res["state"]), res["path"], res.get("timings") or {},
                         res.get("reason") or "", res.get("snapshot"))

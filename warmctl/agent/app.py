@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import threading
 import time
 from typing import Any, Literal
 
@@ -42,6 +43,8 @@ from .recovery import RecoveryReport, recover
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 JOB_PATTERN = r"^j-[0-9a-f]{12}$"
+#: seconds an engine status answer may be reused (see :meth:`AgentState.engine_status`)
+STATUS_TTL_S = 0.5
 #: answered without a token (probes and the API description)
 OPEN_PATHS = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
@@ -65,13 +68,16 @@ class ErrorBody(BaseModel):
 class UpRequest(BaseModel):
     """Bring engine NAME up from snapshot ``NAME:tag`` (or cold from the profile NAME).
     ``port``/``host``: public address (default: settings, then the profile's);
-    ``snapshot_after``: on the cold path, snapshot the warmed engine."""
+    ``snapshot_after``: on the cold path, snapshot the warmed engine; ``insecure``: accept an
+    unsigned or untrusted snapshot (a snapshot is executable state: only for tests)."""
 
     model_config = {"extra": "forbid"}
     tag: str = Field("latest", pattern=TAG_PATTERN)
     port: int | None = Field(None, ge=1, le=65535)
     host: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9.:-]+$")
     snapshot_after: bool = False
+    #: INSECURE: restore an unsigned or untrusted snapshot (logged as a loud warning)
+    insecure: bool = False
 
 
 class SnapshotRequest(BaseModel):
@@ -172,8 +178,28 @@ class AgentState:
         self.ready_detail = "starting: recovery not finished"
         self.recovery: RecoveryReport | None = None
         self._host_cache: tuple[float, dict] | None = None
+        self._status_lock = threading.Lock()
+        self._status_cache: tuple[float, list[lifecycle.EngineStatus]] | None = None
+
+    def engine_status(self) -> list[lifecycle.EngineStatus]:
+        """:func:`warmctl.lifecycle.status` of every engine, at most :data:`STATUS_TTL_S` old.
+
+        A status storm (a scheduler fleet polling) must not turn into as many ``/health``
+        probes of an engine busy restoring or replaying its canary: one caller refreshes,
+        the others wait for it and share the answer."""
+        with self._status_lock:
+            c = self._status_cache
+            if c is None or time.monotonic() - c[0] > STATUS_TTL_S:
+                c = self._status_cache = (time.monotonic(), lifecycle.status(self.settings))
+            return c[1]
+
+    def forget_status(self) -> None:
+        """Drop the cached engine status (after a job changed an engine)."""
+        with self._status_lock:
+            self._status_cache = None
 
     def _finished(self, job: Job) -> None:
+        self.forget_status()
         m = self.metrics
         m.jobs_finished.labels(job.kind, job.state).inc()
         if job.kind == "up" and job.state == "succeeded" and job.result:
@@ -339,7 +365,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     @app.get("/v1/engines", response_model=list[EngineView], tags=["engines"], **v1)
     def engines() -> list[EngineView]:
         """Every engine recorded on this host, plus engines an ``up`` job is bringing up."""
-        rows = {r.state.name: r for r in lifecycle.status(s)}
+        rows = {r.state.name: r for r in agent.engine_status()}
         names = set(rows) | {j.target for j in agent.jobs.running() if j.kind == "up"}
         return [_view(n, rows.get(n)) for n in sorted(names)]
 
@@ -347,7 +373,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     def engine(name: str = Path(..., pattern=NAME_PATTERN)) -> EngineView:
         """Engine ``name``: phase, processes, health, per-phase timings. ``phase`` is
         ``down`` when nothing is recorded and no job works on it."""
-        rows = lifecycle.status(s, name)
+        rows = [r for r in agent.engine_status() if r.state.name == name]
         return _view(name, rows[0] if rows else None)
 
     def _submit(kind: str, target: str, resources: list[str], fn, params: dict, reporter=None) -> JSONResponse:
@@ -360,7 +386,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     def _port_conflict(name: str, port: int | None) -> None:
         if port is None:
             return
-        for st in lifecycle.status(s):
+        for st in agent.engine_status():
             if st.state.name != name and st.state.public_port == port and (st.engine_alive or st.gate_alive):
                 raise ApiError(409, "conflict", f"port {port} is held by engine {st.state.name} "
                                                 f"({st.state.phase}); choose another port or take it down first")
@@ -404,7 +430,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
             except ProfileError:
                 prof = None
             res = lifecycle.up(name, s, rep, tag=req.tag, profile=prof, public_port=req.port, public_host=req.host,
-                               snapshot_after=req.snapshot_after)
+                               snapshot_after=req.snapshot_after, insecure=req.insecure)
             return {"path": res.path, "reason": res.reason, "snapshot": res.snapshot_digest,
                     "timings": res.timings, "state": res.state.model_dump(mode="json")}
 
