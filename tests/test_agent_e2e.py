@@ -181,12 +181,15 @@ def test_cli_through_the_agent_gives_the_same_output(wc_env, tiny_snapshot, clea
     agent = Agent(wc_env)
     try:
         env = {**wc_env, "WARMCTL_AGENT_URL": agent.url}
+        before = {j["id"] for j in agent.http.get("/v1/jobs", params={"limit": 500}).json()}
         up = warmctl("up", "tiny", env=env, timeout=300)
         assert "tiny up (restore)" in up.stdout and "serving tiny on http://127.0.0.1:" in up.stdout, up.stdout
         for phase in ("materialize", "restore", "canary", "gate"):
             assert phase in up.stdout
         assert "ok canary" in up.stderr.replace("  ", " ") or "canary" in up.stderr
-        assert [j["kind"] for j in agent.http.get("/v1/jobs").json()] == ["up"], "the CLI did not go through the agent"
+        new = [j for j in agent.http.get("/v1/jobs", params={"limit": 500}).json() if j["id"] not in before]
+        assert [(j["kind"], j["target"], j["state"]) for j in new] == [("up", "tiny", "succeeded")], \
+            "the CLI did not go through the agent"
         via_agent = warmctl("status", "--json", env=env).stdout
         local = warmctl("status", "--json", env=wc_env).stdout
         import json
