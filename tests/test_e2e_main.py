@@ -94,9 +94,11 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert restored == cold
     # chat completion on the public port
     chat = httpx.post(f"http://127.0.0.1:{gate}/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France? One word."}],
         "max_tokens": 8, "temperature": 0})
-    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 8
+    assert chat.status_code == 200, chat.text
+    answer = chat.json()["choices"][0]["message"]["content"]
+    assert answer.strip() and chat.json()["usage"]["completion_tokens"] >= 1, chat.text
     # up again changes nothing
     again = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)
     assert again["path"] == "already-up"

@@ -63,9 +63,9 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
 
 def _cleanup(st: EngineState) -> None:
     """Kill the gate and the engine tree of ``st`` and remove its ``/dev/shm`` files."""
-    if st.gate_pid:
+    if st.gate_alive():
         vllm.kill_tree(st.gate_pid, timeout_s=5)
-    if st.root_pid:
+    if st.engine_alive():  # never act on a PID that now belongs to another process
         for p in capture.referenced_files(st.root_pid).shm:
             if str(p) not in st.shm_files:
                 st.shm_files.append(str(p))
@@ -193,7 +193,7 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
             log_path.touch()
         save_state(settings.run_dir, st)
         with reporter.phase("restore", "CRIU restore of the process tree"):
-            st.root_pid, _ = criu.restore(images, run / "engine.pid", log_file=run / "restore.log")
+            st.set_root(criu.restore(images, run / "engine.pid", log_file=run / "restore.log")[0])
         st.phase = "health"
         save_state(settings.run_dir, st)
         eng = vllm.EngineProcess(None, st.root_pid, prof.engine.port, log_path)
@@ -206,7 +206,7 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         with reporter.phase("canary", "replaying the canary, bit for bit"):
             canary.verify(manifest.canary, eng.base_url, prof.canary, prof.engine.served_model_name)
         with reporter.phase("gate", f"opening {host_}:{port}"):
-            st.gate_pid = start_gate(host_, port, prof.engine.port, st.root_pid, run / "gate.log")
+            st.set_gate(start_gate(host_, port, prof.engine.port, st.root_pid, run / "gate.log"))
     except BaseException:
         st.phase = "failed"
         _cleanup(st)
@@ -255,9 +255,10 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
     started = time.time()
     eng, startup = snap.cold_start(profile, settings, reporter)
     st = EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(), started_at=started,
-                     root_pid=eng.root_pid, internal_port=profile.engine.port, public_host=host_,
+                     internal_port=profile.engine.port, public_host=host_,
                      public_port=port, served_model_name=profile.engine.served_model_name,
                      log_path=str(eng.log_path))
+    st.set_root(eng.root_pid)
     save_state(settings.run_dir, st)
     digest = None
     try:
@@ -268,8 +269,8 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
             reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
         st.shm_files = [str(p) for p in capture.referenced_files(eng.root_pid).shm]
         with reporter.phase("gate", f"opening {host_}:{port}"):
-            st.gate_pid = start_gate(host_, port, profile.engine.port, eng.root_pid,
-                                     snap.engine_dir(settings, profile.name) / "gate.log")
+            st.set_gate(start_gate(host_, port, profile.engine.port, eng.root_pid,
+                                   snap.engine_dir(settings, profile.name) / "gate.log"))
     except BaseException:
         _cleanup(st)
         remove_state(settings.run_dir, profile.name)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import psutil
 from pydantic import BaseModel
 
 from warmctl.engine.vllm import pid_alive
@@ -29,6 +30,10 @@ class EngineState(BaseModel):
     profile_digest: str | None = None
     root_pid: int | None = None
     gate_pid: int | None = None
+    #: Creation times (psutil, Unix seconds) of those PIDs: PIDs are reused quickly (pid_max can
+    #: be 32768 and an engine uses ~70 of them), so a PID alone never identifies our process.
+    root_ctime: float | None = None
+    gate_ctime: float | None = None
     internal_port: int
     public_host: str
     public_port: int
@@ -38,11 +43,34 @@ class EngineState(BaseModel):
     started_at: float = 0.0
     timings: dict[str, float] = {}
 
+    def set_root(self, pid: int) -> None:
+        """Record the engine tree's root PID and its creation time."""
+        self.root_pid, self.root_ctime = pid, _ctime(pid)
+
+    def set_gate(self, pid: int) -> None:
+        """Record the gate's PID and its creation time."""
+        self.gate_pid, self.gate_ctime = pid, _ctime(pid)
+
     def engine_alive(self) -> bool:
-        return bool(self.root_pid) and pid_alive(self.root_pid)
+        """True if the recorded root PID still is *our* process (same creation time) and alive."""
+        return _same(self.root_pid, self.root_ctime)
 
     def gate_alive(self) -> bool:
-        return bool(self.gate_pid) and pid_alive(self.gate_pid)
+        return _same(self.gate_pid, self.gate_ctime)
+
+
+def _ctime(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _same(pid: int | None, ctime: float | None) -> bool:
+    if not pid or ctime is None or not pid_alive(pid):
+        return False
+    now = _ctime(pid)
+    return now is not None and abs(now - ctime) < 0.5
 
 
 def state_path(run_dir: Path, name: str) -> Path:

@@ -137,7 +137,7 @@ def _train(model, tok) -> float:
             opt.step()
             opt.zero_grad()
         model.eval()
-        return float(loss)
+        return float(loss.detach())
     finally:
         torch.set_num_threads(threads)
 
