@@ -176,5 +176,5 @@ def markdown(res: StartupResult) -> str:
                   f"{r['ready_s']:.1f} s ({parts}): **{ratio:.1f}x faster**.", ""]
     errs = [(p, x.error) for p, runs in (("cold", res.cold), ("restore", res.restore)) for x in runs if x.error]
     if errs:
-        lines += ["Failed runs:", ""] + [f"- {p}: {e}" for p, e in errs] + [""]
+        lines += ["Failed runs:", ""] + [f"- {p}: " + e.strip().replace("\n", "\n  ") for p, e in errs] + [""]
     return "\n".join(lines)
