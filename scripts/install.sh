@@ -44,13 +44,14 @@ criu_ok() {  # $1 = binary; true if version >= 4.2 and `criu check` passes
   "$1" check >/dev/null 2>&1
 }
 CRIU_BIN=""
+[ "${WARMCTL_CRIU_FORCE_BUILD:-0}" = 1 ] && say "criu: WARMCTL_CRIU_FORCE_BUILD=1: building even if one is installed" || \
 for c in "${WARMCTL_CRIU:-}" "$(command -v criu 2>/dev/null || true)" /usr/local/sbin/criu; do
   if [ -n "$c" ] && [ -x "$c" ] && criu_ok "$c"; then CRIU_BIN=$c; break; fi
 done
 if [ -n "$CRIU_BIN" ]; then
   say "criu: $CRIU_BIN ($("$CRIU_BIN" --version | sed -n 's/^Version: *//p')) passes 'criu check'; skipped"
 else
-  say "criu: no usable CRIU >= 4.2; building $CRIU_VERSION from Debian's source package"
+  say "criu: building $CRIU_VERSION from Debian's source package (no installed CRIU >= 4.2 passes 'criu check', or a build was forced)"
   apt_install libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev \
     libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
   build=$(mktemp -d)
@@ -60,7 +61,8 @@ else
   tar -xJf "$build/criu.tar.xz" -C "$build"
   make -C "$build/criu-$CRIU_VERSION" -j"$(nproc)" criu >"$build/build.log" 2>&1 \
     || { tail -30 "$build/build.log" >&2; die "CRIU build failed (log above)"; }
-  install -m 0755 "$build/criu-$CRIU_VERSION/criu/criu" /usr/local/sbin/criu
+  install -m 0755 "$build/criu-$CRIU_VERSION/criu/criu" /usr/local/sbin/criu.new
+  mv -f /usr/local/sbin/criu.new /usr/local/sbin/criu  # atomic: running dumps keep their binary
   criu_ok /usr/local/sbin/criu || die "/usr/local/sbin/criu was built but 'criu check' fails: $(/usr/local/sbin/criu check 2>&1 | tail -3)"
   say "criu: installed /usr/local/sbin/criu ($CRIU_VERSION); 'criu check' passes"
 fi
@@ -97,6 +99,8 @@ else
 fi
 
 say "warmctl: installing $REPO (editable, with test extras)"
-"$PY" -m pip install -q -e "$REPO[test]"
+log=$(mktemp)
+"$PY" -m pip install -q -e "$REPO[test]" >"$log" 2>&1 || { cat "$log" >&2; die "pip install of warmctl failed (output above)"; }
+rm -f "$log"
 [ -e /usr/local/bin/warmctl ] || ln -s "$VENV/bin/warmctl" /usr/local/bin/warmctl 2>/dev/null || true
 say "done: $("$VENV/bin/warmctl" version 2>/dev/null || echo '?') in $VENV; CRIU: $( (criu --version 2>/dev/null || /usr/local/sbin/criu --version) | sed -n 's/^Version: *//p')"
