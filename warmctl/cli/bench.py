@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import httpx
 import typer
 from rich.console import Console
 
@@ -108,12 +109,8 @@ def register(app: typer.Typer) -> None:
 
             try:
                 res = run_matrix(url, opts, progress)
-            except Exception as e:  # httpx errors: the endpoint is unusable
-                import httpx
-
-                if isinstance(e, httpx.HTTPError):
-                    raise EngineError(f"{url} is not a usable OpenAI-compatible endpoint: {e}") from None
-                raise
+            except httpx.HTTPError as e:  # /v1/models (or /tokenize for corpus prompts) unusable
+                raise EngineError(f"{url} is not a usable OpenAI-compatible endpoint: {e}") from None
         d = _out_dir(out_dir, "matrix")
         paths = write_matrix(res, d)
         typer.echo(markdown(res))
