@@ -37,6 +37,13 @@ def _settings(env):
             os.environ["WARMCTL_CONFIG"] = old
 
 
+@pytest.fixture(autouse=True)
+def _down_after(wc_env):
+    """Whatever a test leaves up (a failed assertion mid-test), the next one starts clean."""
+    yield
+    warmctl("down", "tiny", env=wc_env, check=False)
+
+
 def _shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 

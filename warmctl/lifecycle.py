@@ -72,6 +72,15 @@ def _cleanup(st: EngineState) -> None:
         vllm.kill_tree(st.root_pid)
     for f in st.shm_files:
         Path(f).unlink(missing_ok=True)
+    if st.shm_inodes:
+        inodes = {tuple(x) for x in st.shm_inodes}
+        for p in capture.SHM.iterdir():
+            try:
+                sst = p.lstat()
+            except OSError:
+                continue
+            if (sst.st_dev, sst.st_ino) in inodes:
+                p.unlink(missing_ok=True)
     if st.started_at:
         for p in capture.orphaned_shm(st.started_at - 1):
             p.unlink(missing_ok=True)
@@ -186,14 +195,18 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
                      log_path=str(log_path))
     images = run / "images"
     try:
-        with reporter.phase("materialize", f"verifying and writing {manifest.total_size() / 2**20:,.0f} MiB"):
-            st.shm_files = _materialize(store, manifest, images, reporter, cache=None if store is local else local)
-            for p in (log_path.parent, Path(manifest.restore.get("cwd", run))):
-                p.mkdir(parents=True, exist_ok=True)
-            log_path.touch()
-        save_state(settings.run_dir, st)
-        with reporter.phase("restore", "CRIU restore of the process tree"):
-            st.set_root(criu.restore(images, run / "engine.pid", log_file=run / "restore.log")[0])
+        # one CRIU operation per host from the first /dev/shm file written until CRIU has
+        # consumed its link_remap files (see criu.host_lock)
+        with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+            with reporter.phase("materialize", f"verifying and writing {manifest.total_size() / 2**20:,.0f} MiB"):
+                st.shm_files = _materialize(store, manifest, images, reporter, cache=None if store is local else local)
+                st.shm_inodes = [(x.st_dev, x.st_ino) for x in map(os.stat, st.shm_files)]
+                for p in (log_path.parent, Path(manifest.restore.get("cwd", run))):
+                    p.mkdir(parents=True, exist_ok=True)
+                log_path.touch()
+            save_state(settings.run_dir, st)
+            with reporter.phase("restore", "CRIU restore of the process tree"):
+                st.set_root(criu.restore(images, run / "engine.pid", log_file=run / "restore.log")[0])
         st.phase = "health"
         save_state(settings.run_dir, st)
         eng = vllm.EngineProcess(None, st.root_pid, prof.engine.port, log_path)

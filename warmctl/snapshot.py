@@ -145,21 +145,39 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
         files = capture.referenced_files(eng.root_pid, exclude=[d])
         shm_files = list(files.shm)
-        shm_before = capture.shm_names()
-        with reporter.phase("criu_dump", f"CRIU dump of pid {eng.root_pid} and its children"):
+        links: dict[Path, Path | None] = {}
+        entries: list[FileEntry] = []
+        items: list[tuple[Path, str, str]] = []  # (source, role, path in manifest)
+        with reporter.phase("criu_dump", f"CRIU dump of pid {eng.root_pid} and its children"), \
+                criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+            shm_before = capture.shm_names()
             if profile.checkpoint.cuda:
                 gpu = _dump_with_gpu(eng, profile, images, leave_running)
             else:
                 criu.dump(eng.root_pid, images, leave_running=leave_running)
-        shm_files += capture.link_remaps_since(shm_before)
-        links = capture.group_hardlinks(shm_files)
-        entries: list[FileEntry] = []
-        items: list[tuple[Path, str, str]] = []  # (source, role, path in manifest)
+            # CRIU's link_remap.N files leave /dev/shm before the host lock is released: a hard link
+            # to a captured file is recorded as such; any other one is copied out first
+            remaps = capture.link_remaps_since(shm_before)
+            links = capture.group_hardlinks(shm_files + remaps)
+            for p in remaps:
+                st = p.stat()
+                if links[p] is not None:
+                    entries.append(FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777,
+                                             hardlink_to=links[p].name))
+                else:
+                    (work / "shm").mkdir(exist_ok=True)
+                    items.append((Path(shutil.copy2(p, work / "shm" / p.name)), "shm", p.name))
+                p.unlink()
         for p in sorted(images.iterdir()):
             if p.is_file():
                 items.append((p, "image", p.name))
         for p in shm_files:
-            items.append((p, "shm", p.name))
+            if links.get(p) is not None:
+                st = p.stat()
+                entries.append(FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777,
+                                         hardlink_to=links[p].name))
+            else:
+                items.append((p, "shm", p.name))
         for p in files.bundled:
             items.append((p, "file", str(p).lstrip("/")))
         total = sum(p.stat().st_size for p, _, _ in items)
@@ -167,10 +185,6 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             advance = reporter.bytes_progress("store", total)
             for src, role, rel in items:
                 st = src.stat()
-                if role == "shm" and links.get(src) is not None:
-                    entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777,
-                                             hardlink_to=links[src].name))
-                    continue
                 chunks = store.add_file(src, progress=advance)
                 entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777, chunks=chunks))
         phases = [Phase(name=k, seconds=v) for k, v in startup.items()] + list(reporter.phases)
@@ -202,10 +216,6 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             vllm.kill_tree(eng.root_pid)
             for p in shm_files:
                 Path(p).unlink(missing_ok=True)
-        else:
-            for p in shm_files:
-                if p.name.startswith("link_remap."):
-                    p.unlink(missing_ok=True)
 
 
 def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool) -> dict:

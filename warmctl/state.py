@@ -39,6 +39,9 @@ class EngineState(BaseModel):
     public_port: int
     served_model_name: str
     shm_files: list[str] = []
+    #: (st_dev, st_ino) of the /dev/shm files restore wrote: CRIU re-links a ``link_remap.N``
+    #: file to its original name during restore, and that name must go at ``down`` too.
+    shm_inodes: list[tuple[int, int]] = []
     log_path: str
     started_at: float = 0.0
     timings: dict[str, float] = {}

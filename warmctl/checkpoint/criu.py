@@ -16,12 +16,15 @@ The CRIU binary is ``$WARMCTL_CRIU`` if set, else ``criu`` on ``PATH``, else
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from warmctl.errors import CheckpointError, HostError
 
@@ -71,6 +74,41 @@ def check() -> str:
     if os.geteuid() != 0:
         raise HostError("CRIU needs root (or CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN)")
     return binary
+
+
+#: Host-wide lock serializing CRIU dumps and restores (see :func:`host_lock`).
+LOCK_PATH = Path(os.environ.get("WARMCTL_CRIU_LOCK", "/run/lock/warmctl-criu.lock"))
+
+
+@contextmanager
+def host_lock(timeout_s: float = 900.0, on_wait=None) -> Iterator[None]:
+    """Hold the host-wide CRIU lock (``flock`` on :data:`LOCK_PATH`) for a dump or restore.
+
+    Why: CRIU names the hard links it makes for unlinked files by file id (``link_remap.246``
+    in ``/dev/shm`` for every vLLM ``tiny`` snapshot), so a dump or restore running while
+    another one has such a file in place can delete or overwrite the other's (observed: a
+    restore failing with "Couldn't unlink remap /dev/shm/link_remap.246"). ``on_wait()`` is
+    called once if the lock is busy. Raises :class:`CheckpointError` after ``timeout_s``.
+    """
+    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_PATH, "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        waited = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited and on_wait:
+                    on_wait()
+                waited = True
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"another CRIU dump/restore held {LOCK_PATH} for {timeout_s:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _log_tail(path: Path, n: int = 15) -> str:
