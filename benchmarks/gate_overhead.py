@@ -3,8 +3,8 @@
 With ``tiny`` up (``warmctl up tiny``; this script brings it up in its own work dir), it sends,
 alternating direct/gated request by request so both sides see the same machine load:
 
-- streaming completions (``stream: true``): time to first token (TTFT) and time between
-  tokens (ITL), medians;
+- streaming completions (``stream: true``): time to first token (TTFT) and mean time
+  between tokens per request (ITL), medians over requests;
 - bulk: ``--concurrency`` non-streaming completions at once, output tokens per second.
 
 Prints medians per side and the ratio gated/direct (1.00 = no cost). Usage::
@@ -33,8 +33,10 @@ BODY = {"model": "tiny", "prompt": "The train leaves the station at", "max_token
         "temperature": 0, "ignore_eos": True}
 
 
-def stream_once(client: httpx.Client, port: int) -> tuple[float, list[float]]:
-    """(TTFT seconds, inter-token gaps in seconds) of one streaming completion."""
+def stream_once(client: httpx.Client, port: int) -> tuple[float, float]:
+    """(TTFT, mean time between tokens) of one streaming completion, in seconds. The mean is
+    (last chunk - first chunk) / (chunks - 1): vLLM may send several tokens in one burst, so a
+    median of single gaps would mostly measure the bursts."""
     t0 = time.perf_counter()
     ttft, last, gaps = None, None, []
     with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**BODY, "stream": True}) as r:
@@ -48,7 +50,7 @@ def stream_once(client: httpx.Client, port: int) -> tuple[float, list[float]]:
             else:
                 gaps.append(now - last)
             last = now
-    return ttft, gaps
+    return ttft, (sum(gaps) / len(gaps)) if gaps else 0.0
 
 
 def bulk(port: int, n: int) -> float:
@@ -92,7 +94,7 @@ def main() -> None:
                 for k, p in sides.items():
                     t, g = stream_once(c, p)
                     ttft[k].append(t)
-                    itl[k].extend(g)
+                    itl[k].append(g)
         for _ in range(a.rounds):
             for k, p in sides.items():
                 tput[k].append(bulk(p, a.concurrency))

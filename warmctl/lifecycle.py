@@ -65,12 +65,15 @@ def _cleanup(st: EngineState) -> None:
     """Kill the gate and the engine tree of ``st`` and remove its ``/dev/shm`` files."""
     if st.gate_alive():
         vllm.kill_tree(st.gate_pid, timeout_s=5)
+    live_shm: list[Path] = []
     if st.engine_alive():  # never act on a PID that now belongs to another process
-        for p in capture.referenced_files(st.root_pid).shm:
-            if str(p) not in st.shm_files:
-                st.shm_files.append(str(p))
+        live_shm = capture.referenced_files(st.root_pid).shm
         vllm.kill_tree(st.root_pid)
-    for f in st.shm_files:
+    for p in live_shm:
+        p.unlink(missing_ok=True)
+    # restored files are removed by inode, never by name: CRIU consumed the link_remap.N names at
+    # restore, and another restore on this host may have written the same names since
+    for f in ([] if st.shm_inodes else st.shm_files):
         Path(f).unlink(missing_ok=True)
     if st.shm_inodes:
         inodes = {tuple(x) for x in st.shm_inodes}
@@ -86,8 +89,9 @@ def _cleanup(st: EngineState) -> None:
             p.unlink(missing_ok=True)
 
 
-def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=None) -> list[str]:
-    """Write the manifest's files back (see module doc). Returns the ``/dev/shm`` paths written.
+def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=None) -> tuple[list[str], list[tuple[int, int]]]:
+    """Write the manifest's files back (see module doc). Returns the ``/dev/shm`` paths written
+    and their (st_dev, st_ino).
 
     ``cache``: a local store that keeps chunks read from a remote ``store``.
     Raises :class:`IntegrityError` (from the store) on a bad chunk, :class:`HostError` when a
@@ -128,11 +132,12 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=Non
                 continue
             store.read_file(f.chunks, dest, progress=advance, cache=cache)
             os.chmod(dest, f.mode)
+        inodes = [(x.st_dev, x.st_ino) for x in map(os.stat, written_shm)]
     except BaseException:
         for p in written_shm:
             Path(p).unlink(missing_ok=True)
         raise
-    return written_shm
+    return written_shm, inodes
 
 
 def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest",
@@ -199,8 +204,8 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         # consumed its link_remap files (see criu.host_lock)
         with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
             with reporter.phase("materialize", f"verifying and writing {manifest.total_size() / 2**20:,.0f} MiB"):
-                st.shm_files = _materialize(store, manifest, images, reporter, cache=None if store is local else local)
-                st.shm_inodes = [(x.st_dev, x.st_ino) for x in map(os.stat, st.shm_files)]
+                st.shm_files, st.shm_inodes = _materialize(store, manifest, images, reporter,
+                                                           cache=None if store is local else local)
                 for p in (log_path.parent, Path(manifest.restore.get("cwd", run))):
                     p.mkdir(parents=True, exist_ok=True)
                 log_path.touch()
