@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from warmctl.checkpoint import cuda, nvml
+from warmctl.engine.vllm import pid_alive
 from warmctl.errors import CheckpointError
 
 #: Device files of the NVIDIA driver; a process mapping or holding one has GPU state.
@@ -303,18 +304,8 @@ def _run_phase(name: str, pids: list[int], fn: Callable[[int], None], timeout_s:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is not alive for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Alive and not a zombie."""
+    return pid_alive(pid)
 
 
 def _describe(errors: Mapping[int, BaseException]) -> str:
