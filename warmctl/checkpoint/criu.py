@@ -120,6 +120,19 @@ def _log_tail(path: Path, n: int = 15) -> str:
     return "\n".join((errs or lines)[-n:])
 
 
+def _run(cmd: list[str], what: str, log: Path, timeout_s: float) -> float:
+    """Run a CRIU command; seconds it took. Raises :class:`CheckpointError` naming ``what``
+    with the relevant lines of ``log`` on failure or after ``timeout_s``."""
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"{what} did not finish in {timeout_s:.0f} s") from None
+    if r.returncode != 0:
+        raise CheckpointError(f"{what} failed (exit {r.returncode}); {log}:\n{_log_tail(log)}")
+    return time.monotonic() - t0
+
+
 def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600) -> float:
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
 
@@ -133,15 +146,7 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
            *DUMP_FLAGS]
     if leave_running:
         cmd.append("--leave-running")
-    t0 = time.monotonic()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise CheckpointError(f"criu dump of pid {root_pid} did not finish in {timeout_s:.0f} s") from None
-    if r.returncode != 0:
-        raise CheckpointError(f"criu dump of pid {root_pid} failed (exit {r.returncode}); "
-                              f"{images_dir / 'dump.log'}:\n{_log_tail(images_dir / 'dump.log')}")
-    return time.monotonic() - t0
+    return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s)
 
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600) -> tuple[int, float]:
@@ -156,12 +161,5 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     pidfile.unlink(missing_ok=True)
     cmd = [check(), "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
-    t0 = time.monotonic()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise CheckpointError(f"criu restore from {images_dir} did not finish in {timeout_s:.0f} s") from None
-    if r.returncode != 0:
-        raise CheckpointError(f"criu restore from {images_dir} failed (exit {r.returncode}); "
-                              f"{log_file}:\n{_log_tail(log_file)}")
-    return int(pidfile.read_text().strip()), time.monotonic() - t0
+    secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s)
+    return int(pidfile.read_text().strip()), secs
