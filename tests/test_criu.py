@@ -52,3 +52,14 @@ def test_restore_of_empty_dir_fails_clearly(tmp_path):
     (tmp_path / "img").mkdir()
     with pytest.raises(CheckpointError, match="criu restore from .* failed"):
         criu.restore(tmp_path / "img", tmp_path / "pid")
+
+
+def test_configured_binary_is_used_and_checked(tmp_path, monkeypatch):
+    monkeypatch.delenv("WARMCTL_CRIU", raising=False)
+    real = criu.criu_binary()
+    link = tmp_path / "my-criu"
+    link.symlink_to(real)
+    assert criu.criu_binary(str(link)) == str(link)
+    assert criu.check(str(link)) == str(link)
+    with pytest.raises(Exception, match="not an executable"):
+        criu.criu_binary(str(tmp_path / "nope"))

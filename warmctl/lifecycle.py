@@ -190,7 +190,7 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     host_, port = _public(prof, settings, public_port, public_host)
     require_port_free(host_, port, "public port")
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
-    criu.check()
+    criu.check(settings.criu)
 
     run = snap.engine_dir(settings, name)
     log_path = Path(manifest.restore.get("log_path", run / "engine.log"))
@@ -211,7 +211,8 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
                 log_path.touch()
             save_state(settings.run_dir, st)
             with reporter.phase("restore", "CRIU restore of the process tree"):
-                st.set_root(criu.restore(images, run / "engine.pid", log_file=run / "restore.log")[0])
+                st.set_root(criu.restore(images, run / "engine.pid", log_file=run / "restore.log",
+                                          binary=settings.criu)[0])
         st.phase = "health"
         save_state(settings.run_dir, st)
         eng = vllm.EngineProcess(None, st.root_pid, prof.engine.port, log_path)
@@ -269,7 +270,7 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
     snap.preflight(profile, settings)
     reporter.info(f"[yellow]cold start:[/] {reason}")
     if snapshot_after:
-        criu.check()
+        criu.check(settings.criu)
     started = time.time()
     eng, startup = snap.cold_start(profile, settings, reporter)
     st = EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(), started_at=started,

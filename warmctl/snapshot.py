@@ -152,9 +152,9 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
                 criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
             shm_before = capture.shm_names()
             if profile.checkpoint.cuda:
-                gpu = _dump_with_gpu(eng, profile, images, leave_running)
+                gpu = _dump_with_gpu(eng, profile, images, leave_running, settings.criu)
             else:
-                criu.dump(eng.root_pid, images, leave_running=leave_running)
+                criu.dump(eng.root_pid, images, leave_running=leave_running, binary=settings.criu)
             # CRIU's link_remap.N files leave /dev/shm before the host lock is released: a hard link
             # to a captured file is recorded as such; any other one is copied out first
             remaps = capture.link_remaps_since(shm_before)
@@ -218,7 +218,8 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
                 Path(p).unlink(missing_ok=True)
 
 
-def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool) -> dict:
+def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool,
+                   criu_bin: str | None = None) -> dict:
     """The GPU path (``checkpoint.cuda``): optional vLLM sleep, then every rank locked and
     checkpointed through the CUDA driver (:mod:`warmctl.checkpoint.ranks`) around the CRIU dump;
     ranks are rolled back (restored and unlocked) if anything fails. Returns what the restore
@@ -238,7 +239,7 @@ def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leav
             sc.sleep(profile.checkpoint.sleep_level)
         sc.checkpoint_prepare()
     with ranks.checkpoint_ranks(pids, profile.checkpoint.lock_timeout_s) as rep:
-        criu.dump(eng.root_pid, images, leave_running=leave_running)
+        criu.dump(eng.root_pid, images, leave_running=leave_running, binary=criu_bin)
     return {"nspids": list(rep.nspids.values()), "gpu_bytes": rep.gpu_bytes, "ranks": rep.to_dict()}
 
 
@@ -249,7 +250,7 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
     :class:`EngineError` (start-up, warm-up, canary), :class:`warmctl.errors.CheckpointError`
     (CRIU) or store errors; nothing of the engine survives a failure.
     """
-    criu.check()
+    criu.check(settings.criu)
     preflight(profile, settings)
     since = time.time() - 1
     try:

@@ -10,8 +10,8 @@ Flags (verified with CRIU 4.2.1 on kernel 6.18 against a running ``vllm serve`` 
 hard links next to them (for vLLM: multiprocessing semaphores in ``/dev/shm``); those files
 must exist again at restore.
 
-The CRIU binary is ``$WARMCTL_CRIU`` if set, else ``criu`` on ``PATH``, else
-``/usr/local/sbin/criu`` (where ``scripts/install.sh`` puts a source build).
+The CRIU binary is the ``criu`` setting (config file or ``$WARMCTL_CRIU``), else ``criu`` on
+``PATH``, else ``/usr/local/sbin/criu`` (where ``scripts/install.sh`` puts a source build).
 """
 
 from __future__ import annotations
@@ -35,13 +35,16 @@ RESTORE_FLAGS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage
 MIN_VERSION = (4, 2)
 
 
-def criu_binary() -> str:
-    """Path of the CRIU binary. Raises :class:`HostError` if none is found."""
-    env = os.environ.get("WARMCTL_CRIU")
-    if env:
-        if not os.access(env, os.X_OK):
-            raise HostError(f"WARMCTL_CRIU={env} is not an executable file")
-        return env
+def criu_binary(configured: str | None = None) -> str:
+    """Path of the CRIU binary: ``configured`` (the ``criu`` setting: a path, or a name looked
+    up in ``PATH``), else ``$WARMCTL_CRIU``, else ``criu`` on ``PATH``, else
+    ``/usr/local/sbin/criu``. Raises :class:`HostError` if none is found."""
+    wanted = configured if configured and configured != "criu" else os.environ.get("WARMCTL_CRIU")
+    if wanted:
+        found = shutil.which(wanted)
+        if not found:
+            raise HostError(f"CRIU binary {wanted!r} (from the criu setting / WARMCTL_CRIU) is not an executable")
+        return found
     found = shutil.which("criu") or ("/usr/local/sbin/criu" if os.access("/usr/local/sbin/criu", os.X_OK) else None)
     if not found:
         raise HostError("criu not found (PATH, /usr/local/sbin/criu); run scripts/install.sh or set WARMCTL_CRIU")
@@ -59,12 +62,13 @@ def criu_version(binary: str | None = None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
-def check() -> str:
+def check(configured: str | None = None) -> str:
     """Verify CRIU is usable: version >= :data:`MIN_VERSION` and root privileges.
 
-    Returns the binary path. Raises :class:`HostError` saying what is wrong and how to fix it.
+    ``configured``: see :func:`criu_binary`. Returns the binary path. Raises
+    :class:`HostError` saying what is wrong and how to fix it.
     """
-    binary = criu_binary()
+    binary = criu_binary(configured)
     ver = criu_version(binary)
     if ver is None:
         raise HostError(f"{binary}: cannot read its version")
@@ -133,7 +137,8 @@ def _run(cmd: list[str], what: str, log: Path, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600) -> float:
+def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600,
+         binary: str | None = None) -> float:
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
 
     Returns the seconds it took. The tree is killed after a successful dump unless
@@ -142,14 +147,15 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     """
     images_dir = Path(images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [check(), "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
+    cmd = [check(binary), "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
            *DUMP_FLAGS]
     if leave_running:
         cmd.append("--leave-running")
     return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s)
 
 
-def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600) -> tuple[int, float]:
+def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
+            binary: str | None = None) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
     ``log_file`` defaults to ``images_dir/restore.log``. Raises :class:`CheckpointError` with
@@ -159,7 +165,7 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     log_file = Path(log_file or images_dir / "restore.log")
     pidfile = Path(pidfile)
     pidfile.unlink(missing_ok=True)
-    cmd = [check(), "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
+    cmd = [check(binary), "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
     secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s)
     return int(pidfile.read_text().strip()), secs
