@@ -37,7 +37,7 @@ from warmctl.gate import start as start_gate
 from warmctl.manifest import Manifest
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
-from warmctl.state import EngineState
+from warmctl.state import EngineState, all_states
 from warmctl.state import load as load_state
 from warmctl.state import remove as remove_state
 from warmctl.state import save as save_state
@@ -323,8 +323,6 @@ class EngineStatus:
 
 def status(settings: Settings, name: str | None = None) -> list[EngineStatus]:
     """Status of every recorded engine (or just ``name``)."""
-    from warmctl.state import all_states
-
     out = []
     for st in all_states(settings.run_dir):
         if name and st.name != name:
