@@ -58,8 +58,11 @@ def wc_env(tmp_path_factory, engine_ports) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def tiny_snapshot(wc_env) -> dict:
-    """``warmctl snapshot tiny`` run once per session. Returns {"digest", "stdout", "stderr"}."""
+    """``warmctl snapshot tiny`` run once per session. Returns {"digest", "stdout", "stderr",
+    "shm_left"}: ``shm_left`` = /dev/shm names present after the snapshot but not before."""
+    shm_before = set(os.listdir("/dev/shm"))
     r = warmctl("snapshot", "tiny", env=wc_env, timeout=1500)
+    shm_after = set(os.listdir("/dev/shm"))
     m = re.search(r"tiny:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
     assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
-    return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr}
+    return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}

@@ -78,8 +78,9 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     roles = {f.role for f in m.files}
     assert {"image", "shm"} <= roles
     assert m.canary.completions and all(len(c.token_ids) == m.canary.max_tokens for c in m.canary.completions)
-    # nothing of the snapshot's engine is left running or in /dev/shm
+    # nothing of the snapshot's engine is left running or in /dev/shm (semaphores included)
     assert not any(f.path in _shm() for f in m.files if f.role == "shm")
+    assert tiny_snapshot["shm_left"] == set()
 
 
 def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_ports):

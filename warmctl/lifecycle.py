@@ -75,15 +75,7 @@ def _cleanup(st: EngineState) -> None:
     # restore, and another restore on this host may have written the same names since
     for f in ([] if st.shm_inodes else st.shm_files):
         Path(f).unlink(missing_ok=True)
-    if st.shm_inodes:
-        inodes = {tuple(x) for x in st.shm_inodes}
-        for p in capture.SHM.iterdir():
-            try:
-                sst = p.lstat()
-            except OSError:
-                continue
-            if (sst.st_dev, sst.st_ino) in inodes:
-                p.unlink(missing_ok=True)
+    capture.remove_by_inode(st.shm_inodes)
     if st.started_at:
         for p in capture.orphaned_shm(st.started_at - 1):
             p.unlink(missing_ok=True)

@@ -140,6 +140,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
     work = Path(tempfile.mkdtemp(prefix=f"snap-{profile.name}-", dir=settings.home))
     images = work / "images"
     shm_files: list[Path] = []
+    remap_inodes: list[tuple[int, int]] = []
     gpu: dict | None = None
     try:
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
@@ -161,6 +162,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             links = capture.group_hardlinks(shm_files + remaps)
             for p in remaps:
                 st = p.stat()
+                remap_inodes.append((st.st_dev, st.st_ino))
                 if links[p] is not None:
                     entries.append(FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777,
                                              hardlink_to=links[p].name))
@@ -216,6 +218,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             vllm.kill_tree(eng.root_pid)
             for p in shm_files:
                 Path(p).unlink(missing_ok=True)
+            capture.remove_by_inode(remap_inodes)  # the semaphores the remaps stood for
 
 
 def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool,

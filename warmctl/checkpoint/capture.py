@@ -141,6 +141,28 @@ def orphaned_shm(since: float) -> list[Path]:
     return [p for p in candidates if str(p) not in in_use]
 
 
+def remove_by_inode(inodes) -> list[Path]:
+    """Unlink every ``/dev/shm`` entry whose (st_dev, st_ino) is in ``inodes``; returns them.
+
+    CRIU links a ``link_remap.N`` file to the same inode as the semaphore it stands for (at
+    dump) and back to the original name (at restore), so files of a tree are found by inode,
+    never by a name another snapshot may share.
+    """
+    wanted = {tuple(x) for x in inodes}
+    removed = []
+    if not wanted:
+        return removed
+    for p in SHM.iterdir():
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in wanted:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 def group_hardlinks(paths: list[Path]) -> dict[Path, Path | None]:
     """Map each path to the first earlier path with the same inode (``None`` if it is first).
 
