@@ -63,3 +63,47 @@ def test_configured_binary_is_used_and_checked(tmp_path, monkeypatch):
     assert criu.check(str(link)) == str(link)
     with pytest.raises(Exception, match="not an executable"):
         criu.criu_binary(str(tmp_path / "nope"))
+
+
+def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
+    """A file open under a name that no longer exists, while another name links it (what
+    glibc's sem_open leaves: a temporary name linked to sem.NAME, then removed), needs CRIU's
+    link_remap file at restore; with --leave-running CRIU deletes it after the dump, so
+    criu.dump keeps it (post-dump action script)."""
+    name = f"warmctl-test-{os.getpid()}"
+    script = (f"exec 3<>/dev/shm/{name}.tmp; echo payload >&3; ln /dev/shm/{name}.tmp /dev/shm/{name}; "
+              f"rm /dev/shm/{name}.tmp; while :; do echo tick; sleep 0.1; done")
+    log = open(tmp_path / "out.log", "ab")
+    launcher = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", script],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    root = None
+    for _ in range(100):
+        kids = psutil.Process(launcher.pid).children()
+        if kids and not os.path.exists(f"/dev/shm/{name}.tmp"):
+            root = kids[0].pid
+            break
+        time.sleep(0.05)
+    assert root, "tree did not start"
+    before = set(os.listdir("/dev/shm"))
+    new_root = None
+    try:
+        with criu.host_lock():
+            criu.dump(root, tmp_path / "img", leave_running=True)
+            remaps = sorted(set(os.listdir("/dev/shm")) - before)
+            assert [r for r in remaps if r.startswith("link_remap.")] == remaps and len(remaps) == 1, remaps
+            assert not [n for n in os.listdir("/dev/shm") if n.startswith(criu.KEPT_PREFIX)]
+            assert psutil.Process(root).is_running()  # the source keeps running
+            kill_tree(root)
+            launcher.wait(10)
+            new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+        sh = psutil.Process(new_root)
+        fd3 = os.readlink(f"/proc/{sh.pid}/fd/3")
+        assert f"{name}.tmp" in fd3 and "(deleted)" in fd3
+        with open(f"/proc/{sh.pid}/fd/3", "rb") as f:
+            assert f.read(7) == b"payload"
+    finally:
+        if new_root:
+            kill_tree(new_root)
+        for n in (set(os.listdir("/dev/shm")) - before) | {name}:
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")

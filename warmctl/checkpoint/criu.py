@@ -28,6 +28,20 @@ from typing import Iterator
 
 from warmctl.errors import CheckpointError, HostError
 
+SHM = Path("/dev/shm")
+#: Prefix of the hard links the post-dump script makes to CRIU's link_remap files.
+KEPT_PREFIX = ".warmctl-kept-"
+#: CRIU action script for dumps with --leave-running (see :func:`dump`). CRIU runs it with
+#: CRTOOLS_SCRIPT_ACTION set; a non-zero exit at post-dump makes the dump fail and the tree resume.
+KEEP_REMAPS_SCRIPT = f"""#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0
+for f in {SHM}/link_remap.*; do
+  [ -e "$f" ] || continue
+  ln -f "$f" "{SHM}/{KEPT_PREFIX}${{f##*/}}" || exit 1
+done
+exit 0
+"""
+
 DUMP_FLAGS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--link-remap",
               "--manage-cgroups=ignore"]
 RESTORE_FLAGS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage-cgroups=ignore"]
@@ -142,16 +156,34 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
 
     Returns the seconds it took. The tree is killed after a successful dump unless
-    ``leave_running``. Raises :class:`CheckpointError` with the relevant lines of CRIU's log
-    (``images_dir/dump.log``) on failure; the tree then keeps running (CRIU resumes it).
+    ``leave_running``. Either way the ``link_remap.N`` files CRIU made in ``/dev/shm`` for
+    deleted-but-open files are left there for the caller to store (a restore needs them):
+    with ``--leave-running`` CRIU deletes them once the dump is done (``cr-dump.c``,
+    ``delete_link_remaps`` after the post-dump action script), so a post-dump action script
+    hard-links them aside first and they are put back under their names here. Raises
+    :class:`CheckpointError` with the relevant lines of CRIU's log (``images_dir/dump.log``) on
+    failure; the tree then keeps running (CRIU resumes it).
     """
     images_dir = Path(images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
     cmd = [check(binary), "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
            *DUMP_FLAGS]
-    if leave_running:
-        cmd.append("--leave-running")
-    return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s)
+    if not leave_running:
+        return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s)
+    script = images_dir.parent / f".warmctl-post-dump-{os.getpid()}.sh"
+    script.write_text(KEEP_REMAPS_SCRIPT)
+    script.chmod(0o700)
+    try:
+        return _run([*cmd, "--leave-running", "--action-script", str(script)], f"criu dump of pid {root_pid}",
+                    images_dir / "dump.log", timeout_s)
+    finally:
+        script.unlink(missing_ok=True)
+        for kept in SHM.glob(KEPT_PREFIX + "link_remap.*"):
+            name = SHM / kept.name[len(KEPT_PREFIX):]
+            if name.exists():  # CRIU kept it (dump failed before the clean-up): one name is enough
+                kept.unlink()
+            else:
+                kept.rename(name)
 
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
