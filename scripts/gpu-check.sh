@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: snapshot and restore a small CUDA PyTorch server (a captured CUDA graph answering
-# greedy requests) with warmctl's CRIU + CUDA checkpoint pieces, and check bit-identical output.
+# greedy requests) with warmctl's CRIU + CUDA checkpoint pieces and its weights worker extension
+# (weights saved, zeroed before the checkpoint, loaded back in place after restore), and check
+# bit-identical output.
 #
 # For a machine with one NVIDIA GPU (driver 570+; 580+ for GPU remapping) and no network.
 # Needs: root; a Python with CUDA PyTorch (PYTHON, default python3); CRIU 4.2+, either on PATH
@@ -50,6 +52,7 @@ except Exception:
 for k, v in r.get("seconds", {}).items():
     print(f"[gpu-check] {k:>28}: {v:8.3f} s")
 print(f"[gpu-check] api={r.get('api')} ranks={r.get('ranks')} gpu_bytes={r.get('gpu_bytes')} image_bytes={r.get('image_bytes')}")
+print(f"[gpu-check] weights: {r.get('weights_bytes')} bytes loaded in place at {r.get('weights_load_gb_per_s')} GB/s; zeroed weights changed the answer: {r.get('zeroed_answer_differs')}")
 print(f"[gpu-check] bit_identical={r.get('bit_identical')} gpu_state_survived={r.get('gpu_state_survived')} error={r.get('error')}")
 PY
 [ "$rc" = 124 ] && fail "did not finish within $LIMIT s"

@@ -2,9 +2,10 @@
 the restored server answers bit for bit as before. Run by scripts/gpu-check.sh (root, one
 NVIDIA GPU, driver 570+, CRIU 4.2+). Prints one JSON line of results and exits 0 on success.
 
-Phases (seconds): server cold start (CUDA init + graph capture), CUDA lock and checkpoint
-(warmctl.checkpoint.ranks), criu dump / restore (warmctl.checkpoint.criu), free-memory check,
-CUDA restore and unlock, first answer after restore.
+Phases (seconds): server cold start (CUDA init + graph capture), weights saved with warmctl's
+worker extension and zeroed in place, CUDA lock and checkpoint (warmctl.checkpoint.ranks), criu
+dump / restore (warmctl.checkpoint.criu), free-memory check, CUDA restore and unlock, weights
+loaded back in place (GB/s), first answer after restore.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
 PROMPTS = [[1, 2, 3], [17, 99, 5, 240, 7], list(range(40, 72))]
 
 
-def post(port: int, prompt: list[int], n: int = 32, timeout: float = 30) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=json.dumps({"prompt": prompt, "n": n}).encode(),
-                                 headers={"Content-Type": "application/json"})
+def post(port: int, prompt: list[int], n: int = 32, timeout: float = 30, path: str = "/generate", body: dict | None = None) -> dict:
+    data = json.dumps(body if body is not None else {"prompt": prompt, "n": n}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def weights(port: int, op: str, directory: Path) -> dict:
+    return post(port, [], path="/weights", body={"op": op, "dir": str(directory)}, timeout=120)
 
 
 def wait_health(port: int, timeout: float, proc: subprocess.Popen | None = None) -> float:
@@ -88,6 +93,10 @@ def main() -> int:
         pids = ranks.gpu_ranks(root)
         res["ranks"] = pids
         assert pids, f"no GPU process found in the tree of {root}"
+        saved = weights(a.port, "save", a.work / "weights")
+        t["weights_save"] = saved["seconds"]
+        weights(a.port, "zero", a.work / "weights")
+        res["zeroed_answer_differs"] = post(a.port, PROMPTS[0])["logits_sha256"] != before[0]["logits_sha256"]
 
         with ranks.checkpoint_ranks(pids, lock_timeout_s=30, api=api) as snap:
             t["criu_dump"] = criu.dump(root, a.work / "img")
@@ -102,13 +111,17 @@ def main() -> int:
         rr = ranks.restore_ranks(new, required_free_bytes=snap.gpu_bytes, restore_timeout_s=120, api=api)
         t.update({"precheck": rr.phases.get("precheck", 0.0), "cuda_restore": rr.phases["restore"],
                   "cuda_unlock": rr.phases["unlock"]})
+        loaded = weights(a.port, "load", a.work / "weights")
+        t["weights_load"] = loaded["seconds"]
+        res["weights_bytes"] = loaded["bytes"]
+        res["weights_load_gb_per_s"] = round(loaded["bytes"] / 1e9 / max(loaded["seconds"], 1e-9), 2)
         first = post(a.port, PROMPTS[0])
         t["first_answer_after_restore"] = time.monotonic() - t0
         after = [first] + [post(a.port, p) for p in PROMPTS[1:]]
         res["bit_identical"] = ([x["tokens"] for x in after] == [x["tokens"] for x in before]
                                 and [x["logits_sha256"] for x in after] == [x["logits_sha256"] for x in before])
-        res["gpu_state_survived"] = after[0]["served"] == again[-1]["served"] + 1
-        ok = res["bit_identical"] and res["gpu_state_survived"]
+        res["gpu_state_survived"] = after[0]["served"] == again[-1]["served"] + 2  # +1: the zeroed probe
+        ok = res["bit_identical"] and res["gpu_state_survived"] and res["zeroed_answer_differs"]
         res["ok"] = ok
         return 0 if ok else 1
     except BaseException as e:  # report, then clean up

@@ -3,7 +3,13 @@ model whose decode step is a captured CUDA graph.
 
     POST /generate {"prompt": [token ids], "n": tokens}  ->
          {"tokens": [...], "logits_sha256": hex of every step's float32 logits, "served": k}
+    POST /weights {"op": "save" | "zero" | "load", "dir": path}  -> the worker method's result
     GET  /health -> "ok"
+
+``/weights`` runs warmctl's vLLM worker extension (:mod:`warmctl.engine.worker_ext`) on this
+server's weights: ``save`` writes them, ``zero`` clears them in place (what vLLM's sleep level 2
+does to the contents while keeping the addresses the CUDA graph uses), ``load`` copies them
+back in place.
 
 Weights come from a fixed seed, so two fresh servers answer alike; ``served`` counts requests in
 a GPU tensor, so a restored server continues the count of the one that was snapshotted (GPU
@@ -17,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import torch
 
+from warmctl.engine.worker_ext import WeightsExtension
+
 V, H = 1024, 1024
 dev = torch.device("cuda")
 g = torch.Generator(device="cpu").manual_seed(1234)
@@ -26,6 +34,31 @@ w2 = (torch.randn(4 * H, H, generator=g) / (4 * H) ** 0.5).to(dev)
 wo = (torch.randn(H, V, generator=g) / H**0.5).to(dev)
 ballast = torch.ones(256 * 2**20 // 4, device=dev)  # 256 MiB of GPU memory to checkpoint
 served = torch.zeros(1, dtype=torch.int64, device=dev)
+
+model = torch.nn.Module()  # the weights as parameters sharing the tensors' storage (no copy)
+for _name, _t in (("emb", emb), ("w1", w1), ("w2", w2), ("wo", wo)):
+    model.register_parameter(_name, torch.nn.Parameter(_t, requires_grad=False))
+
+
+class Worker(WeightsExtension):
+    rank = 0
+
+    def get_model(self):
+        return model
+
+
+def weights_op(op: str, directory: str) -> dict:
+    w = Worker()
+    if op == "save":
+        return w.warmctl_save_weights(directory)
+    if op == "load":
+        return w.warmctl_load_weights(directory)
+    if op == "zero":
+        for p in model.parameters():
+            p.data.zero_()
+        torch.cuda.synchronize()
+        return {"zeroed": sum(p.numel() * p.element_size() for p in model.parameters())}
+    raise ValueError(f"unknown weights op {op!r}")
 
 tok = torch.zeros(1, dtype=torch.long, device=dev)
 h_in = torch.zeros(1, H, device=dev)
@@ -80,6 +113,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/weights":
+            try:
+                self._send(200, weights_op(req["op"], req.get("dir", "")))
+            except Exception as e:  # reported to the check, which fails on it
+                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            return
         self._send(200, generate([int(t) % V for t in req["prompt"]], int(req["n"])))
 
     def log_message(self, *a):

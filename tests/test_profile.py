@@ -43,6 +43,13 @@ def test_unknown_field_and_wrong_type(tmp_path):
     assert "gate.port" in msg and "gate.colour" in msg and "eight" in msg
 
 
+def test_weights_outside_image_with_sleep_level_1_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((PROFILES_DIR / "tiny.toml").read_text() + "\n[checkpoint]\nsleep_level = 1\nweights_outside_image = true\n")
+    msg = str(pytest.raises(ProfileError, load_profile_file, bad).value)
+    assert str(bad) in msg and "checkpoint" in msg and "level 1 offloads the weights to host RAM" in msg
+
+
 def test_not_toml_and_missing(tmp_path):
     bad = tmp_path / "x.toml"
     bad.write_text("name = [unclosed\n")
@@ -60,3 +67,17 @@ def test_cli_reports_bad_profile(tmp_path):
     r = subprocess.run([sys.executable, "-m", "warmctl", "snapshot", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1
     assert "canary.max_tokens" in r.stderr and "greater than 0" in r.stderr
+
+
+def test_weights_outside_image_adds_the_worker_extension(tmp_path):
+    from warmctl.engine.sleep import WORKER_EXTENSION
+    from warmctl.engine.vllm import vllm_command
+
+    plain = load_profile("tiny")
+    assert "--worker-extension-cls" not in vllm_command(plain, "/m")
+    wx = plain.model_copy(update={"checkpoint": plain.checkpoint.model_copy(update={"weights_outside_image": True})})
+    cmd = vllm_command(wx, "/m")
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    # the named class is importable the way vLLM resolves it (module path + attribute)
+    mod, _, attr = WORKER_EXTENSION.rpartition(".")
+    assert hasattr(__import__(mod, fromlist=[attr]), attr)

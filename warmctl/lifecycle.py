@@ -8,8 +8,10 @@
 3. ``materialize``: every chunk fetched and verified against its digest (a corrupt chunk stops
    ``up`` here, naming the chunk), the image directory written, ``/dev/shm`` files and bundled
    files put back, required files checked;
-4. ``restore``: CRIU restores the tree (new host PIDs, its own PID namespace);
-5. ``health``, then ``canary``: the canary replayed and compared bit for bit with the record;
+4. ``restore``: CRIU restores the tree (new host PIDs, its own PID namespace); on GPU profiles
+   ``gpu_restore`` restores and unlocks every rank's CUDA state;
+5. ``health``; ``weights`` when the snapshot kept weights outside the image (woken from sleep
+   and copied back in place, GB/s reported); then ``canary``: the canary replayed and compared bit for bit with the record;
    on any mismatch the tree is killed, its ``/dev/shm`` files removed, and
    :class:`CanaryMismatch` raised — the public port never opens;
 6. ``gate``: the public port opens (:mod:`warmctl.gate`).
@@ -30,6 +32,7 @@ from warmctl.checkpoint import capture, criu
 from warmctl.catalog import Catalog
 from warmctl.config import Settings
 from warmctl.engine import canary, vllm
+from warmctl.engine.sleep import SleepClient, resume
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.gate import require_port_free
 from warmctl.host import fingerprint
@@ -117,8 +120,8 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=Non
                 if dest.is_file() and dest.stat().st_size == f.size:
                     advance(f.size)
                     continue
-            else:
-                continue  # "weights": loaded after wake-up on GPU hosts (docs/gpu.md)
+            else:  # "weights": loaded into the restored engine (warmctl.engine.worker_ext)
+                dest = images.parent / "weights" / Path(f.path).name
             if f.hardlink_to is not None:
                 os.link(dest.parent / f.hardlink_to, dest)
                 continue
@@ -213,6 +216,8 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
                 _restore_gpu(st.root_pid, manifest, prof, fp, eng.base_url)
         with reporter.phase("health", "waiting for /health"):
             vllm.wait_healthy(eng, 120)
+        if prof.checkpoint.weights_outside_image or prof.checkpoint.sleep_level:
+            _resume(eng, manifest, prof, run / "weights", reporter)
         st.phase = "canary"
         with reporter.phase("canary", "replaying the canary, bit for bit"):
             canary.verify(manifest.canary, eng.base_url, prof.canary, prof.engine.served_model_name)
@@ -225,6 +230,7 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         raise
     finally:
         shutil.rmtree(images, ignore_errors=True)
+        shutil.rmtree(run / "weights", ignore_errors=True)
     st.phase = "serving"
     st.timings = {p.name: p.seconds for p in reporter.phases}
     st.timings["total"] = sum(st.timings.values())
@@ -234,12 +240,11 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
 
 def _restore_gpu(root_pid: int, m: Manifest, prof: Profile, fp, base_url: str) -> None:
     """After CRIU restored the processes: check free GPU memory, restore and unlock every rank
-    (GPU UUIDs remapped when this host's differ), then bring vLLM back (checkpoint hooks, wake
-    from sleep, weights reloaded from the model directory when kept outside the image). On
-    failure the ranks are killed (the caller cleans the rest). Not run on CPU-only hosts.
+    (GPU UUIDs remapped when this host's differ), then rebuild what vLLM's checkpoint hooks
+    released. On failure the ranks are killed (the caller cleans the rest). Not run on CPU-only
+    hosts.
     """
     from warmctl.checkpoint import ranks
-    from warmctl.engine.sleep import SleepClient
 
     g = m.restore["gpu"]
     pids = ranks.restored_ranks(root_pid, g["nspids"])
@@ -247,12 +252,19 @@ def _restore_gpu(root_pid: int, m: Manifest, prof: Profile, fp, base_url: str) -
     ranks.restore_ranks(pids, pairs, g["gpu_bytes"])
     with SleepClient(base_url) as sc:
         sc.checkpoint_restore()
-        if prof.checkpoint.weights_outside_image:
-            sc.wake_up(["weights"])
-            sc.reload_weights(prof.engine.model)
-            sc.wake_up(["kv_cache"])
-        elif prof.checkpoint.sleep_level:
-            sc.wake_up()
+
+
+def _resume(eng: vllm.EngineProcess, m: Manifest, prof: Profile, weights_dir: Path, reporter: Reporter) -> None:
+    """Wake a restored engine and load its weights back in place when the snapshot kept them
+    outside the image (:func:`warmctl.engine.sleep.resume`); reports the load in GB/s."""
+    w = m.restore.get("weights") if prof.checkpoint.weights_outside_image else None
+    desc = (f"loading {w['bytes'] / 2**20:,.1f} MiB of weights into {len(w['ranks'])} rank(s)" if w
+            else f"waking the engine from sleep level {prof.checkpoint.sleep_level}")
+    with reporter.phase("weights", desc), SleepClient(eng.base_url) as sc:
+        reload = resume(sc, prof.checkpoint.sleep_level, weights_dir if w else None)
+    if reload is not None and reload.gb_per_s is not None:
+        reporter.info(f"weights: {reload.nbytes / 1e9:.3f} GB loaded in place in {reload.seconds:.2f} s "
+                      f"({reload.gb_per_s:.2f} GB/s)")
 
 
 def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_port: int | None,

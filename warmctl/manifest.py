@@ -41,8 +41,9 @@ class FileEntry(_M):
 
     ``role`` says where it goes at restore: ``image`` (CRIU image directory), ``shm``
     (``/dev/shm``), ``file`` (an absolute path the process tree needs: ``path`` is then the
-    absolute path with the leading slash removed), ``weights`` (GPU weights kept outside the
-    process image). ``hardlink_to``: this entry is a hard link to another entry's path (same
+    absolute path with the leading slash removed), ``weights`` (``weights/rank-<r>.safetensors``:
+    a rank's weights as the engine laid them out, kept outside the process image and loaded
+    back in place after restore, :mod:`warmctl.engine.worker_ext`). ``hardlink_to``: this entry is a hard link to another entry's path (same
     role), with no chunks of its own (CRIU's ``link_remap`` files need this).
     """
 

@@ -112,14 +112,24 @@ class CheckpointSpec(_Strict):
     ``cuda``: checkpoint GPU state with the CUDA driver's checkpoint API before CRIU.
     ``sleep_level``: vLLM sleep mode before checkpointing (1 = weights offloaded, KV cache
     dropped; 2 = both dropped); 0 = keep everything in the image.
-    ``weights_outside_image``: store each rank's weights as separate objects and load them back
-    after wake-up (seed 000: 18 s for 546 GiB).
+    ``weights_outside_image``: store each rank's weights, as the engine laid them out, as
+    separate ``weights`` files (deduplicated across snapshots of one model) and copy them back
+    in place after restore (seed 000: 546 GiB in 18 s). With sleep mode this needs level 2
+    (level 1 would keep a host copy of the weights in the image); without sleep mode (CPU)
+    warmctl frees the weights itself (:mod:`warmctl.engine.worker_ext`).
     """
 
     cuda: bool = False
     sleep_level: Literal[0, 1, 2] = 0
     weights_outside_image: bool = False
     lock_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _weights_need_level_2(self) -> "CheckpointSpec":
+        if self.weights_outside_image and self.sleep_level == 1:
+            raise ValueError("weights_outside_image needs sleep_level = 2 or 0: level 1 offloads the "
+                             "weights to host RAM, which would put them into the process image anyway")
+        return self
 
 
 class Profile(_Strict):

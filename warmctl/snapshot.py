@@ -6,6 +6,9 @@
 2. cold start in its own PID namespace with io_uring blocked (:mod:`warmctl.engine.vllm`),
    wait for ``/health``, parse the start-up log into phases (weights, torch.compile, ...);
 3. the warm-up grid (:mod:`warmctl.engine.warmup`), then the canary (:mod:`warmctl.engine.canary`);
+   with ``checkpoint.weights_outside_image`` every rank then saves its weights as the engine laid
+   them out and drops them from memory (:mod:`warmctl.engine.worker_ext`); they are stored as
+   ``weights`` files, not as image pages;
 4. CRIU dump of the whole tree (:mod:`warmctl.checkpoint.criu`); capture of ``/dev/shm`` files
    and of files the tree maps outside the interpreter and OS (:mod:`warmctl.checkpoint.capture`);
 5. every file chunked into the content-addressed store; the manifest is written last, then
@@ -28,6 +31,7 @@ from warmctl.catalog import Catalog
 from warmctl.checkpoint import capture, criu
 from warmctl.config import Settings
 from warmctl.engine import canary, vllm, warmup
+from warmctl.engine.sleep import SleepClient, resume
 from warmctl.errors import EngineError, HostError
 from warmctl.gate import require_port_free
 from warmctl.manifest import CanaryRecord, FileEntry, Manifest, Phase
@@ -142,8 +146,15 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
     shm_files: list[Path] = []
     remap_inodes: list[tuple[int, int]] = []
     gpu: dict | None = None
+    weights_dir = work / "weights" if profile.checkpoint.weights_outside_image else None
+    weights: dict | None = None
     try:
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
+        if weights_dir is not None:
+            with reporter.phase("weights_save", "every rank saves its weights as laid out, outside the image"):
+                weights = _save_weights(eng, profile, weights_dir)
+            reporter.info(f"weights: {weights['bytes'] / 2**20:,.1f} MiB in {weights['tensors']} tensors "
+                          f"over {len(weights['ranks'])} rank(s), kept out of the image")
         files = capture.referenced_files(eng.root_pid, exclude=[d])
         shm_files = list(files.shm)
         links: dict[Path, Path | None] = {}
@@ -170,6 +181,12 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
                     (work / "shm").mkdir(exist_ok=True)
                     items.append((Path(shutil.copy2(p, work / "shm" / p.name)), "shm", p.name))
                 p.unlink()
+        if leave_running and (weights_dir is not None or profile.checkpoint.sleep_level):
+            with reporter.phase("resume_source", "bringing the source engine back to serving"), \
+                    SleepClient(eng.base_url) as sc:
+                if profile.checkpoint.cuda:
+                    sc.checkpoint_restore()
+                resume(sc, profile.checkpoint.sleep_level, weights_dir)
         for p in sorted(images.iterdir()):
             if p.is_file():
                 items.append((p, "image", p.name))
@@ -182,6 +199,8 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
                 items.append((p, "shm", p.name))
         for p in files.bundled:
             items.append((p, "file", str(p).lstrip("/")))
+        for p in sorted(weights_dir.iterdir()) if weights_dir is not None else []:
+            items.append((p, "weights", f"weights/{p.name}"))
         total = sum(p.stat().st_size for p, _, _ in items)
         with reporter.phase("store", f"chunking {total / 2**20:,.0f} MiB into {store}"):
             advance = reporter.bytes_progress("store", total)
@@ -204,6 +223,7 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
                 "required_files": files.required,
                 "images_bytes": sum(p.stat().st_size for p in images.iterdir() if p.is_file()),
                 **({"gpu": gpu} if gpu else {}),
+                **({"weights": weights} if weights else {}),
             },
             files=entries,
         )
@@ -221,6 +241,21 @@ def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, re
             capture.remove_by_inode(remap_inodes)  # the semaphores the remaps stood for
 
 
+def _save_weights(eng: vllm.EngineProcess, profile: Profile, directory: Path) -> dict:
+    """Every rank writes its weights to ``directory`` (:mod:`warmctl.engine.worker_ext`); then,
+    on an engine without sleep mode, frees them (with sleep mode, sleep level 2 in
+    :func:`_dump_with_gpu` drops them). Returns the manifest's ``restore.weights`` record:
+    ``bytes``, ``tensors``, ``ranks`` (per-rank dicts) and ``save_s``. Raises
+    :class:`EngineError` from the engine."""
+    with SleepClient(eng.base_url) as sc:
+        ranks_ = sc.save_weights(directory)
+        if not profile.checkpoint.sleep_level:
+            sc.release_weights()
+    return {"bytes": sum(r["bytes"] for r in ranks_), "tensors": sum(r["tensors"] for r in ranks_),
+            "save_s": max(r["seconds"] for r in ranks_),
+            "ranks": [{"rank": r["rank"], "file": f"weights/{Path(r['path']).name}", "bytes": r["bytes"]} for r in ranks_]}
+
+
 def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool,
                    criu_bin: str | None = None) -> dict:
     """The GPU path (``checkpoint.cuda``): optional vLLM sleep, then every rank locked and
@@ -230,7 +265,6 @@ def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leav
     (no GPU was available to this project's CI; ``scripts/gpu-check.sh`` exercises the parts).
     """
     from warmctl.checkpoint import ranks
-    from warmctl.engine.sleep import SleepClient
     from warmctl.errors import CheckpointError
 
     pids = ranks.gpu_ranks(eng.root_pid)

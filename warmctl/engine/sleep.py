@@ -18,22 +18,19 @@ Sleep keeps virtual addresses (vLLM's ``CuMemAllocator`` unmaps physical memory 
 reservations), so CUDA graphs captured at warm-up stay valid after ``wake_up``. Worker methods
 used through ``collective_rpc``: ``checkpoint_prepare`` / ``checkpoint_restore`` (vLLM 0.32
 ``gpu_worker.py``: prepare FlashInfer all-reduce / all2all workspaces for a process checkpoint
-and rebuild them after; a no-op for other transports) and ``reload_weights`` (in-place reload
-from ``weights_path``, ``gpu_model_runner.reload_weights``).
+and rebuild them after; a no-op for other transports) and warmctl's own ``warmctl_*_weights``
+(below).
 
-Weights outside the process image - what is built here and what is not:
-
-- built: the client calls a snapshot needs around the CUDA checkpoint: :meth:`SleepClient.sleep`
-  (level 2 drops weights and KV cache so neither is in the GPU checkpoint nor the CRIU image),
-  :meth:`SleepClient.wake_up` with ``tags=["weights"]`` then :meth:`SleepClient.reload_weights`
-  from a directory of checkpoint-format safetensors (the engine re-shards them itself), then
-  ``wake_up(["kv_cache"])``; timings and GB/s in :class:`WeightReload`.
-- not built: storing each rank's weights *as the engine laid them out* (post-sharding,
-  post-quantisation tensors per rank, deduplicated across snapshots) and streaming them back
-  into place. That needs a worker extension (``--worker-extension-cls``) exposing
-  save/load-by-name of ``model.named_parameters()`` per rank over ``collective_rpc``, plus a
-  store layout; it is designed in ``docs/gpu.md`` ("Weights outside the image") and not run
-  anywhere yet. Until then ``checkpoint.weights_outside_image`` reloads from the model directory.
+Weights outside the process image (``checkpoint.weights_outside_image``): the engine runs with
+warmctl's worker extension (:mod:`warmctl.engine.worker_ext`, added to the command line by
+:func:`warmctl.engine.vllm.vllm_command`). Before the checkpoint :meth:`SleepClient.save_weights`
+has every rank write its parameters as the engine laid them out (post-sharding,
+post-quantisation) to ``rank-<r>.safetensors``; these files become store objects of role
+``weights`` (deduplicated across snapshots of the same model). Then either sleep level 2 (GPU:
+weights and KV cache dropped, virtual addresses kept) or :meth:`SleepClient.release_weights`
+(engines without sleep mode, e.g. the CPU build: storage zeroed and freed) keeps them out of the
+image. After restore, :func:`resume` wakes the weights, copies every tensor back in place
+(:meth:`SleepClient.load_weights`, timed, GB/s in :class:`WeightReload`), then wakes the KV cache.
 
 Errors are :class:`~warmctl.errors.EngineError` with the endpoint, HTTP status and body.
 """
@@ -42,6 +39,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -51,6 +49,9 @@ from warmctl.errors import EngineError
 SleepLevel = Literal[0, 1, 2]
 PauseMode = Literal["abort", "wait", "keep"]
 WakeTag = Literal["weights", "kv_cache", "scheduling"]
+
+#: The worker extension class warmctl loads into vLLM workers (``--worker-extension-cls``).
+WORKER_EXTENSION = "warmctl.engine.worker_ext.WeightsExtension"
 
 DEV_MODE_HINT = (
     "the engine has no development endpoints: start it with VLLM_SERVER_DEV_MODE=1 "
@@ -136,10 +137,51 @@ class SleepClient:
         """After the CUDA unlock: rebuild what :meth:`checkpoint_prepare` released."""
         self.collective_rpc("checkpoint_restore")
 
-    def reload_weights(self, weights_path: str, nbytes: int = 0) -> WeightReload:
-        """Reload every worker's weights in place from ``weights_path`` (checkpoint-format
-        files); the engine must be awake with tags ``["weights"]``. ``nbytes`` (the files' size)
-        only feeds the GB/s figure."""
+    def save_weights(self, directory: str | Path) -> list[dict]:
+        """Every rank writes its parameters to ``<directory>/rank-<r>.safetensors`` (the
+        directory must be writable by the engine: same host). Returns one dict per rank:
+        ``rank``, ``path``, ``tensors``, ``bytes``, ``seconds``. Raises :class:`EngineError`
+        (no worker extension, disk full in a worker, ...)."""
+        return self._rank_rpc("warmctl_save_weights", [str(directory)])
+
+    def release_weights(self) -> list[dict]:
+        """Every rank zeroes and frees its parameters' storage (engines without sleep mode).
+        The engine answers garbage until :meth:`load_weights`."""
+        return self._rank_rpc("warmctl_release_weights", [])
+
+    def load_weights(self, directory: str | Path) -> WeightReload:
+        """Every rank copies ``<directory>/rank-<r>.safetensors`` back into its parameters in
+        place (on a GPU engine: awake with tags ``["weights"]`` first). Returns the wall time
+        and the bytes loaded over all ranks."""
         t0 = time.monotonic()
-        self.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-        return WeightReload(time.monotonic() - t0, nbytes)
+        res = self._rank_rpc("warmctl_load_weights", [str(directory)])
+        return WeightReload(time.monotonic() - t0, sum(int(r.get("bytes", 0)) for r in res))
+
+    def _rank_rpc(self, method: str, args: list[str]) -> list[dict]:
+        try:
+            res = self.collective_rpc(method, args)
+        except EngineError as e:
+            if "has no attribute" in str(e) or "not found" in str(e).lower():
+                raise EngineError(f"{e}\n(the engine was started without warmctl's worker extension: "
+                                  f"--worker-extension-cls {WORKER_EXTENSION})") from None
+            raise
+        bad = [r for r in res if not isinstance(r, dict)]
+        if bad or not res:
+            raise EngineError(f"vLLM collective_rpc {method}: unexpected results {res!r:.300}")
+        return res
+
+
+def resume(sc: SleepClient, sleep_level: int, weights_dir: str | Path | None) -> WeightReload | None:
+    """Bring an engine frozen for a checkpoint back to serving: wake what sleep dropped and, when
+    ``weights_dir`` is given (weights kept outside the image), load them back in place between
+    waking the weights and waking the KV cache (waking the KV cache first would let vLLM
+    allocate it where the weights belong). Used after a restore and, after a dump that leaves
+    the source engine running, on the source engine. Returns the weight load, if any."""
+    reload = None
+    if weights_dir is not None:
+        if sleep_level:
+            sc.wake_up(["weights"])
+        reload = sc.load_weights(weights_dir)
+    if sleep_level:
+        sc.wake_up()
+    return reload

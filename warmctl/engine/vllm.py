@@ -38,14 +38,20 @@ def vllm_command(profile: Profile, model_path: str, python: str | None = None) -
     """The ``vllm serve`` argument vector for ``profile`` (without the launch wrappers).
 
     The engine binds the profile's internal port on 127.0.0.1 only; the public port belongs to
-    the gate.
+    the gate. With ``checkpoint.weights_outside_image`` warmctl's worker extension is added
+    (``--worker-extension-cls``, see :mod:`warmctl.engine.worker_ext`) unless the profile's
+    args name one already.
     """
+    from warmctl.engine.sleep import WORKER_EXTENSION
+
     e = profile.engine
     vllm_bin = Path(python or sys.executable).with_name("vllm")
     cmd = [str(vllm_bin), "serve", model_path, "--served-model-name", e.served_model_name,
            "--host", "127.0.0.1", "--port", str(e.port)]
     if e.max_model_len:
         cmd += ["--max-model-len", str(e.max_model_len)]
+    if profile.checkpoint.weights_outside_image and "--worker-extension-cls" not in e.args:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     return cmd + list(e.args)
 
 
@@ -95,7 +101,10 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
           cwd: Path | None = None) -> EngineProcess:
     """Start the engine tree for ``profile`` in the background; returns once its root exists.
 
-    ``env`` adds to the current environment and the profile's ``engine.env``. Raises
+    ``env`` adds to the current environment and the profile's ``engine.env``; profiles that
+    checkpoint through the engine (``checkpoint.cuda``, ``sleep_level`` or
+    ``weights_outside_image``) get ``VLLM_SERVER_DEV_MODE=1`` (the ``/sleep``, ``/wake_up`` and
+    ``/collective_rpc`` endpoints; the engine listens on loopback only). Raises
     :class:`EngineError` if the launcher dies before the namespace root appears (the log's
     tail is in the message).
     """
@@ -103,6 +112,9 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
     full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    c = profile.checkpoint
+    if c.cuda or c.sleep_level or c.weights_outside_image:
+        full_env["VLLM_SERVER_DEV_MODE"] = "1"
     full_env.update(profile.engine.env)
     full_env.update(env or {})
     cmd = wrapped_command(vllm_command(profile, model_path))

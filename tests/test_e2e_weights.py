@@ -1,0 +1,130 @@
+"""Weights outside the process image, end to end on the real CPU engine (``tiny`` with
+``checkpoint.weights_outside_image = true``; vLLM 0.32's CPU build has no sleep mode, so
+warmctl's worker extension frees the weights itself before the CRIU dump).
+
+One cold start serves the module: ``up --snapshot-after`` cold-starts, snapshots with the source
+engine left running (its weights are saved, freed, dumped without them, then loaded back) and
+opens the gate; later tests restore from that snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors import safe_open
+
+from tests.conftest import REPO, warmctl
+from tests.test_e2e_main import _completion, _listening, _our_engine_pids, _settings, _shm
+from warmctl.catalog import Catalog
+from warmctl.manifest import FileEntry, Manifest
+from warmctl.store import open_store
+
+pytestmark = pytest.mark.e2e
+NAME = "tiny-wx"
+PROMPTS = ["The capital of France is", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def wx(wc_env, engine_ports):
+    """Writes the ``tiny-wx`` profile, then ``up tiny-wx --snapshot-after`` (cold). Yields
+    {"up": the JSON result, "cold": completions of PROMPTS from the source engine after the
+    snapshot}; the engine is down afterwards."""
+    text = (REPO / "profiles" / "tiny.toml").read_text()
+    text = re.sub(r'(?m)^name = "tiny"', f'name = "{NAME}"', text)
+    text = re.sub(r"(?m)^port = 18000", f"port = {engine_ports[0]}", text)
+    text = re.sub(r"(?m)^port = 8000", f"port = {engine_ports[1]}", text)
+    text += "\n[checkpoint]\nweights_outside_image = true\n"
+    (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{NAME}.toml").write_text(text)
+    try:
+        res = json.loads(warmctl("up", NAME, "--snapshot-after", "--json", env=wc_env, timeout=1500).stdout)
+        cold = [_completion(engine_ports[1], p) for p in PROMPTS]
+        yield {"up": res, "cold": cold}
+    finally:
+        warmctl("down", NAME, env=wc_env, check=False)
+
+
+@pytest.fixture(autouse=True)
+def _down_after(wc_env):
+    yield
+    warmctl("down", NAME, env=wc_env, check=False)
+
+
+@pytest.fixture(scope="module")
+def manifest(wx, wc_env) -> Manifest:
+    return open_store(_settings(wc_env).store_dir).get_manifest(wx["up"]["snapshot"])
+
+
+def test_source_engine_serves_again_after_snapshot(wx, manifest):
+    """The dump freed the weights; the source engine loaded them back and answers as recorded."""
+    assert wx["up"]["path"] == "cold" and wx["up"]["snapshot"]
+    recorded = {c.prompt: c.token_ids for c in manifest.canary.completions}
+    assert wx["cold"][0]["ids"][:4] == recorded["The capital of France is"][:4]
+    assert {"weights_save", "criu_dump", "resume_source", "store"} <= set(wx["up"]["timings_s"])
+
+
+def test_weights_are_store_files_not_image_pages(manifest, wc_env, tmp_path):
+    m = manifest
+    w = [f for f in m.files if f.role == "weights"]
+    assert [f.path for f in w] == ["weights/rank-0.safetensors"]
+    store = open_store(_settings(wc_env).store_dir)
+    path = tmp_path / "rank-0.safetensors"
+    store.read_file(w[0].chunks, path)
+    assert path.stat().st_size == w[0].size
+    with safe_open(str(path), framework="pt") as f:
+        names = list(f.keys())
+        nbytes = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in names)
+        assert f.metadata()["warmctl"] == "weights/1" and f.metadata()["rank"] == "0"
+    rec = m.restore["weights"]
+    assert rec["bytes"] == nbytes > 0 and rec["tensors"] == len(names)
+    # as the engine laid them out: vLLM's fused projections, not the checkpoint's q/k/v
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+
+
+def test_restore_loads_weights_and_serves_as_recorded(wx, wc_env, engine_ports):
+    r = json.loads(warmctl("up", NAME, "--json", env=wc_env).stdout)
+    assert r["path"] == "restore" and r["snapshot"] == wx["up"]["snapshot"]
+    assert {"restore", "health", "weights", "canary", "gate"} <= set(r["timings_s"])
+    assert [_completion(engine_ports[1], p) for p in PROMPTS] == wx["cold"]
+    chat = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 4, "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"].strip()
+
+
+def test_restored_engine_depends_on_the_loaded_weights(manifest, wc_env, engine_ports, tmp_path):
+    """Same snapshot, but the weights file's tensors zeroed (header kept, manifest re-signed
+    with the trusted key): if the weights were still in the image this would pass; it must
+    fail the canary, with the public port never opened and nothing left behind."""
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    m = manifest
+    entry = next(f for f in m.files if f.role == "weights")
+    path = tmp_path / "rank-0.safetensors"
+    store.read_file(entry.chunks, path)
+    raw = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", raw[:8])[0]
+    raw[start:] = bytes(len(raw) - start)
+    path.write_bytes(raw)
+    data = m.model_dump(mode="json")
+    data["files"] = [f if f["role"] != "weights" else
+                     FileEntry(path=entry.path, role="weights", size=entry.size, mode=entry.mode,
+                               chunks=store.add_file(path)).model_dump(mode="json") for f in data["files"]]
+    bad = Manifest.model_validate(data)
+    digest = store.put_manifest(bad)
+    Catalog(store).publish(digest, bad, tag="zeroed", signer=s.home / "keys" / "local.key")
+    shm0 = _shm()
+    try:
+        r = warmctl("up", f"{NAME}:zeroed", env=wc_env, check=False)
+        out = r.stderr + r.stdout
+        assert r.returncode == 3, out
+        assert "canary mismatch" in out
+        assert not _listening(engine_ports[1])
+        assert _shm() <= shm0 and _our_engine_pids(wc_env) == []
+    finally:
+        Catalog(store).remove(NAME, "zeroed", digest)

@@ -1,0 +1,182 @@
+"""Weights outside the process image: a vLLM worker extension that saves, releases and loads
+each rank's weights *as the engine laid them out*.
+
+Loaded into every vLLM worker with ``--worker-extension-cls
+warmctl.engine.worker_ext.WeightsExtension`` (vLLM 0.32 ``WorkerWrapperBase`` adds the class
+as a base of the worker class; its methods are then callable through ``collective_rpc``,
+over HTTP at ``POST /collective_rpc`` when the server runs with ``VLLM_SERVER_DEV_MODE=1``).
+:func:`warmctl.engine.sleep.SleepClient.save_weights` and ``load_weights`` are the callers.
+
+What "as laid out" means: the tensors of ``model.named_parameters()`` after vLLM's loading and
+post-processing (``process_weights_after_loading``): sharded for this rank's tensor/expert
+parallel slice, fused (qkv, gate-up), quantised or repacked, in the engine's dtype. Restoring
+them needs no checkpoint-format conversion and no re-sharding: each tensor is copied back into
+the parameter it came from. Buffers (rotary caches and the like) stay in the process image, as
+vLLM's own sleep level 2 keeps them. Weight formats an engine holds outside parameters (the CPU
+build's oneDNN-packed linear weights) are not reachable here and stay in the image.
+
+File format: one `safetensors <https://github.com/huggingface/safetensors>`_ file per rank,
+``rank-<global rank>.safetensors``, tensors sorted by name, ``__metadata__`` holding
+``{"format": "pt", "warmctl": "weights/1", "rank": "<r>"}``. The writer streams (one tensor in
+host memory at a time: a rank's weights are tens of GiB on a GPU host) and is deterministic, so
+two snapshots of the same model on the same layout produce identical bytes and share every
+store chunk. Files are read back with the ``safetensors`` library.
+
+This module is imported inside the engine's worker processes: it imports only torch, numpy
+and safetensors (all vLLM dependencies), never the rest of warmctl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+#: torch dtype -> safetensors dtype name (safetensors' format spec, "dtype" field).
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+FORMAT_TAG = "weights/1"
+#: Bytes staged through host memory at a time when writing (bounds the writer's memory).
+STAGE_BYTES = 64 << 20
+
+
+def rank_file(directory: str | Path, rank: int) -> Path:
+    """``<directory>/rank-<rank>.safetensors``."""
+    return Path(directory) / f"rank-{rank}.safetensors"
+
+
+def _stored(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that carry bytes, sorted by name (removed/placeholder ones are empty)."""
+    return sorted(((n, p) for n, p in model.named_parameters() if p.numel() > 0), key=lambda x: x[0])
+
+
+def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """Write ``tensors`` (name, tensor on any device) to ``path`` in safetensors format,
+    streaming through one host buffer of at most :data:`STAGE_BYTES`; returns the file size
+    in bytes. The tensors' own storage is never exported (``Tensor.numpy()`` would make it
+    non-resizable, and :meth:`WeightsExtension.warmctl_release_weights` resizes it).
+
+    Written to ``path.tmp`` then renamed (a crash never leaves a truncated file under the
+    final name). Raises ValueError for a dtype safetensors cannot express, OSError on I/O.
+    """
+    path = Path(path)
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    off = 0
+    for name, t in tensors:
+        if t.dtype not in DTYPES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} has no safetensors name")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    hdr = json.dumps(header, separators=(",", ":")).encode()
+    hdr += b" " * (-len(hdr) % 8)  # the data section starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    stage = bytearray(min(STAGE_BYTES, max((t.numel() * t.element_size() for _, t in tensors), default=0)) or 1)
+    staged = torch.frombuffer(stage, dtype=torch.uint8)
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hdr)))
+        f.write(hdr)
+        for _, t in tensors:
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), len(stage)):
+                n = min(len(stage), flat.numel() - start)
+                staged[:n].copy_(flat[start:start + n])  # device -> host, or host -> host
+                f.write(memoryview(stage)[:n])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return 8 + len(hdr) + off
+
+
+class WeightsExtension:
+    """Worker methods (called on every rank through ``collective_rpc``; arguments are strings).
+
+    Each returns a JSON-able dict: ``rank``, ``path``, ``bytes`` (tensor bytes), ``tensors``
+    (count), ``seconds`` (wall time in this worker). Errors raise RuntimeError with the rank,
+    the tensor name and what differs; vLLM returns them to the caller as the RPC's failure.
+    """
+
+    def _wc_model(self) -> torch.nn.Module:
+        return self.get_model()  # type: ignore[attr-defined]  # vLLM Worker.get_model
+
+    def _wc_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
+    def warmctl_save_weights(self, directory: str) -> dict:
+        """Write this rank's parameters to ``rank-<rank>.safetensors`` in ``directory``."""
+        t0 = time.monotonic()
+        rank = self._wc_rank()
+        params = _stored(self._wc_model())
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        path = rank_file(directory, rank)
+        write_safetensors(path, params, {"format": "pt", "warmctl": FORMAT_TAG, "rank": str(rank)})
+        return {"rank": rank, "path": str(path), "tensors": len(params),
+                "bytes": sum(p.numel() * p.element_size() for _, p in params),
+                "seconds": time.monotonic() - t0}
+
+    def warmctl_release_weights(self) -> dict:
+        """Zero every parameter and free its storage, so that neither the bytes nor the pages
+        are in a checkpoint taken now (shapes, strides and parameter objects stay; only
+        :meth:`warmctl_load_weights` makes the engine usable again). For engines without
+        sleep mode (the CPU build); on GPUs vLLM's sleep level 2 does this. A storage that cannot
+        be resized (exported to numpy, say) is only zeroed: ``zeroed_only_bytes`` counts those
+        (zero pages cost nothing in the store, but the image keeps their size)."""
+        t0 = time.monotonic()
+        params = _stored(self._wc_model())
+        freed = 0
+        zeroed_only = 0
+        for _, p in params:
+            st = p.data.untyped_storage()
+            if st.nbytes() == 0:
+                continue
+            p.data.zero_()
+            if st.resizable():
+                freed += st.nbytes()
+                st.resize_(0)
+            else:  # storage shared with something that pinned it: its pages stay, as zeros
+                zeroed_only += st.nbytes()
+        return {"rank": self._wc_rank(), "tensors": len(params), "bytes": freed, "zeroed_only_bytes": zeroed_only,
+                "seconds": time.monotonic() - t0}
+
+    def warmctl_load_weights(self, directory: str) -> dict:
+        """Copy every tensor of ``rank-<rank>.safetensors`` back into its parameter, in place
+        (storage re-allocated first if :meth:`warmctl_release_weights` freed it). The file
+        must hold exactly this rank's parameters with the same dtypes and shapes."""
+        from safetensors import safe_open
+
+        t0 = time.monotonic()
+        rank = self._wc_rank()
+        path = rank_file(directory, rank)
+        if not path.is_file():
+            raise RuntimeError(f"rank {rank}: weights file {path} does not exist")
+        params = dict(_stored(self._wc_model()))
+        nbytes = 0
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            if names != set(params):
+                missing, extra = sorted(set(params) - names), sorted(names - set(params))
+                raise RuntimeError(f"rank {rank}: {path} does not match the engine's parameters "
+                                   f"(missing {missing[:5]}, unexpected {extra[:5]})")
+            for name in sorted(names):
+                p, src = params[name], f.get_tensor(name)
+                if src.dtype != p.dtype or tuple(src.shape) != tuple(p.shape):
+                    raise RuntimeError(f"rank {rank}: {name} in {path} is {src.dtype} {tuple(src.shape)}, "
+                                       f"the engine has {p.dtype} {tuple(p.shape)}")
+                st = p.data.untyped_storage()
+                need = (p.storage_offset() + p.numel()) * p.element_size()
+                if st.nbytes() < need:
+                    st.resize_(need)
+                p.data.copy_(src)
+                nbytes += src.numel() * src.element_size()
+        if torch.cuda.is_available() and any(p.is_cuda for p in params.values()):
+            torch.cuda.synchronize()
+        return {"rank": rank, "path": str(path), "tensors": len(params), "bytes": nbytes,
+                "seconds": time.monotonic() - t0}
