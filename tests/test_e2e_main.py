@@ -86,6 +86,7 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
 def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_ports):
     """Cold path (empty tag) and restore path give bit-identical greedy output."""
     _, gate = engine_ports
+    shm0 = _shm()
     # cold path: a tag with no snapshot -> up says why and cold-starts from the profile
     r = warmctl("up", "tiny:none", "--json", env=wc_env, timeout=900)
     res = json.loads(r.stdout)
@@ -93,6 +94,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     cold = [_completion(gate, p) for p in PROMPTS]
     warmctl("down", "tiny", env=wc_env)
     assert not _listening(gate)
+    assert _shm() <= shm0, f"down of a cold engine left {_shm() - shm0} in /dev/shm"
 
     r = warmctl("up", "tiny", "--json", env=wc_env)
     res = json.loads(r.stdout)

@@ -40,10 +40,11 @@ def wx(wc_env, engine_ports):
     text = re.sub(r"(?m)^port = 8000", f"port = {engine_ports[1]}", text)
     text += "\n[checkpoint]\nweights_outside_image = true\n"
     (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{NAME}.toml").write_text(text)
+    shm0 = _shm()
     try:
         res = json.loads(warmctl("up", NAME, "--snapshot-after", "--json", env=wc_env, timeout=1500).stdout)
         cold = [_completion(engine_ports[1], p) for p in PROMPTS]
-        yield {"up": res, "cold": cold}
+        yield {"up": res, "cold": cold, "shm0": shm0}
     finally:
         warmctl("down", NAME, env=wc_env, check=False)
 
@@ -128,3 +129,10 @@ def test_restored_engine_depends_on_the_loaded_weights(manifest, wc_env, engine_
         assert _shm() <= shm0 and _our_engine_pids(wc_env) == []
     finally:
         Catalog(store).remove(NAME, "zeroed", digest)
+
+
+def test_down_leaves_nothing_in_dev_shm(wx, wc_env):
+    """After the snapshotted source engine and the restores are down, /dev/shm holds no new name
+    (the source's semaphores are mapped under removed names: found by inode)."""
+    warmctl("down", NAME, env=wc_env)
+    assert _shm() <= wx["shm0"], f"left in /dev/shm: {_shm() - wx['shm0']}"

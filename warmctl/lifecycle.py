@@ -69,8 +69,10 @@ def _cleanup(st: EngineState) -> None:
     if st.gate_alive():
         vllm.kill_tree(st.gate_pid, timeout_s=5)
     live_shm: list[Path] = []
+    live_inodes: set[tuple[int, int]] = set()
     if st.engine_alive():  # never act on a PID that now belongs to another process
         live_shm = capture.referenced_files(st.root_pid).shm
+        live_inodes = capture.shm_inodes_of(st.root_pid)  # semaphores mapped under removed names
         vllm.kill_tree(st.root_pid)
     for p in live_shm:
         p.unlink(missing_ok=True)
@@ -78,7 +80,7 @@ def _cleanup(st: EngineState) -> None:
     # restore, and another restore on this host may have written the same names since
     for f in ([] if st.shm_inodes else st.shm_files):
         Path(f).unlink(missing_ok=True)
-    capture.remove_by_inode(st.shm_inodes)
+    capture.remove_by_inode(live_inodes | {tuple(x) for x in st.shm_inodes})
     if st.started_at:
         for p in capture.orphaned_shm(st.started_at - 1):
             p.unlink(missing_ok=True)

@@ -100,6 +100,32 @@ def referenced_files(root_pid: int, exclude: list[Path] = ()) -> TreeFiles:
     return out
 
 
+def shm_inodes_of(root_pid: int) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of every ``/dev/shm`` file the tree of ``root_pid`` maps or has open,
+    deleted names included (``/proc/PID/map_files`` and ``/proc/PID/fd``; root only).
+
+    glibc's ``sem_open`` maps a semaphore under a temporary name it then removes, so the tree
+    never names ``sem.mp-*`` itself; the inode is what ties that file to the tree, and
+    :func:`remove_by_inode` then finds every name it has.
+    """
+    out: set[tuple[int, int]] = set()
+    for pid in tree_pids(root_pid):
+        for sub in ("map_files", "fd"):
+            try:
+                entries = os.listdir(f"/proc/{pid}/{sub}")
+            except OSError:
+                continue
+            for e in entries:
+                link = f"/proc/{pid}/{sub}/{e}"
+                try:
+                    if os.readlink(link).startswith(str(SHM) + "/"):
+                        st = os.stat(link)
+                        out.add((st.st_dev, st.st_ino))
+                except OSError:
+                    continue
+    return out
+
+
 def shm_names() -> set[str]:
     """Names now in ``/dev/shm``."""
     try:
