@@ -80,7 +80,7 @@ def test_load_refuses_a_file_of_another_layout(tmp_path):
     Worker(model()).warmctl_save_weights(str(tmp_path))
     other = model()
     other[1] = torch.nn.Linear(16, 33)
-    with pytest.raises(RuntimeError, match=r"rank 0: 1\.bias in .*rank-0\.safetensors is torch\.float32 \(32,\), the engine has torch\.float32 \(33,\)"):
+    with pytest.raises(RuntimeError, match=r"rank 0: 1\.bias in .*rank-0\.safetensors is F32 \(32,\), the engine has F32 \(33,\)"):
         Worker(other).warmctl_load_weights(str(tmp_path))
     fewer = model()
     del fewer[2]
@@ -97,3 +97,18 @@ def test_writer_takes_non_contiguous_tensors_and_refuses_unknown_dtypes(tmp_path
         assert torch.equal(f.get_tensor("t"), t)
     with pytest.raises(ValueError, match="complex64 has no safetensors name"):
         write_safetensors(tmp_path / "y.safetensors", [("c", torch.zeros(2, dtype=torch.complex64))], {})
+
+
+def test_load_names_a_truncated_or_malformed_file(tmp_path):
+    Worker(model()).warmctl_save_weights(str(tmp_path))
+    path = rank_file(tmp_path, 0)
+    full = path.read_bytes()
+    path.write_bytes(full[:-10])
+    with pytest.raises(RuntimeError, match=r"rank-0\.safetensors: 2\.weight lies outside the file"):
+        Worker(model()).warmctl_load_weights(str(tmp_path))
+    path.write_bytes(full[:8] + b"{not json" + full[17:])
+    with pytest.raises(RuntimeError, match="malformed safetensors header"):
+        Worker(model()).warmctl_load_weights(str(tmp_path))
+    path.write_bytes(b"\x00" * 4)
+    with pytest.raises(RuntimeError, match="is not a safetensors file"):
+        Worker(model()).warmctl_load_weights(str(tmp_path))

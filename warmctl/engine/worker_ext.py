@@ -20,14 +20,16 @@ File format: one `safetensors <https://github.com/huggingface/safetensors>`_ fil
 ``{"format": "pt", "warmctl": "weights/1", "rank": "<r>"}``. The writer streams (one tensor in
 host memory at a time: a rank's weights are tens of GiB on a GPU host) and is deterministic, so
 two snapshots of the same model on the same layout produce identical bytes and share every
-store chunk. Files are read back with the ``safetensors`` library.
+store chunk. Loading reads the header and then the bytes straight into each parameter; the
+tests check the files with the ``safetensors`` library itself.
 
-This module is imported inside the engine's worker processes: it imports only torch, numpy
-and safetensors (all vLLM dependencies), never the rest of warmctl.
+This module is imported inside the engine's worker processes: it imports only torch (a vLLM
+dependency) and the standard library, never the rest of warmctl.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -149,34 +151,88 @@ class WeightsExtension:
     def warmctl_load_weights(self, directory: str) -> dict:
         """Copy every tensor of ``rank-<rank>.safetensors`` back into its parameter, in place
         (storage re-allocated first if :meth:`warmctl_release_weights` freed it). The file
-        must hold exactly this rank's parameters with the same dtypes and shapes."""
-        from safetensors import safe_open
+        must hold exactly this rank's parameters with the same dtypes and shapes.
 
+        Host-memory parameters are read straight from the file into their storage (one copy
+        from the page cache); device parameters go through one staging buffer (pinned when
+        CUDA is there) of at most :data:`STAGE_BYTES`."""
         t0 = time.monotonic()
         rank = self._wc_rank()
         path = rank_file(directory, rank)
         if not path.is_file():
             raise RuntimeError(f"rank {rank}: weights file {path} does not exist")
         params = dict(_stored(self._wc_model()))
+        entries, data_start = read_header(path)
+        if set(entries) != set(params):
+            missing, extra = sorted(set(params) - set(entries)), sorted(set(entries) - set(params))
+            raise RuntimeError(f"rank {rank}: {path} does not match the engine's parameters "
+                               f"(missing {missing[:5]}, unexpected {extra[:5]})")
+        for name, e in entries.items():
+            p = params[name]
+            if e["dtype"] != DTYPES.get(p.dtype) or e["shape"] != list(p.shape):
+                raise RuntimeError(f"rank {rank}: {name} in {path} is {e['dtype']} {tuple(e['shape'])}, "
+                                   f"the engine has {DTYPES.get(p.dtype, p.dtype)} {tuple(p.shape)}")
         nbytes = 0
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            if names != set(params):
-                missing, extra = sorted(set(params) - names), sorted(names - set(params))
-                raise RuntimeError(f"rank {rank}: {path} does not match the engine's parameters "
-                                   f"(missing {missing[:5]}, unexpected {extra[:5]})")
-            for name in sorted(names):
-                p, src = params[name], f.get_tensor(name)
-                if src.dtype != p.dtype or tuple(src.shape) != tuple(p.shape):
-                    raise RuntimeError(f"rank {rank}: {name} in {path} is {src.dtype} {tuple(src.shape)}, "
-                                       f"the engine has {p.dtype} {tuple(p.shape)}")
+        stage = None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for name, e in sorted(entries.items(), key=lambda x: x[1]["data_offsets"][0]):
+                p = params[name]
+                begin, end = e["data_offsets"]
                 st = p.data.untyped_storage()
                 need = (p.storage_offset() + p.numel()) * p.element_size()
                 if st.nbytes() < need:
                     st.resize_(need)
-                p.data.copy_(src)
-                nbytes += src.numel() * src.element_size()
+                if p.device.type == "cpu" and p.is_contiguous():
+                    _read_into(fd, p.data_ptr(), end - begin, data_start + begin, path)
+                else:
+                    if stage is None:
+                        stage = torch.empty(min(STAGE_BYTES, max(x["data_offsets"][1] - x["data_offsets"][0] for x in entries.values())),
+                                            dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                    flat = p.data.view(-1).view(torch.uint8)
+                    for s in range(0, end - begin, stage.numel()):
+                        k = min(stage.numel(), end - begin - s)
+                        _read_into(fd, stage.data_ptr(), k, data_start + begin + s, path)
+                        flat[s:s + k].copy_(stage[:k])
+                nbytes += end - begin
+        finally:
+            os.close(fd)
         if torch.cuda.is_available() and any(p.is_cuda for p in params.values()):
             torch.cuda.synchronize()
         return {"rank": rank, "path": str(path), "tensors": len(params), "bytes": nbytes,
                 "seconds": time.monotonic() - t0}
+
+
+def read_header(path: str | Path) -> tuple[dict[str, dict], int]:
+    """The safetensors header of ``path``: ({name: {"dtype", "shape", "data_offsets"}}, byte
+    offset where the data section starts). Raises RuntimeError when the header is malformed or
+    an entry lies outside the file."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise RuntimeError(f"{path} is not a safetensors file (header length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise RuntimeError(f"{path}: malformed safetensors header: {e}") from None
+    header.pop("__metadata__", None)
+    for name, e in header.items():
+        b, end = e.get("data_offsets", (0, -1))
+        if not 0 <= b <= end or 8 + n + end > size:
+            raise RuntimeError(f"{path}: {name} lies outside the file (offsets {b}..{end}, file {size} bytes)")
+    return header, 8 + n
+
+
+def _read_into(fd: int, addr: int, n: int, offset: int, path: Path) -> None:
+    """Read ``n`` bytes at ``offset`` of ``fd`` into host memory at ``addr``."""
+    done = 0
+    while done < n:
+        buf = (ctypes.c_char * min(n - done, 1 << 30)).from_address(addr + done)
+        got = os.preadv(fd, [buf], offset + done)
+        if got <= 0:
+            raise RuntimeError(f"{path} is truncated: wanted {n} bytes at {offset}, got {done}")
+        done += got
