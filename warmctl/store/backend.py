@@ -66,6 +66,19 @@ class Backend(abc.ABC):
         Raises :class:`ObjectNotFound`, :class:`TransientBackendError`.
         """
 
+    def load_into(self, key: str, buf: bytearray) -> memoryview:
+        """The whole object as a memoryview, read into ``buf`` when the backend can (no
+        allocation); an object larger than ``buf`` gets a new buffer (``view.obj``). The view
+        is valid until ``buf`` is reused. The default loads and wraps the bytes.
+
+        Raises :class:`ObjectNotFound`, :class:`TransientBackendError`.
+        """
+        return memoryview(self.load(key))
+
+    def prefetch(self, key: str) -> None:
+        """Hint that ``key`` will be loaded soon (local disk: start reading it into the page
+        cache). Never raises; the default does nothing."""
+
     @abc.abstractmethod
     def stat(self, key: str) -> ObjectInfo:
         """Size and mtime of ``key``. Raises :class:`ObjectNotFound`."""
@@ -140,6 +153,12 @@ class RetryingBackend(Backend):
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         return self._call("load", key, lambda: self.inner.load(key, offset, length))  # type: ignore[return-value]
+
+    def load_into(self, key: str, buf: bytearray) -> memoryview:
+        return self._call("load", key, lambda: self.inner.load_into(key, buf))  # type: ignore[return-value]
+
+    def prefetch(self, key: str) -> None:
+        self.inner.prefetch(key)
 
     def stat(self, key: str) -> ObjectInfo:
         return self._call("stat", key, lambda: self.inner.stat(key))  # type: ignore[return-value]

@@ -47,6 +47,17 @@ def hash_bytes(data: bytes | memoryview, algorithm: str = DIGEST_ALGORITHM) -> s
     raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
 
 
+def hasher(algorithm: str = DIGEST_ALGORITHM):
+    """An incremental hash object (``update``, ``hexdigest``) for ``algorithm``."""
+    if algorithm == "blake3":
+        if _blake3 is None:
+            raise ValueError("blake3 digests need the 'blake3' package (pip install blake3)")
+        return _blake3.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+
+
 def split_digest(digest: str) -> tuple[str, str]:
     """``"blake3:ab.."`` -> ``("blake3", "ab..")``. Raises ValueError when malformed."""
     algo, sep, hexpart = digest.partition(":")
@@ -109,6 +120,36 @@ def _dctx() -> zstandard.ZstdDecompressor:
 def compress(data: bytes | memoryview) -> bytes:
     """One zstd frame holding ``data`` (content size recorded in the frame header)."""
     return _cctx().compress(data)
+
+
+def decompress_into(blob: bytes | bytearray | memoryview, out: bytearray | memoryview, size: int) -> memoryview:
+    """Decompress one chunk object, expected to hold ``size`` bytes, into ``out[:size]``
+    (no allocation: the caller reuses ``out``); returns that view.
+
+    Raises ValueError when the frame is damaged, truncated or holds a different number of
+    bytes (the frame header's content size, when present, must say ``size``).
+    """
+    view = memoryview(out)[:size]
+    if len(view) != size:
+        raise ValueError(f"output buffer of {len(out)} bytes is smaller than the chunk ({size})")
+    try:
+        declared = zstandard.frame_content_size(blob)
+        if declared >= 0 and declared != size:
+            raise ValueError(f"frame says {declared} bytes, expected {size}")
+        reader = _dctx().stream_reader(blob, read_size=max(1, len(blob)), read_across_frames=False)
+        got = 0
+        while got < size:
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        if got == size and declared < 0 and reader.read(1):  # no size in the header: no more bytes
+            got += 1
+    except zstandard.ZstdError as e:
+        raise ValueError(f"not a valid zstd frame ({e})") from None
+    if got != size:
+        raise ValueError(f"decompressed to {'more than ' if got > size else ''}{min(got, size)} bytes, expected {size}")
+    return view
 
 
 def decompress(blob: bytes, size: int) -> bytes:

@@ -107,6 +107,24 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, window: 
         ex.shutdown(wait=True)
 
 
+#: read_file on local disk hints this many non-zero chunks ahead of the one being read
+#: (posix_fadvise WILLNEED): 16 x 4 MiB keeps a disk busy while two cores verify.
+PREFETCH_AHEAD = 16
+#: read_file hashes and writes a chunk in pieces of this size, each while it is in the CPU
+#: cache (measured: ~1.5x less CPU per byte than hashing and writing 4 MiB at once).
+PIECE = 256 * 1024
+
+
+class _ChunkBuffers:
+    """One worker thread's reusable buffers: a stored blob and a chunk's uncompressed bytes."""
+
+    __slots__ = ("blob", "data")
+
+    def __init__(self) -> None:
+        self.blob = bytearray(ck.CHUNK_SIZE + 4096)
+        self.data = bytearray(ck.CHUNK_SIZE)
+
+
 class ChunkMissing(IntegrityError):
     """A chunk the caller needs is not in the store (``digest``, ``location``)."""
 
@@ -360,6 +378,51 @@ class Store:
             reason = f"content does not match its digest (got {ck.hash_bytes(data, ck.split_digest(ref.digest)[0])})"
         raise ChunkCorrupt(f"chunk {ref.digest} at {where} is corrupt: {reason}{ctx}")
 
+    def _load_verified_into(
+        self, ref: ChunkRef, bufs: _ChunkBuffers, context: str = "", sink: Callable[[int, memoryview], None] | None = None
+    ) -> tuple[memoryview, memoryview]:
+        """Like :meth:`load_chunk_blob`, but the stored blob and the uncompressed bytes land in
+        ``bufs`` (reused across chunks by one thread: no allocation, no page faults); returns
+        views into them, valid until the thread's next chunk. Same verification, re-fetch and
+        errors.
+
+        ``sink(offset, piece)``: called with each :data:`PIECE` of the chunk right after that
+        piece is hashed, while it is still in the CPU cache (read_file writes it to the
+        destination there). The digest is only known at the end: a caller must discard what
+        the sink received if this raises, and expect a second pass after a re-fetch."""
+        key = chunk_key(ref.digest)
+        reason = ""
+        for _ in range(2):
+            try:
+                blob = self.backend.load_into(key, bufs.blob)
+            except ObjectNotFound:
+                ctx = f" (needed for {context})" if context else ""
+                raise ChunkMissing(f"chunk {ref.digest} is missing: not found at {self.backend.location(key)}{ctx}") from None
+            if isinstance(blob.obj, bytearray) and blob.obj is not bufs.blob:
+                bufs.blob = blob.obj  # the backend needed a larger buffer: keep it
+            if len(bufs.data) < ref.size:
+                bufs.data = bytearray(ref.size)
+            try:
+                data = ck.decompress_into(blob, bufs.data, ref.size)
+            except ValueError as e:
+                reason = f"damaged or truncated ({len(blob)} stored bytes): {e}"
+                continue
+            algo = ck.split_digest(ref.digest)[0]
+            if sink is None:
+                got = ck.hash_bytes(data, algo)
+            else:
+                h = ck.hasher(algo)
+                for off in range(0, ref.size, PIECE):
+                    piece = data[off : off + PIECE]
+                    h.update(piece)
+                    sink(off, piece)
+                got = f"{algo}:{h.hexdigest()}"
+            if got == ref.digest:
+                return blob, data
+            reason = f"content does not match its digest (got {got})"
+        ctx = f" (needed for {context})" if context else ""
+        raise ChunkCorrupt(f"chunk {ref.digest} at {self.backend.location(key)} is corrupt: {reason}{ctx}")
+
     def load_chunk(self, ref: ChunkRef, context: str = "") -> bytes:
         """Verified uncompressed bytes of a chunk (zeros for an all-zero chunk)."""
         if ck.is_zero_chunk(ref.digest, ref.size):
@@ -403,7 +466,7 @@ class Store:
         finally:
             os.close(fd)
 
-    def read_file(self, chunks: list[ChunkRef], dest: Path | str, progress: Progress | None = None, cache: "Store | None" = None) -> None:
+    def read_file(self, chunks: list[ChunkRef], dest: Path | str, progress: Progress | None = None, cache: Store | None = None) -> None:
         """Write the file made of ``chunks`` to ``dest`` (parents created; written to a
         temporary file in the same directory, then renamed; zero chunks become holes).
 
@@ -430,33 +493,57 @@ class Store:
         for c in chunks:
             offsets.append(off)
             off += c.size
+        zero = [ck.is_zero_chunk(c.digest, c.size) for c in chunks]
+        tls = threading.local()  # per worker thread: reusable blob and chunk buffers
+        local_cache = cache is not None and cache.is_local
 
         def work(i: int) -> int:
             c = chunks[i]
-            if ck.is_zero_chunk(c.digest, c.size):
+            if zero[i]:
                 return c.size
-            data = None
+            bufs = getattr(tls, "bufs", None)
+            if bufs is None:
+                bufs = tls.bufs = _ChunkBuffers()
+            base = offsets[i]
+
+            def write(off: int, view: memoryview) -> None:
+                pos = base + off
+                while view:
+                    n = os.pwrite(fd, view, pos)
+                    view, pos = view[n:], pos + n
+
             if cache is not None and cache.has_chunk(c.digest):
                 try:
-                    data = cache.load_chunk_blob(c, str(dest))[1]
+                    cache._load_verified_into(c, bufs, str(dest), write)
+                    return c.size
                 except IntegrityError:
-                    data = None  # damaged cache entry: fetch from the source and overwrite
-            if data is None:
-                blob, data = self.load_chunk_blob(c, str(dest))
-                if cache is not None:
-                    cache._writing(f"cache for {dest}")
-                    cache.backend.save(chunk_key(c.digest), blob)
-                    cache._known.add(c.digest)
-            view = memoryview(data)
-            pos = offsets[i]
-            while view:
-                n = os.pwrite(fd, view, pos)
-                view, pos = view[n:], pos + n
+                    pass  # damaged cache entry: fetch from the source (rewrites the range) and overwrite
+            blob, _ = self._load_verified_into(c, bufs, str(dest), write)
+            if cache is not None:
+                cache._writing(f"cache for {dest}")
+                cache.backend.save(chunk_key(c.digest), blob if local_cache else blob.tobytes())
+                cache._known.add(c.digest)
             return c.size
+
+        nonzero = [i for i, z in enumerate(zero) if not z]
+
+        def feed() -> Iterator[int]:
+            """Chunk indexes in order; on local disk, first hint the non-zero chunks up to
+            PREFETCH_AHEAD ahead of the workers so that cold chunk files are read
+            asynchronously while earlier chunks are decompressed and verified."""
+            hinted = seen = 0
+            for i in range(len(chunks)):
+                if not zero[i]:
+                    seen += 1
+                    if self.is_local:
+                        while hinted < len(nonzero) and hinted < seen + PREFETCH_AHEAD:
+                            self.backend.prefetch(chunk_key(chunks[nonzero[hinted]].digest))
+                            hinted += 1
+                yield i
 
         try:
             os.ftruncate(fd, total)
-            for n in ordered_map(work, range(len(chunks)), self.workers):
+            for n in ordered_map(work, feed(), self.workers):
                 if progress:
                     progress(n)
             os.close(fd)
@@ -620,9 +707,14 @@ class Store:
                     if label not in users[c.digest]:
                         users[c.digest].append(label)
 
+        tls = threading.local()
+
         def work(d: str) -> tuple[str, str | None, str | None]:
+            bufs = getattr(tls, "bufs", None)
+            if bufs is None:
+                bufs = tls.bufs = _ChunkBuffers()
             try:
-                self.load_chunk_blob(ChunkRef(digest=d, size=sizes[d]))
+                self._load_verified_into(ChunkRef(digest=d, size=sizes[d]), bufs)
             except ChunkMissing:
                 return d, "missing", "not found"
             except ChunkCorrupt as e:
@@ -772,13 +864,18 @@ def copy_snapshot(src: Store, dst: Store, name: str, tag: str = "latest", progre
         progress(zero)
     remaining = [sum(refs.values())]
 
+    tls = threading.local()  # per worker thread: reusable buffers
+
     def work(d: str) -> tuple[int, int]:
         size = refs[d]
         if dst.has_chunk(d):
             return size, 0
-        blob, _ = src.load_chunk_blob(ChunkRef(digest=d, size=size), f"{name}:{tag} in {src.location}")
+        bufs = getattr(tls, "bufs", None)
+        if bufs is None:
+            bufs = tls.bufs = _ChunkBuffers()
+        blob, _ = src._load_verified_into(ChunkRef(digest=d, size=size), bufs, f"{name}:{tag} in {src.location}")
         try:
-            dst.backend.save(chunk_key(d), blob)
+            dst.backend.save(chunk_key(d), blob if dst.is_local else blob.tobytes())
         except HostError as e:
             raise HostError(f"{e}; about {remaining[0]:,} more bytes (uncompressed, at most) remain to copy for {name}:{tag}") from None
         dst._known.add(d)
