@@ -72,7 +72,10 @@ def s3(rgw, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", sk)
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return ep, boto3.client("s3", endpoint_url=ep, region_name="us-east-1"), f"t-{uuid.uuid4().hex[:8]}"
+    # explicit keys: boto3's default session caches the credentials it first resolved (an
+    # earlier moto test's), so a plain boto3.client() here would sign with those
+    client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
+    return ep, client, f"t-{uuid.uuid4().hex[:8]}"
 
 
 def _remote(ep: str, prefix: str) -> Store:
