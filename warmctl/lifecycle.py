@@ -11,9 +11,9 @@
 4. ``restore``: CRIU restores the tree (new host PIDs, its own PID namespace); on GPU profiles
    ``gpu_restore`` restores and unlocks every rank's CUDA state;
 5. ``health``; ``weights`` when the snapshot kept weights outside the image (woken from sleep
-   and copied back in place, GB/s reported); then ``canary``: the canary replayed and compared bit for bit with the record;
-   on any mismatch the tree is killed, its ``/dev/shm`` files removed, and
-   :class:`CanaryMismatch` raised — the public port never opens;
+   and copied back in place, GB/s reported); then ``canary``: the canary replayed and compared
+   bit for bit with the record; on any mismatch the tree is killed, its ``/dev/shm`` files
+   removed, and :class:`CanaryMismatch` raised — the public port never opens;
 6. ``gate``: the public port opens (:mod:`warmctl.gate`).
 """
 
