@@ -174,9 +174,10 @@ class SleepClient:
 def resume(sc: SleepClient, sleep_level: int, weights_dir: str | Path | None) -> WeightReload | None:
     """Bring an engine frozen for a checkpoint back to serving: wake what sleep dropped and, when
     ``weights_dir`` is given (weights kept outside the image), load them back in place between
-    waking the weights and waking the KV cache (waking the KV cache first would let vLLM
-    allocate it where the weights belong). Used after a restore and, after a dump that leaves
-    the source engine running, on the source engine. Returns the weight load, if any."""
+    waking the weights and waking the KV cache (the order vLLM's sleep mode gives for updating
+    weights: the KV cache is not allocated until the weights are back, which keeps peak GPU
+    memory down). Used after a restore and, after a dump that leaves the source engine running,
+    on the source engine. Returns the weight load, if any."""
     reload = None
     if weights_dir is not None:
         if sleep_level:
