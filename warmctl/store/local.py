@@ -88,12 +88,16 @@ class LocalBackend(Backend):
                 raise disk_full_error(dest, len(data), f"object {key}") from None
             raise
 
-    def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+    def _open(self, key: str) -> int:
+        """A read-only descriptor of ``key``'s file. Raises :class:`ObjectNotFound`."""
         p = self._path(key)
         try:
-            fd = os.open(p, os.O_RDONLY)
+            return os.open(p, os.O_RDONLY)
         except FileNotFoundError:
             raise ObjectNotFound(key, str(p)) from None
+
+    def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        fd = self._open(key)
         try:
             if length is None:
                 length = max(0, os.fstat(fd).st_size - offset)
@@ -116,11 +120,7 @@ class LocalBackend(Backend):
         plus decompress of a 4 MiB chunk measured ~2.3x less CPU than ``preadv`` into a
         buffer. Safe because objects are immutable (replaced only by rename, never rewritten
         or truncated in place); the mapping goes when the last view of it is dropped."""
-        p = self._path(key)
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ObjectNotFound(key, str(p)) from None
+        fd = self._open(key)
         try:
             size = os.fstat(fd).st_size
             if size >= MMAP_MIN:
