@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -37,17 +36,10 @@ ENGINE_PORT, GATE_PORT = 18600, 18680
 
 
 def setup(home_root: Path) -> dict[str, str]:
-    profiles = home_root / "profiles"
-    profiles.mkdir(parents=True, exist_ok=True)
-    text = (REPO / "profiles" / "tiny.toml").read_text()
-    text = re.sub(r"(?m)^port = 18000", f"port = {ENGINE_PORT}", text)
-    text = re.sub(r"(?m)^port = 8000", f"port = {GATE_PORT}", text)
-    (profiles / "tiny.toml").write_text(text)
-    cfg = home_root / "config.toml"
-    cfg.write_text(f'home = "{home_root / "home"}"\nprofile_dirs = ["{profiles}"]\nkeys_dir = "{home_root / "keys"}"\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
-    env["WARMCTL_CONFIG"] = str(cfg)
-    return env
+    # the test suite's isolated config, on this script's ports
+    from tests.conftest import isolated_env
+
+    return isolated_env(home_root, ENGINE_PORT, GATE_PORT)
 
 
 def wc(env, *args, check=True):

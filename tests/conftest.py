@@ -34,26 +34,35 @@ def engine_ports() -> tuple[int, int]:
             int(os.environ.get("WARMCTL_TEST_GATE_PORT", "18080")))
 
 
-@pytest.fixture(scope="session")
-def wc_env(tmp_path_factory, engine_ports) -> dict[str, str]:
-    """Environment for warmctl subprocesses: a fresh data dir, a config file pointing at it, and
-    a ``tiny`` profile with the test ports. Keys: the process env plus ``WARMCTL_CONFIG``;
-    ``env["WARMCTL_TEST_HOME"]`` is the data dir."""
-    root = tmp_path_factory.mktemp("warmctl")
-    home, profiles = root / "home", root / "profiles"
-    profiles.mkdir()
+def tiny_profile(engine_port: int, gate_port: int, name: str = "tiny", extra: str = "") -> str:
+    """The shipped ``tiny`` profile renamed to ``name``, on the given internal and public ports,
+    with ``extra`` TOML appended."""
     text = (REPO / "profiles" / "tiny.toml").read_text()
-    text = re.sub(r"(?m)^port = 18000", f"port = {engine_ports[0]}", text)
-    text = re.sub(r"(?m)^port = 8000", f"port = {engine_ports[1]}", text)
-    (profiles / "tiny.toml").write_text(text)
+    text = re.sub(r'(?m)^name = "tiny"', f'name = "{name}"', text)
+    text = re.sub(r"(?m)^port = 18000", f"port = {engine_port}", text)
+    text = re.sub(r"(?m)^port = 8000", f"port = {gate_port}", text)
+    return text + extra
+
+
+def isolated_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
+    """Environment for warmctl subprocesses that touches nothing outside ``root``: data dir
+    ``root/home``, a config file pointing at it, keys in ``root/keys`` and a ``tiny`` profile on
+    the given ports in ``root/profiles``. The process env minus every ``WARMCTL_*`` setting but
+    ``WARMCTL_CRIU``, plus ``WARMCTL_CONFIG`` and ``WARMCTL_TEST_HOME`` (the data dir)."""
+    home, profiles = root / "home", root / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "tiny.toml").write_text(tiny_profile(engine_port, gate_port))
     cfg = root / "config.toml"
     cfg.write_text(f'home = "{home}"\nprofile_dirs = ["{profiles}"]\nkeys_dir = "{root / "keys"}"\n')
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith("WARMCTL_") and k not in ("WARMCTL_CRIU",):
-            env.pop(k)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_") or k == "WARMCTL_CRIU"}
     env.update({"WARMCTL_CONFIG": str(cfg), "WARMCTL_TEST_HOME": str(home), "PYTHONUNBUFFERED": "1"})
     return env
+
+
+@pytest.fixture(scope="session")
+def wc_env(tmp_path_factory, engine_ports) -> dict[str, str]:
+    """:func:`isolated_env` in a fresh temporary directory, on the test ports."""
+    return isolated_env(tmp_path_factory.mktemp("warmctl"), *engine_ports)
 
 
 @pytest.fixture(scope="session")

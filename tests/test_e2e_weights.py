@@ -10,7 +10,6 @@ opens the gate; later tests restore from that snapshot.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from pathlib import Path
 
@@ -18,8 +17,14 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import REPO, warmctl
-from tests.test_e2e_main import _completion, _listening, _our_engine_pids, _settings, _shm
+from tests.conftest import tiny_profile, warmctl
+from tests.test_e2e_main import (
+    _completion,
+    _listening,
+    _our_engine_pids,
+    _settings,
+    _shm,
+)
 from warmctl.catalog import Catalog
 from warmctl.manifest import FileEntry, Manifest
 from warmctl.store import open_store
@@ -34,11 +39,7 @@ def wx(wc_env, engine_ports):
     """Writes the ``tiny-wx`` profile, then ``up tiny-wx --snapshot-after`` (cold). Yields
     {"up": the JSON result, "cold": completions of PROMPTS from the source engine after the
     snapshot}; the engine is down afterwards."""
-    text = (REPO / "profiles" / "tiny.toml").read_text()
-    text = re.sub(r'(?m)^name = "tiny"', f'name = "{NAME}"', text)
-    text = re.sub(r"(?m)^port = 18000", f"port = {engine_ports[0]}", text)
-    text = re.sub(r"(?m)^port = 8000", f"port = {engine_ports[1]}", text)
-    text += "\n[checkpoint]\nweights_outside_image = true\n"
+    text = tiny_profile(*engine_ports, name=NAME, extra="\n[checkpoint]\nweights_outside_image = true\n")
     (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{NAME}.toml").write_text(text)
     shm0 = _shm()
     try:
