@@ -84,6 +84,7 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
             break
         time.sleep(0.05)
     assert root, "tree did not start"
+    source = psutil.Process(root)  # is_running() compares creation times: safe against PID reuse
     before = set(os.listdir("/dev/shm"))
     new_root = None
     try:
@@ -104,6 +105,10 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
     finally:
         if new_root:
             kill_tree(new_root)
+        if source.is_running():  # should an assertion stop the test before it killed the source
+            kill_tree(source.pid)
+        launcher.kill()
+        launcher.wait(10)
         for n in (set(os.listdir("/dev/shm")) - before) | {name}:
             if os.path.exists(f"/dev/shm/{n}"):
                 os.unlink(f"/dev/shm/{n}")
