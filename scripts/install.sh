@@ -52,7 +52,7 @@ if [ -n "$CRIU_BIN" ]; then
   say "criu: $CRIU_BIN ($("$CRIU_BIN" --version | sed -n 's/^Version: *//p')) passes 'criu check'; skipped"
 else
   say "criu: building $CRIU_VERSION from Debian's source package (no installed CRIU >= 4.2 passes 'criu check', or a build was forced)"
-  apt_install libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev \
+  apt_install libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev \
     libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
   build=$(mktemp -d)
   trap 'rm -rf "$build"' EXIT
