@@ -10,7 +10,8 @@ Typical use::
     remote = open_store("s3://bucket/warmctl")
     push(open_store(local_dir), remote, "tiny", "latest")
 
-The format is specified in ``docs/store-format.md``.
+The format is specified in ``docs/store-format.md``; docs/design.md ("The store") maps the
+modules of this package.
 """
 
 from __future__ import annotations
@@ -18,32 +19,23 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlparse
 
-from warmctl.store.backend import Backend, ObjectInfo, ObjectNotFound, RetryingBackend, TransientBackendError
+from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, RetryingBackend, TransientBackendError
+from warmctl.store.cache import CachingBackend
+from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing
 from warmctl.store.chunks import CHUNK_SIZE, DIGEST_ALGORITHM, STORE_FORMAT, ZSTD_LEVEL
+from warmctl.store.copy import copy_snapshot, pull, push
+from warmctl.store.layout import chunk_key, manifest_key, tag_key
 from warmctl.store.local import LocalBackend
 from warmctl.store.lock import StoreLocked
+from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, GcReport, VerifyReport
 from warmctl.store.s3 import S3Backend
-from warmctl.store.store import (
-    ChunkCorrupt,
-    ChunkMissing,
-    ChunkProblem,
-    CopyReport,
-    DuReport,
-    DuRow,
-    GcReport,
-    Store,
-    VerifyReport,
-    chunk_key,
-    copy_snapshot,
-    manifest_key,
-    pull,
-    push,
-    tag_key,
-)
+from warmctl.store.store import Store
 
 __all__ = [
     "Backend",
+    "BackendProperties",
     "CHUNK_SIZE",
+    "CachingBackend",
     "ChunkCorrupt",
     "ChunkMissing",
     "ChunkProblem",

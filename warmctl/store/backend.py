@@ -2,8 +2,10 @@
 
 Keys are ``/``-separated relative names (``chunks/blake3/ab/ab12...``). A backend saves whole
 objects atomically (an object is either absent or complete), loads byte ranges, stats, lists
-and removes. Nothing else: retries, caching and verification are wrappers or live in
-:class:`warmctl.store.Store`.
+and removes. Nothing else: retries (:class:`RetryingBackend`) and caching
+(:class:`warmctl.store.cache.CachingBackend`) are wrappers, verification lives in
+:mod:`warmctl.store.chunkio`. What a backend is good at is declared in :class:`BackendProperties`
+(restic's ``Properties``), so callers never ask which class it is.
 """
 
 from __future__ import annotations
@@ -44,16 +46,36 @@ class ObjectInfo:
     mtime: float
 
 
+@dataclass(frozen=True)
+class BackendProperties:
+    """What a backend declares about itself (wrappers pass their inner backend's through).
+
+    ``local``: objects are files on this host (cheap to read; a save leaves an ingest temp file
+    when interrupted, see :meth:`Backend.list_tmp`). ``prefetch``: :meth:`Backend.prefetch`
+    starts reading ahead, so hinting chunks before loading them pays. ``workers``: parallel
+    requests that keep the backend busy, the store's default thread count (4 for a local disk:
+    two cores verify what it reads; 16 for S3, whose requests each wait on a round trip).
+    """
+
+    local: bool = False
+    prefetch: bool = False
+    workers: int = 16
+
+
 class Backend(abc.ABC):
     """A flat store of immutable objects addressed by key. Implementations are thread-safe."""
+
+    #: see :class:`BackendProperties`; a backend overrides it when it differs from the default
+    properties = BackendProperties()
 
     @abc.abstractmethod
     def location(self, key: str = "") -> str:
         """Human-readable place of ``key`` (a local path or ``s3://bucket/key``), for messages."""
 
     @abc.abstractmethod
-    def save(self, key: str, data: bytes) -> None:
-        """Store ``data`` under ``key`` atomically, replacing any object there.
+    def save(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` (bytes or a bytes-like view) under ``key`` atomically, replacing any
+        object there.
 
         Raises :class:`warmctl.errors.HostError` when the disk is full (naming the bytes
         needed), :class:`TransientBackendError` for retryable failures.
@@ -98,6 +120,22 @@ class Backend(abc.ABC):
         except ObjectNotFound:
             return False
         return True
+
+    def list_tmp(self) -> Iterator[ObjectInfo]:
+        """Leftovers of interrupted saves (local disk: ingest temp files), which gc deletes
+        with :meth:`remove` once old. The default: none."""
+        return iter(())
+
+    def keep(self, key: str, data: bytes | memoryview) -> None:
+        """The caller verified ``data``, which this thread just loaded for ``key``: a caching
+        wrapper keeps a copy now (never before verification). The default does nothing."""
+
+    def forget(self, key: str) -> bool:
+        """What this thread just loaded for ``key`` failed verification: a caching wrapper
+        drops its copy so the next load reads the source. Returns True when a copy was dropped
+        (the next load reads something else), False when the load came from the source itself
+        (the default: no copies)."""
+        return False
 
     def close(self) -> None:
         """Release connections; the default does nothing."""
@@ -145,10 +183,14 @@ class RetryingBackend(Backend):
                 time.sleep(delay * random.uniform(0.5, 1.0))
         raise AssertionError("unreachable")
 
+    @property
+    def properties(self) -> BackendProperties:  # type: ignore[override]
+        return self.inner.properties
+
     def location(self, key: str = "") -> str:
         return self.inner.location(key)
 
-    def save(self, key: str, data: bytes) -> None:
+    def save(self, key: str, data: bytes | memoryview) -> None:
         self._call("save", key, lambda: self.inner.save(key, data))
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -169,6 +211,15 @@ class RetryingBackend(Backend):
 
     def remove(self, key: str) -> None:
         self._call("remove", key, lambda: self.inner.remove(key))
+
+    def list_tmp(self) -> Iterator[ObjectInfo]:
+        return self.inner.list_tmp()
+
+    def keep(self, key: str, data: bytes | memoryview) -> None:
+        self.inner.keep(key, data)
+
+    def forget(self, key: str) -> bool:
+        return self.inner.forget(key)
 
     def close(self) -> None:
         self.inner.close()

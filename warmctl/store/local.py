@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from warmctl.errors import HostError
-from warmctl.store.backend import Backend, ObjectInfo, ObjectNotFound
+from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound
 
 TMP_DIR = "tmp"
 #: load_into maps objects at least this large instead of reading them.
@@ -44,6 +44,8 @@ def _existing_parent(p: Path) -> Path:
 class LocalBackend(Backend):
     """Objects as files under ``root`` (created on first save). ``fsync``: sync each object."""
 
+    properties = BackendProperties(local=True, prefetch=True, workers=4)
+
     def __init__(self, root: Path | str, fsync: bool = True):
         self.root = Path(root).absolute()
         self.fsync = fsync
@@ -59,7 +61,7 @@ class LocalBackend(Backend):
     def location(self, key: str = "") -> str:
         return str(self.root / key) if key else str(self.root)
 
-    def save(self, key: str, data: bytes) -> None:
+    def save(self, key: str, data: bytes | memoryview) -> None:
         dest = self._path(key)
         tmpdir = self.root / TMP_DIR
         tmp = tmpdir / f"{uuid.uuid4().hex}.tmp"

@@ -18,7 +18,7 @@ import botocore.config
 import botocore.exceptions as bx
 
 from warmctl.errors import HostError
-from warmctl.store.backend import Backend, ObjectInfo, ObjectNotFound, TransientBackendError
+from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError
 
 _TRANSIENT_CODES = {
     "InternalError",
@@ -52,6 +52,8 @@ class S3Backend(Backend):
     ``multipart_threshold``/``part_size``: bytes; objects at least the threshold are sent with
     multipart upload in parts of ``part_size`` (>= 5 MiB, S3's minimum except the last part).
     """
+
+    properties = BackendProperties(local=False, prefetch=False, workers=16)
 
     def __init__(
         self,
@@ -113,8 +115,10 @@ class S3Backend(Backend):
             return HostError(f"{op} {where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)")
         return e
 
-    def save(self, key: str, data: bytes) -> None:
+    def save(self, key: str, data: bytes | memoryview) -> None:
         k = self.prefix + key
+        if not isinstance(data, bytes):
+            data = bytes(data)  # boto3 wants bytes (a view may be a memory map of a local object)
         try:
             if len(data) < self.multipart_threshold:
                 self.client.put_object(Bucket=self.bucket, Key=k, Body=data)

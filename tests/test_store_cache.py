@@ -1,0 +1,141 @@
+"""The read cache (warmctl.store.cache.CachingBackend) and declared backend properties.
+
+A remote store (local directory or a moto S3 server) read into a file through a local cache
+store, as ``up`` does: chunks land in the cache only once verified, a damaged cache entry is
+fetched again from the remote and rewritten, and errors name the remote's location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_store_fixtures import MiB, chunk_files, moto_endpoint, s3_url, snapshot, write_payload  # noqa: F401
+
+from warmctl.errors import IntegrityError
+from warmctl.store import (
+    CachingBackend,
+    ChunkCorrupt,
+    ChunkMissing,
+    LocalBackend,
+    RetryingBackend,
+    S3Backend,
+    Store,
+    chunk_key,
+    open_store,
+    push,
+)
+
+CH = 256 * 1024  # small chunks: many objects, fast tests
+
+
+@pytest.fixture
+def remote(tmp_path):
+    """A 'remote' store (its own directory) holding tiny:latest; returns (store, refs, file)."""
+    f = write_payload(tmp_path / "pages-1.img", [("random", 4 * CH), ("zero", 2 * CH), ("text", 3 * CH + 5)])
+    store = open_store(tmp_path / "remote", chunk_size=CH)
+    d = snapshot(store, "tiny", {"pages-1.img": f})
+    store.close()
+    return store, store.get_manifest(d).files[0].chunks, f
+
+
+def _blobs(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in chunk_files(root)}
+
+
+def test_read_through_cache_fills_it_and_serves_the_next_read(tmp_path, remote):
+    src, refs, f = remote
+    cache = open_store(tmp_path / "cache")
+    src.read_file(refs, tmp_path / "out" / "a.img", cache=cache)
+    assert (tmp_path / "out" / "a.img").read_bytes() == f.read_bytes()
+    assert _blobs(tmp_path / "cache") == _blobs(tmp_path / "remote")  # stored verbatim, zeros not at all
+    assert len(chunk_files(tmp_path / "cache")) == 8 == len(refs) - 2  # 4 + 4 chunks, 2 zero
+    assert (tmp_path / "cache" / "config").exists()  # the cache is an ordinary store
+    assert list((tmp_path / "cache" / "locks").iterdir()), "filling the cache takes its writer lock"
+    cache.close()
+    assert not list((tmp_path / "cache" / "locks").iterdir())
+    # with every remote chunk gone, the next read is served by the cache alone
+    for p in chunk_files(tmp_path / "remote"):
+        p.unlink()
+    src.read_file(refs, tmp_path / "out" / "b.img", cache=open_store(tmp_path / "cache"))
+    assert (tmp_path / "out" / "b.img").read_bytes() == f.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_cache_entry_is_refetched_from_the_remote_and_rewritten(tmp_path, remote, damage):
+    src, refs, f = remote
+    src.read_file(refs, tmp_path / "first.img", cache=open_store(tmp_path / "cache"))
+    victim = tmp_path / "cache" / chunk_key(refs[1].digest)
+    good = victim.read_bytes()
+    bad = bytearray(good)
+    if damage == "flip":
+        bad[len(bad) // 2] ^= 0xFF
+    else:
+        del bad[len(bad) // 2 :]
+    victim.write_bytes(bytes(bad))
+    src.read_file(refs, tmp_path / "again.img", cache=open_store(tmp_path / "cache"))
+    assert (tmp_path / "again.img").read_bytes() == f.read_bytes()
+    assert victim.read_bytes() == good == (tmp_path / "remote" / chunk_key(refs[1].digest)).read_bytes()
+
+
+def test_missing_remote_chunk_names_the_remote_location(tmp_path, remote):
+    src, refs, _ = remote
+    victim = refs[2].digest
+    where = tmp_path / "remote" / chunk_key(victim)
+    where.unlink()
+    dest = tmp_path / "out" / "a.img"
+    with pytest.raises(ChunkMissing) as ei:
+        src.read_file(refs, dest, cache=open_store(tmp_path / "cache"))
+    msg = str(ei.value)
+    assert victim in msg and str(where) in msg and str(dest) in msg
+    assert str(tmp_path / "cache") not in msg
+    assert not dest.exists() and list(dest.parent.iterdir()) == []
+    assert not (tmp_path / "cache" / chunk_key(victim)).exists()
+
+
+def test_corrupt_remote_chunk_never_lands_in_the_cache(tmp_path, remote):
+    src, refs, _ = remote
+    victim = refs[0].digest
+    where = tmp_path / "remote" / chunk_key(victim)
+    blob = bytearray(where.read_bytes())
+    blob[-10] ^= 0xFF
+    where.write_bytes(bytes(blob))
+    with pytest.raises(ChunkCorrupt) as ei:
+        src.read_file(refs, tmp_path / "a.img", cache=open_store(tmp_path / "cache"))
+    assert victim in str(ei.value) and str(where) in str(ei.value)
+    assert not (tmp_path / "cache" / chunk_key(victim)).exists()
+    # a damaged cached copy in front of a damaged remote: the error names the remote, the
+    # damaged copy is dropped rather than kept
+    (tmp_path / "cache" / chunk_key(victim)).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / chunk_key(victim)).write_bytes(b"not zstd")
+    with pytest.raises(IntegrityError, match=str(where)):
+        src.read_file(refs, tmp_path / "b.img", cache=open_store(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / chunk_key(victim)).exists()
+
+
+def test_backend_properties_are_declared_and_passed_through(tmp_path):
+    local = LocalBackend(tmp_path / "a")
+    s3 = S3Backend("bucket", "p", endpoint_url="http://127.0.0.1:9")  # no request is made
+    assert local.properties.local and local.properties.prefetch and local.properties.workers == 4
+    assert not s3.properties.local and not s3.properties.prefetch and s3.properties.workers == 16
+    assert RetryingBackend(local).properties == local.properties
+    assert CachingBackend(RetryingBackend(s3), local).properties == s3.properties
+    assert Store(RetryingBackend(local)).workers == 4 and Store(RetryingBackend(s3)).workers == 16
+    assert Store(CachingBackend(s3, local)).is_local is False
+
+
+@pytest.mark.s3
+def test_s3_read_through_local_cache(s3_url, tmp_path, remote):
+    """The `up` path: a snapshot pushed to S3 is read into a file through the local store."""
+    local, refs, f = remote
+    push(local, open_store(s3_url), "tiny", "latest")
+    cache = open_store(tmp_path / "cache")
+    open_store(s3_url).read_file(refs, tmp_path / "a.img", cache=cache)
+    assert (tmp_path / "a.img").read_bytes() == f.read_bytes()
+    assert _blobs(tmp_path / "cache") == _blobs(tmp_path / "remote")
+    victim = refs[3].digest
+    (tmp_path / "cache" / chunk_key(victim)).write_bytes(b"damaged")
+    open_store(s3_url).read_file(refs, tmp_path / "b.img", cache=cache)
+    assert (tmp_path / "b.img").read_bytes() == f.read_bytes()
+    assert _blobs(tmp_path / "cache") == _blobs(tmp_path / "remote")
+    cache.close()

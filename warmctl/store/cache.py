@@ -1,0 +1,127 @@
+"""The read cache as a backend wrapper (like restic's ``internal/cache/backend.go``).
+
+:class:`CachingBackend` puts a near backend (a local store's) in front of a remote one for
+immutable, content-addressed objects (chunks): a load tries the cache first; a miss loads the
+remote, and the copy is written to the cache only when the caller has verified it
+(``Backend.keep``, called by :func:`warmctl.store.chunkio.load_verified`). A cached copy that
+fails verification is dropped (``Backend.forget``) and the next load reads the remote, whose
+verified bytes then replace it. Everything else (tags, manifests, config, locks, listings,
+locations in messages) is the remote's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound
+
+
+class CachingBackend(Backend):
+    """``remote`` with ``cache`` in front of it for keys under ``prefixes`` (default: chunks).
+
+    ``before_fill()``: called before a copy is written to the cache (the cache's store takes
+    its writer lock there). Keep/forget refer to the calling thread's last load of a key.
+    Properties (parallelism, prefetch) are the remote's. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        remote: Backend,
+        cache: Backend,
+        prefixes: tuple[str, ...] = ("chunks/",),
+        before_fill: Callable[[], None] | None = None,
+    ):
+        self.remote = remote
+        self.cache = cache
+        self.prefixes = prefixes
+        self.before_fill = before_fill
+        self._tls = threading.local()  # see _tried
+
+    def __repr__(self) -> str:
+        return f"CachingBackend({self.remote!r}, cache={self.cache!r})"
+
+    @property
+    def properties(self) -> BackendProperties:  # type: ignore[override]
+        return self.remote.properties
+
+    def _cached(self, key: str) -> bool:
+        return key.startswith(self.prefixes)
+
+    def location(self, key: str = "") -> str:
+        return self.remote.location(key)
+
+    def _tried(self) -> tuple[set[str], set[str]]:
+        """This thread's keys last loaded from the remote, and keys whose cached copy it dropped."""
+        t = self._tls
+        if not hasattr(t, "fetched"):
+            t.fetched, t.dropped = set(), set()
+        return t.fetched, t.dropped
+
+    def _from_cache(self, key: str, load: Callable[[Backend], object]):
+        """``load(cache)`` for a cached key not just dropped by this thread, else
+        ``load(remote)``, noting which one answered (for keep/forget)."""
+        fetched, dropped = self._tried()
+        if key in dropped:  # its cached copy failed verification: go to the remote
+            dropped.discard(key)
+        else:
+            try:
+                out = load(self.cache)
+                fetched.discard(key)
+                return out
+            except ObjectNotFound:
+                pass
+        out = load(self.remote)
+        fetched.add(key)
+        return out
+
+    def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        if self._cached(key) and offset == 0 and length is None:  # only whole objects are kept
+            return self._from_cache(key, lambda b: b.load(key))  # type: ignore[return-value]
+        return self.remote.load(key, offset, length)
+
+    def load_into(self, key: str, buf: bytearray) -> memoryview:
+        if self._cached(key):
+            return self._from_cache(key, lambda b: b.load_into(key, buf))  # type: ignore[return-value]
+        return self.remote.load_into(key, buf)
+
+    def keep(self, key: str, data: bytes | memoryview) -> None:
+        fetched, _ = self._tried()
+        if key not in fetched:  # a cache hit, or not a cached key: nothing to write
+            return
+        fetched.discard(key)
+        if self.before_fill is not None:
+            self.before_fill()
+        self.cache.save(key, data)
+
+    def forget(self, key: str) -> bool:
+        fetched, dropped = self._tried()
+        if key in fetched or not self._cached(key):  # the remote's own bytes failed
+            fetched.discard(key)
+            return self.remote.forget(key)
+        self.cache.remove(key)
+        dropped.add(key)  # this thread's next load reads the remote even if removal failed
+        return True
+
+    def save(self, key: str, data: bytes | memoryview) -> None:
+        self.remote.save(key, data)
+
+    def prefetch(self, key: str) -> None:
+        self.remote.prefetch(key)
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self.remote.stat(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.remote.list(prefix)
+
+    def remove(self, key: str) -> None:
+        self.remote.remove(key)
+        if self._cached(key):
+            self.cache.remove(key)
+
+    def list_tmp(self) -> Iterator[ObjectInfo]:
+        return self.remote.list_tmp()
+
+    def close(self) -> None:
+        self.remote.close()

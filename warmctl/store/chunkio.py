@@ -1,0 +1,220 @@
+"""The parallel chunk I/O engine, over any :class:`~warmctl.store.backend.Backend`.
+
+Owns :func:`ordered_map` (bounded parallel map, results in order), each worker thread's reusable
+chunk buffers, the one verify-and-refetch loop every chunk read goes through
+(:func:`load_verified`: decompress, hash, re-fetch a damaged object once, name what failed), and
+:func:`read_file`, which writes a file back from its chunks. A caching backend
+(:class:`warmctl.store.cache.CachingBackend`) plugs into the loop through ``Backend.keep`` and
+``Backend.forget``: a copy is kept only once verified, and a damaged copy is dropped and the
+source read instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+from warmctl.errors import IntegrityError
+from warmctl.manifest import ChunkRef
+from warmctl.store import chunks as ck
+from warmctl.store.backend import Backend, ObjectNotFound
+from warmctl.store.layout import chunk_key
+from warmctl.store.local import disk_full_error
+
+#: ``progress(n)``: called with the number of bytes done since the last call.
+Progress = Callable[[int], None]
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: read_file on local disk hints this many non-zero chunks ahead of the one being read
+#: (posix_fadvise WILLNEED): 16 x 4 MiB keeps a disk busy while two cores verify.
+PREFETCH_AHEAD = 16
+#: read_file hashes and writes a chunk in pieces of this size, each while it is in the CPU
+#: cache (measured: ~1.5x less CPU per byte than hashing and writing 4 MiB at once).
+PIECE = 256 * 1024
+
+
+class ChunkMissing(IntegrityError):
+    """A chunk the caller needs is not in the store (``digest``, ``location``)."""
+
+
+class ChunkCorrupt(IntegrityError):
+    """A stored chunk does not decompress to bytes matching its digest (``digest``, ``location``)."""
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, window: int | None = None) -> Iterator[R]:
+    """``map(fn, items)`` on ``workers`` threads, results in input order, at most ``window``
+    tasks queued or running (bounded memory). On error, pending tasks are cancelled."""
+    window = window or workers * 2
+    ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmctl-store")
+    q: deque[Future] = deque()
+    try:
+        for it in items:
+            q.append(ex.submit(fn, it))
+            if len(q) >= window:
+                yield q.popleft().result()
+        while q:
+            yield q.popleft().result()
+    finally:
+        for f in q:
+            f.cancel()
+        ex.shutdown(wait=True)
+
+
+class ChunkBuffers:
+    """One worker thread's reusable buffers: a stored blob and a chunk's uncompressed bytes
+    (``size`` bytes each, plus room for zstd's frame overhead; grown when a chunk needs more)."""
+
+    __slots__ = ("blob", "data")
+
+    def __init__(self, size: int = ck.CHUNK_SIZE) -> None:
+        self.blob = bytearray(size + 4096)
+        self.data = bytearray(size)
+
+
+_tls = threading.local()
+
+
+def thread_buffers() -> ChunkBuffers:
+    """This thread's :class:`ChunkBuffers` (made on first use; freed when the thread ends, so
+    call it from worker threads such as :func:`ordered_map`'s, not a long-lived one)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = ChunkBuffers()
+    return bufs
+
+
+def load_verified(
+    backend: Backend, ref: ChunkRef, bufs: ChunkBuffers, context: str = "", sink: Callable[[int, memoryview], None] | None = None
+) -> tuple[memoryview, memoryview]:
+    """(stored blob, verified uncompressed bytes) of the non-zero chunk ``ref``, loaded from
+    ``backend`` into ``bufs`` (no allocation, no page faults when reused); the views are valid
+    until ``bufs`` is reused.
+
+    A damaged object is fetched once more before giving up; a damaged copy that ``backend``
+    can drop (``Backend.forget``: a cache) is dropped and the source read, without counting as
+    that second try. Once verified, ``Backend.keep`` is told (a cache writes its copy then).
+
+    ``sink(offset, piece)``: called with each :data:`PIECE` of the chunk right after that piece
+    is hashed, while it is still in the CPU cache (read_file writes it to the destination
+    there). The digest is only known at the end: a caller must discard what the sink received
+    if this raises, and expect a second pass after a re-fetch.
+
+    Raises :class:`ChunkMissing` / :class:`ChunkCorrupt` naming the digest, ``backend``'s
+    location of it and ``context`` (e.g. the destination file).
+    """
+    key = chunk_key(ref.digest)
+    algo = ck.split_digest(ref.digest)[0]
+    ctx = f" (needed for {context})" if context else ""
+    reason = ""
+    failures = 0
+    while failures < 2:
+        try:
+            blob = backend.load_into(key, bufs.blob)
+        except ObjectNotFound:
+            raise ChunkMissing(f"chunk {ref.digest} is missing: not found at {backend.location(key)}{ctx}") from None
+        if isinstance(blob.obj, bytearray) and blob.obj is not bufs.blob:
+            bufs.blob = blob.obj  # the backend needed a larger buffer: keep it
+        if len(bufs.data) < ref.size:
+            bufs.data = bytearray(ref.size)
+        try:
+            data = ck.decompress_into(blob, bufs.data, ref.size)
+        except ValueError as e:
+            reason = f"damaged or truncated ({len(blob)} stored bytes): {e}"
+        else:
+            if sink is None:
+                got = ck.hash_bytes(data, algo)
+            else:
+                h = ck.hasher(algo)
+                for off in range(0, ref.size, PIECE):
+                    piece = data[off : off + PIECE]
+                    h.update(piece)
+                    sink(off, piece)
+                got = f"{algo}:{h.hexdigest()}"
+            if got == ref.digest:
+                backend.keep(key, blob)
+                return blob, data
+            reason = f"content does not match its digest (got {got})"
+        if not backend.forget(key):
+            failures += 1
+    raise ChunkCorrupt(f"chunk {ref.digest} at {backend.location(key)} is corrupt: {reason}{ctx}")
+
+
+def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, workers: int, progress: Progress | None = None) -> None:
+    """Write the file made of ``chunks`` (loaded from ``backend`` on ``workers`` threads) to
+    ``dest``; see :meth:`warmctl.store.Store.read_file` for the guarantees and errors."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(c.size for c in chunks)
+    zero = [ck.is_zero_chunk(c.digest, c.size) for c in chunks]
+    needed = sum(c.size for c, z in zip(chunks, zero) if not z)
+    try:
+        free = shutil.disk_usage(dest.parent).free
+    except OSError:
+        free = None
+    if free is not None and needed > free + (dest.stat().st_size if dest.exists() else 0):
+        raise disk_full_error(dest, needed, f"file of {total:,} bytes, {needed:,} non-zero")
+    tmp = dest.parent / f".{dest.name}.warmctl-{os.getpid()}-{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    offsets = []
+    off = 0
+    for c in chunks:
+        offsets.append(off)
+        off += c.size
+
+    def work(i: int) -> int:
+        c = chunks[i]
+        if zero[i]:
+            return c.size
+        base = offsets[i]
+
+        def write(off: int, view: memoryview) -> None:
+            pos = base + off
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view, pos = view[n:], pos + n
+
+        load_verified(backend, c, thread_buffers(), str(dest), write)
+        return c.size
+
+    nonzero = [i for i, z in enumerate(zero) if not z]
+    prefetch = backend.properties.prefetch
+
+    def feed() -> Iterator[int]:
+        """Chunk indexes in order; where the backend prefetches (local disk), first hint the
+        non-zero chunks up to PREFETCH_AHEAD ahead of the workers so that cold chunk files
+        are read asynchronously while earlier chunks are decompressed and verified."""
+        hinted = seen = 0
+        for i in range(len(chunks)):
+            if not zero[i]:
+                seen += 1
+                if prefetch:
+                    while hinted < len(nonzero) and hinted < seen + PREFETCH_AHEAD:
+                        backend.prefetch(chunk_key(chunks[nonzero[hinted]].digest))
+                        hinted += 1
+            yield i
+
+    try:
+        os.ftruncate(fd, total)
+        for n in ordered_map(work, feed(), workers):
+            if progress:
+                progress(n)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, dest)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full_error(dest, needed, f"file of {total:,} bytes") from None
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,183 @@
+"""Store maintenance over a :class:`~warmctl.store.store.Store`: verify, gc and du.
+
+Owns what reads the whole store at once: re-hashing every chunk of a set of manifests
+(:func:`verify`), removing what no manifest (or, with ``untagged``, no tag or catalog entry)
+references under the exclusive lock (:func:`gc`), and space accounting per manifest
+(:func:`du`). ``Store.verify``/``gc``/``du`` are thin methods calling these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from warmctl.errors import IntegrityError
+from warmctl.manifest import ChunkRef
+from warmctl.store import chunks as ck
+from warmctl.store import lock as lk
+from warmctl.store.backend import ObjectNotFound
+from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing, Progress, load_verified, ordered_map, thread_buffers
+from warmctl.store.layout import _MANIFEST_DIGEST_RE, _digest_from_chunk_key, attachment_prefixes, chunk_key, manifest_key
+from warmctl.store.reports import ChunkProblem, DuReport, DuRow, GcReport, VerifyReport
+
+if TYPE_CHECKING:
+    from warmctl.store.store import Store
+
+
+def chunk_sizes(store: Store) -> dict[str, int]:
+    """digest -> stored size of every chunk object."""
+    out = {}
+    for o in store.backend.list("chunks/"):
+        d = _digest_from_chunk_key(o.key)
+        if d:
+            out[d] = o.size
+    return out
+
+
+def verify(store: Store, digests: Iterable[str] | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Re-hash every chunk of the given manifests (default: all) and report what is
+    missing or corrupt, naming each chunk, its location and the manifests that use it.
+    ``progress(n)``: uncompressed bytes checked. Never raises for damaged data."""
+    rep = VerifyReport()
+    names = {d: [] for d in (digests if digests is not None else store.list_manifests())}
+    for name, tag, d in store.list_tags():
+        if d in names:
+            names[d].append(f"{name}:{tag}")
+    users: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    for d in names:
+        label = f"{d[:19]}" + (f" ({', '.join(names[d])})" if names[d] else "")
+        try:
+            m = store.get_manifest(d)
+        except IntegrityError as e:
+            rep.bad_manifests.append(str(e))
+            continue
+        rep.manifests_checked += 1
+        for f in m.files:
+            for c in f.chunks:
+                if ck.is_zero_chunk(c.digest, c.size):
+                    continue
+                sizes[c.digest] = c.size
+                users.setdefault(c.digest, [])
+                if label not in users[c.digest]:
+                    users[c.digest].append(label)
+
+    def work(d: str) -> tuple[str, str | None, str | None]:
+        try:
+            load_verified(store.backend, ChunkRef(digest=d, size=sizes[d]), thread_buffers())
+        except ChunkMissing:
+            return d, "missing", "not found"
+        except ChunkCorrupt as e:
+            return d, "corrupt", str(e).split(" is corrupt: ", 1)[-1]
+        return d, None, None
+
+    for d, kind, msg in ordered_map(work, list(sizes), store.workers):
+        rep.chunks_checked += 1
+        rep.bytes_checked += sizes[d]
+        if progress:
+            progress(sizes[d])
+        if kind:
+            p = ChunkProblem(d, store.backend.location(chunk_key(d)), msg, users[d])
+            (rep.missing if kind == "missing" else rep.corrupt).append(p)
+    return rep
+
+
+def gc(store: Store, grace: float = 300.0, untagged: bool = False, dry_run: bool = False) -> GcReport:
+    """Remove chunks no manifest references (and, with ``untagged``, manifests that no tag
+    and no catalog entry names, with their signatures).
+
+    Takes the exclusive lock (StoreLocked if a push/pull holds the store); the store's own
+    writer lock is released first, so do not call it between add_file and put_manifest. Objects younger
+    than ``grace`` seconds are kept in any case. Stale locks and, on local disk, ingest
+    temp files older than max(grace, 1 h) are removed. Raises IntegrityError if a
+    manifest cannot be read (gc cannot know what it references).
+    """
+    store.check_config(writing=False)
+    store.close()  # our own writer lock would block the exclusive one
+    rep = GcReport(dry_run=dry_run)
+    lock = lk.acquire(store.backend, "exclusive", "gc", store.lock_stale_after, 0)
+    try:
+        now = time.time()
+        _, stale = lk.other_locks(store.backend, lock.key, store.lock_stale_after)
+        for k in stale:
+            if not dry_run:
+                store.backend.remove(k)
+            rep.locks_removed += 1
+        tagged = {d for _, _, d in store.list_tags()}
+        if untagged:  # anything that names a manifest (catalog entries) keeps it too
+            for o in store.backend.list("catalog/"):
+                try:
+                    tagged |= {m.decode() for m in _MANIFEST_DIGEST_RE.findall(store.backend.load(o.key))}
+                except ObjectNotFound:
+                    continue
+        mtimes = {"sha256:" + o.key.rsplit("/", 1)[1]: o.mtime for o in store.backend.list("manifests/sha256/")}
+        live: set[str] = set()
+        for d, mt in mtimes.items():
+            if untagged and d not in tagged and now - mt >= grace:
+                if not dry_run:
+                    store.backend.remove(manifest_key(d))
+                    for prefix in attachment_prefixes(d):
+                        for a in store.backend.list(prefix):
+                            store.backend.remove(a.key)
+                rep.manifests_removed.append(d)
+                continue
+            live |= store.get_manifest(d).chunk_digests()
+            rep.manifests_kept += 1
+        for o in store.backend.list("chunks/"):
+            d = _digest_from_chunk_key(o.key)
+            if d is None or d in live:
+                rep.chunks_kept += 1
+                continue
+            if now - o.mtime < grace:
+                rep.chunks_too_new += 1
+                continue
+            if not dry_run:
+                store.remove_chunk(d)
+            rep.chunks_removed += 1
+            rep.bytes_removed += o.size
+        for o in store.backend.list_tmp():
+            if now - o.mtime >= max(grace, 3600.0):
+                if not dry_run:
+                    store.backend.remove(o.key)
+                rep.tmp_removed += 1
+    finally:
+        lock.release()
+    return rep
+
+
+def du(store: Store) -> DuReport:
+    """Space per manifest: logical, stored, unique and shared bytes (see :class:`DuRow`)."""
+    sizes = chunk_sizes(store)
+    tags: dict[str, list[str]] = {}
+    for name, tag, d in store.list_tags():
+        tags.setdefault(d, []).append(f"{name}:{tag}")
+    manifests = {d: store.get_manifest(d) for d in store.list_manifests()}
+    refcount: dict[str, int] = {}
+    for m in manifests.values():
+        for c in m.chunk_digests():
+            refcount[c] = refcount.get(c, 0) + 1
+    rows = []
+    for d, m in manifests.items():
+        logical = stored = unique = zero = missing = 0
+        seen: set[str] = set()
+        for f in m.files:
+            if f.hardlink_to is None:
+                logical += f.size
+            for c in f.chunks:
+                if ck.is_zero_chunk(c.digest, c.size):
+                    zero += c.size
+                    continue
+                if c.digest in seen:
+                    continue
+                seen.add(c.digest)
+                if c.digest not in sizes:
+                    missing += 1
+                    continue
+                stored += sizes[c.digest]
+                if refcount[c.digest] == 1:
+                    unique += sizes[c.digest]
+        rows.append(DuRow(d, sorted(tags.get(d, [])), m.name, logical, stored, unique, stored - unique, zero, missing))
+    rows.sort(key=lambda r: (r.name, r.digest))
+    unref = sum(s for c, s in sizes.items() if c not in refcount)
+    return DuReport(rows, sum(sizes.values()), unref, len(sizes))
