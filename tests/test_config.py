@@ -74,6 +74,7 @@ def test_config_file_from_environment_and_env_lists(tmp_path, monkeypatch):
         ("gate_port = 70000\n", {}, "gate_port: Input should be less than or equal to 65535"),
         ('match_driver = "fuzzy"\n', {}, "match_driver"),
         ("", {"WARMCTL_AGENT_PORT": "eighty"}, "$WARMCTL_AGENT_PORT: agent_port"),
+        ("", {"WARMCTL_S3_OUTAGE_S": "-1"}, "$WARMCTL_S3_OUTAGE_S: s3_outage_s: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_values_name_the_source_and_field(tmp_path, monkeypatch, text, env, expect):

@@ -1,7 +1,7 @@
 """A fault-injecting HTTP proxy on loopback, put between boto3 and an S3 server in tests.
 
 It forwards every request to ``upstream`` and counts them; ``fault(method, path, n)`` (set by
-the test) may return ``"503"`` (answer SlowDown), ``"truncate"`` (send the real headers, half
+the test) may return ``"503"`` (answer SlowDown), ``"403"`` (AccessDenied), ``"truncate"`` (send the real headers, half
 the body, then close), ``"reset"`` (close without answering) or a float (delay seconds).
 """
 
@@ -15,10 +15,13 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-_SLOWDOWN = (
-    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-    b"<Message>injected by test proxy</Message></Error>"
-)
+_ERRORS = {
+    code: (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{name}</Code>'
+        "<Message>injected by test proxy</Message></Error>"
+    ).encode()
+    for code, name in (("503", "SlowDown"), ("403", "AccessDenied"))
+}
 
 
 class FaultProxy:
@@ -52,13 +55,15 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if action == "503":
+                if action in _ERRORS:
                     proxy.faults[action] += 1
-                    self.send_response(503)
+                    body = _ERRORS[action]
+                    self.send_response(int(action))
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_SLOWDOWN)))
+                    self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(_SLOWDOWN)
+                    if self.command != "HEAD":
+                        self.wfile.write(body)
                     return
                 conn = http.client.HTTPConnection(proxy.up_host, proxy.up_port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}

@@ -16,11 +16,11 @@ from test_store_proxy import FaultProxy
 
 from warmctl.errors import IntegrityError
 from warmctl.store import (
+    BackendUnavailable,
     ObjectNotFound,
     RetryingBackend,
     S3Backend,
     Store,
-    TransientBackendError,
     chunk_key,
     open_store,
     pull,
@@ -152,7 +152,7 @@ def test_pull_gives_up_cleanly_when_server_keeps_failing(s3_url, moto_endpoint, 
     try:
         proxy.fault = lambda m, p, n: "503" if (m == "GET" and "/chunks/" in p) else None
         dst = open_store(tmp_path / "dst")
-        with pytest.raises(TransientBackendError, match=r"load s3://.*/chunks/.* failed after 3 attempts"):
+        with pytest.raises(BackendUnavailable, match=r"still failing after .* 3 attempts .*load s3://.*/chunks/.* at http://127\.0\.0\.1:\d+: HTTP 503 SlowDown"):
             pull(_proxied(s3_url, proxy, attempts=3), dst, "tiny", "latest")
         assert dst.get_tag("tiny", "latest") is None and dst.list_manifests() == []
     finally:

@@ -45,6 +45,7 @@ ENV_VARS = {
     "agent_port": "WARMCTL_AGENT_PORT",
     "criu": "WARMCTL_CRIU",
     "match_driver": "WARMCTL_MATCH_DRIVER",
+    "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
 }
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
@@ -74,6 +75,9 @@ class Settings(BaseModel):
     - ``criu``: the CRIU binary (name looked up in ``$PATH``, or a path).
     - ``match_driver``: ``exact`` (default) or ``major``: how a snapshot's NVIDIA driver version
       must match the host's (see ``catalog/README.md``).
+    - ``s3_outage_s``: seconds an S3 store that stopped answering (connection refused, DNS,
+      timeouts, 5xx, throttling, cut-off bodies) is retried before the command fails with one
+      line naming the endpoint and object (default 60; 0 = fail at the first error).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -93,6 +97,7 @@ class Settings(BaseModel):
     agent_port: int = Field(7420, ge=1, le=65535)
     criu: str = "criu"
     match_driver: Literal["exact", "major"] = "exact"
+    s3_outage_s: float = Field(60.0, ge=0)
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 

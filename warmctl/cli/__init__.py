@@ -12,6 +12,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from warmctl.errors import WarmctlError
 
@@ -42,5 +43,6 @@ def main() -> None:
     try:
         app()
     except WarmctlError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        # soft_wrap: one line however long (no wrapping at the terminal's or 80 columns)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)

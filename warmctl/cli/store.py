@@ -81,19 +81,22 @@ def _copy(src, dst, ref: str, verb: str) -> None:
     from warmctl.store import copy_snapshot, parse_ref
 
     name, tag = parse_ref(ref)
-    digest = src.resolve(name, tag)
-    total = src.get_manifest(digest).total_size()
-    with byte_progress(f"{verb} {name}:{tag}", total) as advance:
-        rep = copy_snapshot(src, dst, name, tag, progress=advance)
+    try:
+        digest = src.resolve(name, tag)
+        total = src.get_manifest(digest).total_size()
+        with byte_progress(f"{verb} {name}:{tag}", total) as advance:
+            rep = copy_snapshot(src, dst, name, tag, progress=advance)
+    finally:  # locks released now, also on failure (not at interpreter exit)
+        src.close()
+        dst.close()
     rate = rep.bytes_copied / rep.seconds if rep.seconds else 0
     _console().print(
         f"{verb} {name}:{tag} ({rep.digest[:19]}) {src.location} -> {dst.location}: "
         f"{rep.chunks_copied}/{rep.chunks_total} chunks copied, {_human(rep.bytes_copied)} moved "
         f"({_human(rate)}/s), {_human(rep.logical)} of files, {rep.seconds:.1f} s",
         highlight=False,
+        soft_wrap=True,
     )
-    src.close()
-    dst.close()
 
 
 def register(app: typer.Typer) -> None:

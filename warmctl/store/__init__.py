@@ -19,7 +19,16 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlparse
 
-from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, RetryingBackend, TransientBackendError
+from warmctl.store.backend import (
+    DEFAULT_OUTAGE_WINDOW,
+    Backend,
+    BackendProperties,
+    BackendUnavailable,
+    ObjectInfo,
+    ObjectNotFound,
+    RetryingBackend,
+    TransientBackendError,
+)
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing
 from warmctl.store.chunks import CHUNK_SIZE, DIGEST_ALGORITHM, STORE_FORMAT, ZSTD_LEVEL
@@ -34,12 +43,14 @@ from warmctl.store.store import Store
 __all__ = [
     "Backend",
     "BackendProperties",
+    "BackendUnavailable",
     "CHUNK_SIZE",
     "CachingBackend",
     "ChunkCorrupt",
     "ChunkMissing",
     "ChunkProblem",
     "CopyReport",
+    "DEFAULT_OUTAGE_WINDOW",
     "DIGEST_ALGORITHM",
     "DuReport",
     "DuRow",
@@ -67,18 +78,26 @@ __all__ = [
 ]
 
 
-def open_backend(url: str | Path, retry: bool = True) -> Backend:
+def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None) -> Backend:
     """The backend for ``url``: a directory path or ``file:///path`` (local), or
     ``s3://bucket[/prefix]`` (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``,
     credentials from boto3's usual chain). Remote backends are wrapped in
-    :class:`RetryingBackend` when ``retry``. Raises ValueError for another scheme."""
+    :class:`RetryingBackend` when ``retry``, retrying an outage for ``outage_window`` seconds
+    (default: the ``s3_outage_s`` setting, 60 s unless configured). Raises ValueError for
+    another scheme, :class:`warmctl.config.ConfigError` for a bad ``s3_outage_s``."""
     s = str(url)
     u = urlparse(s)
     if u.scheme == "s3":
         if not u.netloc:
             raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
         b: Backend = S3Backend(u.netloc, u.path.lstrip("/"))
-        return RetryingBackend(b) if retry else b
+        if not retry:
+            return b
+        if outage_window is None:
+            from warmctl.config import load_settings
+
+            outage_window = load_settings().s3_outage_s
+        return RetryingBackend(b, outage_window, setting="s3_outage_s")
     if u.scheme == "file":
         return LocalBackend(Path(u.path))
     if u.scheme in ("", None) or (len(u.scheme) == 1 and s[1:2] == ":"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +35,14 @@ class ObjectNotFound(WarmctlError):
 
 
 class TransientBackendError(WarmctlError):
-    """A failure that may succeed when retried (connection reset, 5xx, throttling, short read)."""
+    """A failure that may succeed when retried: connection refused/reset/closed, DNS failure,
+    connect/read timeout, 5xx, throttling, a truncated body."""
+
+
+class BackendUnavailable(TransientBackendError):
+    """A backend kept failing transiently for longer than :class:`RetryingBackend`'s outage
+    window. The message names the endpoint, the object and the last error; rerunning the
+    operation later is safe (copies resume: only what is still missing is moved)."""
 
 
 @dataclass(frozen=True)
@@ -137,51 +145,132 @@ class Backend(abc.ABC):
         (the default: no copies)."""
         return False
 
+    def endpoint(self) -> str:
+        """The server this backend talks to (a URL), for messages; the default is
+        :meth:`location`."""
+        return self.location()
+
     def close(self) -> None:
         """Release connections; the default does nothing."""
 
 
-class RetryingBackend(Backend):
-    """Wraps a backend: retries :class:`TransientBackendError` with jittered exponential backoff.
+#: Seconds :class:`RetryingBackend` keeps retrying a remote backend that stopped answering
+#: (a restarting S3 endpoint or load balancer typically needs well under a minute).
+DEFAULT_OUTAGE_WINDOW = 60.0
+#: A failure streak shorter than this many seconds is retried silently (isolated 503s,
+#: throttling); a longer one is announced once, with its recovery.
+OUTAGE_NOTICE_AFTER = 1.0
 
-    ``attempts``: total tries per call (>= 1). ``base_delay``/``max_delay``: seconds; the n-th
-    retry waits ``min(max_delay, base_delay * 2**n)`` times a random factor in [0.5, 1].
-    ``on_retry(op, key, attempt, error)`` is called before each wait (for logs and tests).
+
+class RetryingBackend(Backend):
+    """Wraps a backend: retries :class:`TransientBackendError` with jittered exponential
+    backoff for up to ``window`` seconds of outage, then raises :class:`BackendUnavailable`.
+
+    ``window``: seconds (>= 0; 0 = no retry). An outage starts at the first transient failure
+    after a success; every call failing in it gives up ``window`` seconds after that (so
+    parallel workers give up together), and a call failing on its own while others succeed
+    (one bad object) gives up ``window`` seconds after its own first failure. A call already
+    running when the window closes finishes its attempt first, so the worst case is the
+    window plus one attempt (bounded by the backend's connect/read timeouts).
+    ``attempts``: optional cap on tries per call (None: only the window limits).
+    ``base_delay``/``max_delay``: seconds; the n-th retry waits ``min(max_delay,
+    base_delay * 2**(n-1))`` times a random factor in [0.5, 1], never past the window's end
+    (where one last attempt is made). ``setting``: the name of the setting that controls the
+    window, quoted in the final error. ``on_retry(op, key, attempt, error)`` is called
+    before each wait (for logs and tests).
+
+    Outages are logged at WARNING once when a failure streak lasts
+    :data:`OUTAGE_NOTICE_AFTER` seconds, and once when the backend answers again; single
+    retries are logged at DEBUG. ``retries`` counts retries, ``outages`` announced outages.
     """
 
     def __init__(
         self,
         inner: Backend,
-        attempts: int = 6,
+        window: float = DEFAULT_OUTAGE_WINDOW,
+        attempts: int | None = None,
         base_delay: float = 0.2,
-        max_delay: float = 10.0,
+        max_delay: float = 5.0,
         on_retry: Callable[[str, str, int, Exception], None] | None = None,
+        setting: str | None = None,
     ):
-        if attempts < 1:
+        if attempts is not None and attempts < 1:
             raise ValueError("attempts must be >= 1")
+        if window < 0:
+            raise ValueError("window must be >= 0 seconds")
         self.inner = inner
+        self.window = window
         self.attempts = attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
         self.on_retry = on_retry
+        self.setting = setting
         self.retries = 0  # total retries made, for reports and tests
+        self.outages = 0  # outages announced (each lasted >= OUTAGE_NOTICE_AFTER s)
+        self._mu = threading.Lock()
+        self._down_since: float | None = None  # monotonic start of the current failure streak
+        self._announced = False
+
+    def _failed(self, now: float, op: str, key: str, e: Exception) -> float:
+        """Record a transient failure; returns the start of the current outage."""
+        with self._mu:
+            if self._down_since is None:
+                self._down_since, self._announced = now, False
+            since = self._down_since
+            if not self._announced and now - since >= OUTAGE_NOTICE_AFTER:
+                self._announced = True
+                self.outages += 1
+                log.warning(
+                    "remote store %s not answering (%s); retrying for up to %g s",
+                    self.inner.endpoint(), e, self.window,
+                )
+        return since
+
+    def _answered(self) -> None:
+        if self._down_since is None:  # the common case: no lock
+            return
+        with self._mu:
+            if self._down_since is None:
+                return
+            if self._announced:
+                log.warning(
+                    "remote store %s answering again after %.1f s",
+                    self.inner.endpoint(), time.monotonic() - self._down_since,
+                )
+            self._down_since = None
 
     def _call(self, op: str, key: str, fn: Callable[[], object]):
-        for attempt in range(self.attempts):
+        first: float | None = None
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                return fn()
+                result = fn()
             except TransientBackendError as e:
-                if attempt + 1 >= self.attempts:
-                    raise TransientBackendError(
-                        f"{op} {self.inner.location(key)} failed after {self.attempts} attempts: {e}"
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                since = self._failed(now, op, key, e)
+                deadline = min(first, since) + self.window
+                if now >= deadline or (self.attempts is not None and attempt >= self.attempts):
+                    how = f"{self.setting} = {self.window:g} s" if self.setting else f"{self.window:g} s"
+                    raise BackendUnavailable(
+                        f"remote store {self.inner.endpoint()} unavailable: still failing after "
+                        f"{now - min(first, since):.1f} s, {attempt} attempts (outage window {how}); "
+                        f"last error: {e}; rerun when it answers again (copies resume where they stopped)"
                     ) from e
                 self.retries += 1
                 if self.on_retry:
-                    self.on_retry(op, key, attempt + 1, e)
-                log.warning("retrying %s %s (attempt %d): %s", op, key, attempt + 1, e)
-                delay = min(self.max_delay, self.base_delay * (2**attempt))
-                time.sleep(delay * random.uniform(0.5, 1.0))
-        raise AssertionError("unreachable")
+                    self.on_retry(op, key, attempt, e)
+                log.debug("retrying %s %s (attempt %d): %s", op, key, attempt, e)
+                delay = min(self.max_delay, self.base_delay * (2 ** (attempt - 1))) * random.uniform(0.5, 1.0)
+                time.sleep(max(0.0, min(delay, deadline - now)))
+                continue
+            except ObjectNotFound:
+                self._answered()  # the server answered
+                raise
+            self._answered()
+            return result
 
     @property
     def properties(self) -> BackendProperties:  # type: ignore[override]
@@ -201,6 +290,9 @@ class RetryingBackend(Backend):
 
     def prefetch(self, key: str) -> None:
         self.inner.prefetch(key)
+
+    def endpoint(self) -> str:
+        return self.inner.endpoint()
 
     def stat(self, key: str) -> ObjectInfo:
         return self._call("stat", key, lambda: self.inner.stat(key))  # type: ignore[return-value]

@@ -51,6 +51,9 @@ class CachingBackend(Backend):
     def location(self, key: str = "") -> str:
         return self.remote.location(key)
 
+    def endpoint(self) -> str:
+        return self.remote.endpoint()
+
     def _tried(self) -> tuple[set[str], set[str]]:
         """This thread's keys last loaded from the remote, and keys whose cached copy it dropped."""
         t = self._tls

@@ -62,11 +62,16 @@ class Lock:
     def write(self) -> None:
         self.backend.save(self.key, self._body())
 
+    def _once(self) -> Backend:
+        """The backend without its retry wrapper: refreshing and releasing are best effort
+        (staleness is the fallback) and must not wait out a remote store's outage window."""
+        return getattr(self.backend, "inner", self.backend)
+
     def start_refresh(self) -> None:
         def loop() -> None:
             while not self._stop.wait(self.stale_after / 3):
                 try:
-                    self.write()
+                    self._once().save(self.key, self._body())
                 except Exception:  # noqa: BLE001 - next round retries; staleness is the fallback
                     pass
 
@@ -78,7 +83,7 @@ class Lock:
         if self._thread is not None:
             self._thread.join(timeout=5)
         try:
-            self.backend.remove(self.key)
+            self._once().remove(self.key)
         except Exception:  # noqa: BLE001 - a leftover lock goes stale
             pass
 

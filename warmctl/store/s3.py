@@ -4,40 +4,91 @@ Credentials come from boto3's usual chain (environment, shared config/credential
 instance profile). The endpoint of an S3-compatible server (Ceph RGW, MinIO, moto) comes from
 the ``endpoint_url`` argument, else ``$WARMCTL_S3_ENDPOINT``, else ``$AWS_ENDPOINT_URL``; with a
 custom endpoint, path-style addressing is used. Large objects are uploaded with multipart
-upload; loads are ranged GETs. botocore's own retries are off: wrap in
-:class:`warmctl.store.RetryingBackend` (``open_store`` does).
+upload; loads are ranged GETs whose length is checked.
+
+Every failure of the S3 client becomes one of (see :meth:`S3Backend._err`):
+
+- :class:`TransientBackendError`: connection refused/reset/closed, DNS failure (an endpoint
+  behind a restarting load balancer), connect/read timeout, HTTP proxy unreachable, a body
+  cut short (fewer bytes than Content-Length or the requested range), HTTP 5xx, 408, 429,
+  ``SlowDown``/``Throttling``/``RequestTimeout``/``InternalError``/``ServiceUnavailable``;
+- :class:`ObjectNotFound` for 404 / ``NoSuchKey``;
+- :class:`HostError` (permanent, one line naming the endpoint, the object and what to check)
+  for everything else: no such bucket, access refused (403, ``InvalidAccessKeyId``,
+  ``SignatureDoesNotMatch``, expired token), no credentials, clock skew, TLS certificate
+  rejected, other 4xx.
+
+botocore's own retries are off and its timeouts short (connect 5 s, read 20 s without a
+byte), so the outage window of :class:`warmctl.store.RetryingBackend` (which ``open_store``
+wraps around this backend) is the one place that decides how long an outage is survived.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
+import re
+import socket
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import boto3
 import botocore.config
 import botocore.exceptions as bx
+import urllib3.exceptions
 
 from warmctl.errors import HostError
 from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError
 
-_TRANSIENT_CODES = {
+#: S3 error codes worth retrying (any HTTP status >= 500 is retried too).
+TRANSIENT_CODES = frozenset({
     "InternalError",
     "ServiceUnavailable",
     "SlowDown",
     "RequestTimeout",
-    "RequestTimeTooSkewed",
     "Throttling",
     "ThrottlingException",
-    "503",
-    "500",
-    "502",
-    "504",
-}
-_TRANSIENT_EXC = (
-    bx.HTTPClientError,  # connection refused/reset/closed, read/connect timeouts
-    bx.IncompleteReadError,
-    bx.ResponseStreamingError,
-)
+    "RequestThrottled",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+    "OperationAborted",
+    "408",
+    "429",
+})
+#: Error codes that mean the credentials or the policy refuse the request.
+ACCESS_CODES = frozenset({
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AllAccessDisabled",
+    "AccountProblem",
+})
+_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_DNS_HINTS = ("name or service not known", "nodename nor servname", "temporary failure in name resolution",
+              "no address associated", "failed to resolve", "nameresolutionerror", "getaddrinfo")
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """``e``, what it wraps (botocore's ``error`` field), its causes and contexts."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        inner = getattr(x, "kwargs", {}).get("error") if isinstance(getattr(x, "kwargs", None), dict) else None
+        for y in (inner, x.__cause__, x.__context__, getattr(x, "reason", None)):
+            if isinstance(y, BaseException):
+                todo.append(y)
 
 
 def s3_endpoint_from_env() -> str | None:
@@ -51,6 +102,9 @@ class S3Backend(Backend):
     ``max_connections``: HTTP connection pool size (match the store's parallelism).
     ``multipart_threshold``/``part_size``: bytes; objects at least the threshold are sent with
     multipart upload in parts of ``part_size`` (>= 5 MiB, S3's minimum except the last part).
+    ``connect_timeout``/``read_timeout``: seconds to establish a connection / to wait for the
+    next bytes of an answer (not the whole transfer); each bounds one attempt.
+    Raises :class:`HostError` when the endpoint URL is malformed.
     """
 
     properties = BackendProperties(local=False, prefetch=False, workers=16)
@@ -64,14 +118,16 @@ class S3Backend(Backend):
         max_connections: int = 32,
         multipart_threshold: int = 64 * 1024 * 1024,
         part_size: int = 16 * 1024 * 1024,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 20.0,
     ):
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url or s3_endpoint_from_env()
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
         cfg = botocore.config.Config(
             max_pool_connections=max_connections,
             retries={"total_max_attempts": 1, "mode": "standard"},
@@ -84,12 +140,16 @@ class S3Backend(Backend):
             response_checksum_validation="when_required",
         )
         session = boto3.session.Session()
-        self.client = session.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            region_name=region or session.region_name or "us-east-1",
-            config=cfg,
-        )
+        try:
+            self.client = session.client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                region_name=region or session.region_name or "us-east-1",
+                config=cfg,
+            )
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            src = "$WARMCTL_S3_ENDPOINT or $AWS_ENDPOINT_URL" if endpoint_url is None else "endpoint_url"
+            raise HostError(f"S3 endpoint {self.endpoint_url!r} (from {src}) is not a valid URL: {e}") from None
 
     def __repr__(self) -> str:
         return f"S3Backend({self.location()!r}, endpoint={self.endpoint_url!r})"
@@ -97,22 +157,73 @@ class S3Backend(Backend):
     def location(self, key: str = "") -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
 
+    def endpoint(self) -> str:
+        """The URL requests go to (the custom endpoint, or AWS's regional one)."""
+        return self.client.meta.endpoint_url
+
+    def _reason(self, e: BaseException) -> tuple[bool, str]:
+        """(transient?, a short reason) for a transport-level failure."""
+        text = " ".join(str(x) for x in _chain(e)).lower()
+        if isinstance(e, bx.SSLError):
+            if "certificate" in text or "hostname" in text:
+                return False, f"TLS certificate rejected ({e}); check the endpoint's certificate or AWS_CA_BUNDLE"
+            return True, f"TLS connection failed: {e}"
+        if isinstance(e, bx.ProxyConnectionError):
+            return True, f"cannot connect through the HTTP proxy ({e})"
+        if isinstance(e, bx.ConnectTimeoutError):
+            return True, f"connect timed out after {self.connect_timeout:g} s"
+        if isinstance(e, bx.ReadTimeoutError) or any(isinstance(x, (socket.timeout, TimeoutError)) for x in _chain(e)):
+            return True, f"no answer for {self.read_timeout:g} s (read timeout)"
+        if any(isinstance(x, socket.gaierror) for x in _chain(e)) or any(h in text for h in _DNS_HINTS):
+            host = urlparse(self.endpoint()).hostname
+            return True, f"cannot resolve host {host!r} (DNS)"
+        if any(isinstance(x, ConnectionRefusedError) for x in _chain(e)) or "connection refused" in text:
+            return True, "connection refused"
+        if isinstance(e, bx.EndpointConnectionError):
+            return True, f"cannot connect ({e})"
+        if isinstance(e, bx.IncompleteReadError):
+            return True, f"body cut short ({e})"
+        if isinstance(e, (bx.ResponseStreamingError, http.client.IncompleteRead, urllib3.exceptions.ProtocolError)):
+            return True, f"connection broke while reading the body ({e})"
+        if isinstance(e, bx.ConnectionClosedError) or any(isinstance(x, ConnectionResetError) for x in _chain(e)):
+            return True, "connection closed before a complete answer"
+        return True, f"{type(e).__name__}: {e}"
+
     def _err(self, op: str, key: str, e: Exception) -> Exception:
-        where = self.location(key)
+        """Translate a boto3/botocore/urllib3/socket failure of ``op`` on ``key`` (see the
+        module docstring for the classes). Anything not from the S3 client is returned as is."""
+        where = f"{op} {self.location(key)} at {self.endpoint()}"
         if isinstance(e, bx.ClientError):
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            msg = str(err.get("Message", "") or "")
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            label = f"HTTP {status} {code}".strip() if status and code != str(status) else (code or f"HTTP {status}")
             if code in ("NoSuchKey", "404", "NotFound"):
-                return ObjectNotFound(key, where)
+                return ObjectNotFound(key, self.location(key))
             if code == "NoSuchBucket":
-                return HostError(f"S3 bucket {self.bucket!r} does not exist (endpoint {self.endpoint_url or 'AWS'})")
-            if code in _TRANSIENT_CODES or status >= 500:
-                return TransientBackendError(f"{op} {where}: {code or status}: {e}")
-            return HostError(f"{op} {where}: {code or status}: {e}")
-        if isinstance(e, _TRANSIENT_EXC):
-            return TransientBackendError(f"{op} {where}: {e}")
-        if isinstance(e, bx.NoCredentialsError):
-            return HostError(f"{op} {where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)")
+                return HostError(f"{where}: bucket {self.bucket!r} does not exist; check the bucket in the store URL and the endpoint")
+            if code in TRANSIENT_CODES or status >= 500 or status in (408, 429):
+                return TransientBackendError(f"{where}: {label}" + (f" ({msg})" if msg else ""))
+            if code in ACCESS_CODES or status == 403:
+                return HostError(
+                    f"{where}: access refused ({label}); check the credentials (AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket policy"
+                )
+            if code == "RequestTimeTooSkewed":
+                return HostError(f"{where}: this host's clock differs from the server's ({code}); fix the clock (NTP)")
+            return HostError(f"{where}: {label}" + (f": {msg}" if msg else ""))
+        if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)):
+            return HostError(f"{where}: no usable S3 credentials ({e}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
+        transport = (
+            bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError, urllib3.exceptions.HTTPError,
+            http.client.HTTPException, OSError,
+        )
+        if isinstance(e, transport):
+            transient, reason = self._reason(e)
+            return (TransientBackendError if transient else HostError)(f"{where}: {reason}")
+        if isinstance(e, bx.BotoCoreError):
+            return HostError(f"{where}: {type(e).__name__}: {e}")
         return e
 
     def save(self, key: str, data: bytes | memoryview) -> None:
@@ -158,9 +269,36 @@ class S3Backend(Backend):
             kw["Range"] = f"bytes={offset}-"
         try:
             r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, **kw)
-            return r["Body"].read()
+            data = r["Body"].read()
         except Exception as e:  # noqa: BLE001 - translated
             raise self._err("load", key, e) from e
+        return self._check_length(key, r, data, offset, length if "Range" in kw else None, "Range" in kw)
+
+    def _check_length(self, key: str, r: dict, data: bytes, offset: int, length: int | None, ranged: bool) -> bytes:
+        """The body of GET answer ``r`` if it has the length asked for; a server that ignored
+        the Range header (200, whole object) is sliced here. Raises
+        :class:`TransientBackendError` for a short body."""
+        status = r.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
+        where = f"load {self.location(key)} at {self.endpoint()}"
+        if ranged and status == 200:  # Range ignored: the whole object came back
+            expect = r.get("ContentLength", len(data))
+            if len(data) != expect:
+                raise TransientBackendError(f"{where}: body cut short: {len(data)} of {expect} bytes")
+            return data[offset : None if length is None else offset + length]
+        if ranged:
+            m = _CONTENT_RANGE_RE.match(r.get("ContentRange") or "")
+            if m is None or int(m.group(1)) != offset:
+                raise TransientBackendError(f"{where}: asked for bytes {offset}- but got range {r.get('ContentRange')!r}")
+            end, total = int(m.group(2)), None if m.group(3) == "*" else int(m.group(3))
+            want_end = offset + length - 1 if length is not None else None
+            if total is not None:
+                want_end = total - 1 if want_end is None else min(want_end, total - 1)
+            expect = (end if want_end is None else want_end) - offset + 1
+        else:
+            expect = r.get("ContentLength", len(data))
+        if len(data) != expect:
+            raise TransientBackendError(f"{where}: body cut short: {len(data)} of {expect} bytes (offset {offset})")
+        return data
 
     def stat(self, key: str) -> ObjectInfo:
         try:

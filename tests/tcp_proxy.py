@@ -1,0 +1,154 @@
+"""A TCP proxy on loopback that can take an endpoint down and bring it back, for outage tests.
+
+:class:`TcpProxy` forwards every connection made to ``127.0.0.1:<port>`` to ``upstream`` byte
+for byte (HTTP keep-alive and all). :meth:`TcpProxy.down` does what a crashed or restarting
+server does to its clients: the listener closes (new connections are refused) and every open
+connection is reset mid-answer. :meth:`TcpProxy.up` listens on the same port again. With
+``down_after`` set, the proxy goes down by itself once it has forwarded that many bytes from
+the server (so the outage lands mid-transfer, whoever the client is; the bytes that cross
+the mark are not delivered), and comes back after
+``down_for`` seconds when that is set. ``stall = True`` accepts connections but forwards
+nothing (a server that hangs: the client's read timeout fires).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+
+class TcpProxy:
+    def __init__(self, upstream: str):
+        u = urlparse(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.port = 0
+        self.bytes_down = 0  # bytes forwarded server -> client
+        self.downs = 0  # times the proxy went down (stop() is not counted)
+        self.down_after: int | None = None
+        self.down_for: float | None = None
+        self.on_down: Callable[[], None] | None = None
+        self.stall = False
+        self._mu = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._socks: set[socket.socket] = set()
+        self._timers: list[threading.Timer] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def is_up(self) -> bool:
+        return self._listener is not None
+
+    def start(self) -> "TcpProxy":
+        return self.up()
+
+    def up(self) -> "TcpProxy":
+        """Listen (again, on the same port once one was chosen)."""
+        ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(128)
+        ls.settimeout(0.05)  # the accept loop notices down() within this
+        self.port = ls.getsockname()[1]
+        with self._mu:
+            self._listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+        return self
+
+    def down(self, _count: bool = True) -> None:
+        """Stop listening (connections refused) and reset every open connection."""
+        with self._mu:
+            ls, self._listener = self._listener, None
+            socks, self._socks = self._socks, set()
+            if ls is not None and _count:
+                self.downs += 1
+        if ls is not None:
+            ls.close()
+        for s in socks:
+            try:  # linger 0: the last close sends RST; shutdown wakes a pump blocked in recv
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def stop(self) -> None:
+        for t in self._timers:
+            t.cancel()
+        self.down_after = None
+        self.down(_count=False)
+
+    def _accept(self, ls: socket.socket) -> None:
+        while self._listener is ls:
+            try:
+                client, _ = ls.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            if self.stall:
+                self._track(client)
+                continue
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            if not (self._track(client) and self._track(server)):
+                continue
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _track(self, s: socket.socket) -> bool:
+        with self._mu:
+            if self._listener is None:  # went down meanwhile
+                s.close()
+                return False
+            self._socks.add(s)
+            return True
+
+    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if downstream and self._count(len(data)):
+                    self._went_down()  # these bytes are never delivered
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the other direction's recv
+            except OSError:
+                pass
+        with self._mu:
+            self._socks.discard(src)
+        src.close()
+
+    def _count(self, n: int) -> bool:
+        """Count ``n`` bytes from the server; True when they cross ``down_after``."""
+        with self._mu:
+            self.bytes_down += n
+            trigger = self.down_after is not None and self.bytes_down >= self.down_after
+            if trigger:
+                self.down_after = None
+        return trigger
+
+    def _went_down(self) -> None:
+        if self.on_down:
+            self.on_down()
+        self.down()
+        if self.down_for is not None:
+            t = threading.Timer(self.down_for, self.up)
+            t.daemon = True
+            self._timers.append(t)
+            t.start()
