@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,17 +67,41 @@ def first_token(port: int, prompt: str, deadline_s: float = 900) -> tuple[int, f
     raise TimeoutError(f"no token from port {port} within {deadline_s} s")
 
 
+def stop_cold(eng) -> None:
+    """Stop a cold engine like ``warmctl down`` does: kill the tree, then remove every
+    ``/dev/shm`` file it mapped or held open (its ring buffers, and the ``sem.mp-*`` that
+    glibc's ``sem_open`` leaves named by nobody in the tree: found by inode)."""
+    from warmctl.checkpoint import capture
+    from warmctl.engine import vllm
+
+    shm = capture.referenced_files(eng.root_pid).shm
+    inodes = capture.shm_inodes_of(eng.root_pid)
+    vllm.kill_tree(eng.root_pid)
+    if eng.launcher is not None:
+        eng.launcher.wait(timeout=10)
+    for p in shm:
+        p.unlink(missing_ok=True)
+    capture.remove_by_inode(inodes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="runs of each side (default 3)")
     ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep this work dir (its snapshot)")
     a = ap.parse_args()
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-bench-"))
+    try:
+        run(a, root)
+    finally:
+        if a.keep_home is None:  # the store of a throwaway home (a 2.7 GiB snapshot) goes too
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(a, root: Path) -> None:
     env = setup(root)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
 
     from warmctl.config import load_settings
-    from warmctl.engine import vllm
     from warmctl.profile import load_profile
     from warmctl.snapshot import resolve_model
     from warmctl.store import open_store
@@ -93,12 +118,26 @@ def main() -> None:
     model = resolve_model(prof, settings)
 
     cold, restore = [], []
+    try:
+        measure(a, env, root, prof, model, prompt, expected, cold, restore)
+    finally:
+        wc(env, "down", "tiny", check=False)
+    mc, mr = statistics.median(cold), statistics.median(restore)
+    print(f"\nmedian over {a.runs} runs: cold {mc:.2f} s, warmctl up {mr:.2f} s, ratio cold/up = {mc / mr:.1f}x")
+    print(f"snapshot: {manifest.total_size() / 2**30:.2f} GiB logical")
+
+
+def measure(a, env, root, prof, model, prompt, expected, cold, restore) -> None:
+    from warmctl.engine import vllm
+
     for i in range(a.runs):
         wc(env, "down", "tiny")
         t0 = time.monotonic()
         eng = vllm.start(prof, model, root / f"cold-{i}.log")
-        tok, t1 = first_token(prof.engine.port, prompt)
-        vllm.kill_tree(eng.root_pid)
+        try:
+            tok, t1 = first_token(prof.engine.port, prompt)
+        finally:
+            stop_cold(eng)
         assert tok == expected, f"cold engine's first token {tok} != canary {expected}"
         cold.append(t1 - t0)
         print(f"run {i}: cold start -> first correct token {cold[-1]:7.2f} s", flush=True)
@@ -111,12 +150,9 @@ def main() -> None:
         restore.append(t1 - t0)
         timings = wc(env, "status", "tiny", "--json").stdout
         wc(env, "down", "tiny")
-        print(f"run {i}: warmctl up  -> first correct token {restore[-1]:7.2f} s", flush=True)
+        print(f"run {i}: warmctl up  -> first correct token {restore[-1]:7.2f} s; status: {timings.strip()[:300]}",
+              flush=True)
         time.sleep(2)
-
-    mc, mr = statistics.median(cold), statistics.median(restore)
-    print(f"\nmedian over {a.runs} runs: cold {mc:.2f} s, warmctl up {mr:.2f} s, ratio cold/up = {mc / mr:.1f}x")
-    print(f"snapshot: {manifest.total_size() / 2**30:.2f} GiB logical; last up status: {timings.strip()[:400]}")
 
 
 if __name__ == "__main__":
