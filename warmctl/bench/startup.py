@@ -24,6 +24,7 @@ import httpx
 
 from warmctl import lifecycle
 from warmctl.config import Settings
+from warmctl.engine.vllm import PHASE_NAMES
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
@@ -33,7 +34,8 @@ COLD_TAG = "bench-startup-no-such-tag"
 
 #: Display order and labels of phases (cold first, then restore); others follow as recorded.
 PHASE_LABELS = {
-    "weights": "load weights", "torch_compile": "torch.compile", "graph_capture": "graph capture",
+    # the cold engine's own start-up, read from its log (warmctl.engine.vllm.startup_breakdown)
+    **{k: v for k, v in PHASE_NAMES.items()},
     "other": "other engine start-up", "cold_start": "engine start (launch to /health)",
     "warmup": "warm-up grid", "canary_record": "canary (record)",
     "materialize": "materialize (verify chunks, write image)", "restore": "CRIU restore", "health": "health",

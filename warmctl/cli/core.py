@@ -59,8 +59,10 @@ def register(app: typer.Typer) -> None:
         rep = ConsoleReporter(quiet=quiet)
         rep.info(f"snapshot of [bold]{prof.name}[/] ({prof.digest()[:19]}) into {settings.store_dir}")
         res = run_snapshot(prof, settings, rep, tag=tag)
+        from warmctl.engine.vllm import PHASE_NAMES
+
         startup = {p.name: p.seconds for p in res.manifest.phases
-                   if p.name in ("weights", "torch_compile", "graph_capture", "other", "total")}
+                   if (p.name in PHASE_NAMES and p.seconds > 0) or p.name in ("other", "total")}
         if startup:
             rep.info("engine start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
         out.print(f"{prof.name}:{tag} {res.digest} ({_human(res.size)})")
