@@ -187,10 +187,12 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
 
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
-            binary: str | None = None) -> tuple[int, float]:
+            binary: str | None = None, work_dir: Path | None = None) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
-    ``log_file`` defaults to ``images_dir/restore.log``. Raises :class:`CheckpointError` with
+    ``log_file`` defaults to ``images_dir/restore.log``. ``work_dir``: where CRIU writes what
+    else it writes (its ``stats-restore`` file; CRIU's default is the image directory), so a
+    read-only, reused image directory stays unchanged. Raises :class:`CheckpointError` with
     the relevant lines of CRIU's log on failure (CRIU kills what it partly restored).
     """
     images_dir = Path(images_dir)
@@ -199,5 +201,7 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     pidfile.unlink(missing_ok=True)
     cmd = [check(binary), "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
+    if work_dir is not None:
+        cmd += ["-W", str(work_dir)]
     secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s)
     return int(pidfile.read_text().strip()), secs

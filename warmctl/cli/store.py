@@ -171,6 +171,15 @@ def register(app: typer.Typer) -> None:
             f"{rep.manifests_kept} manifests ({rep.chunks_too_new} unreferenced but younger than {grace:g} s)",
             highlight=False,
         )
+        if store is None:  # the local store's gc also drops kept images of snapshots it no longer holds
+            from warmctl.checkpoint.imagecache import ImageCache
+            from warmctl.config import load_settings
+
+            cache = ImageCache.for_settings(load_settings())
+            gone = cache.prune(keep_digests=set(s.list_manifests()), unused_for=grace, dry_run=dry_run)
+            if gone:
+                _out().print(f"{verb} {len(gone)} kept restore image(s) ({_human(sum(e.bytes for e in gone))}) "
+                             f"from {cache.root}", highlight=False)
 
     @app.command()
     def du(
@@ -197,3 +206,13 @@ def register(app: typer.Typer) -> None:
             )
         _out().print(t)
         _out().print(f"total stored {_human(rep.total_stored)} in {rep.chunk_count} chunks; unreferenced {_human(rep.unreferenced)}", highlight=False)
+        if store is None:
+            from warmctl.checkpoint.imagecache import ImageCache
+            from warmctl.config import load_settings
+
+            cache = ImageCache.for_settings(load_settings())
+            entries = cache.entries()
+            if entries:
+                _out().print(f"kept restore images ({cache.root}): {len(entries)}, {_human(sum(e.bytes for e in entries))} "
+                             "on disk: " + ", ".join(e.digest[:19] for e in entries), highlight=False)
+
