@@ -1,0 +1,254 @@
+"""``warmctl up`` vs a raw ``criu restore`` of the same image: time to the first *correct* token.
+
+The raw restore is the floor that orchestration adds to (``../shared/DESIGN.md``: "measure `up`
+against the raw floor on the same image"). Both sides run in one process, alternating, on one
+snapshot of the ``tiny`` profile (the machine is shared: the ratio of medians is the result):
+
+- **raw**: the image is materialized once from the store into a work directory (not timed).
+  Before each run the snapshot's ``/dev/shm`` files are put back (not timed: CRIU needs them,
+  and they are consumed by the restored tree); then, timed: ``criu restore`` with warmctl's
+  flags, and the first canary prompt on the *engine* port, polled until a token comes back.
+- **up**: the real ``warmctl up tiny --json`` CLI (a fresh Python process, as a user runs it),
+  then the same prompt on the *public* port (the gate). Its ``--json`` phase timings and the
+  seconds outside any phase (Python start-up, fingerprint, catalog, pre-flight) are reported.
+
+"Correct" means the returned token id equals the first token of the snapshot's canary record.
+Beside the two sides the script measures, in this process, the fixed costs ``up`` pays before
+its first phase: the CLI's imports in a fresh interpreter (``python -c "import ..."`` minus
+``python -c pass``), the host fingerprint, and the catalog resolution (signature check
+included). Each is the median of ``--micro`` repeats.
+
+Usage::
+
+    python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] \\
+        [--engine-port 18600 --gate-port 18680] [--json FILE]
+
+Leaves nothing behind: every engine is brought down (``warmctl down`` / the raw tree killed and
+its ``/dev/shm`` files removed by inode), and the work directory is removed unless
+``--keep-home`` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def wc(env, *args, check=True):
+    r = subprocess.run([sys.executable, "-m", "warmctl", *args], env=env, capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"warmctl {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def first_token(port: int, prompt: str, model: str, deadline_s: float = 300) -> tuple[int, float]:
+    """Poll until the engine on ``port`` answers ``prompt`` with one token: (token id,
+    ``time.monotonic()`` when it came). Polls every 10 ms (connection refused is instant)."""
+    t_end = time.monotonic() + deadline_s
+    with httpx.Client(timeout=30) as c:
+        while time.monotonic() < t_end:
+            try:
+                r = c.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "return_token_ids": True, "seed": 0, "ignore_eos": True})
+                if r.status_code == 200:
+                    return r.json()["choices"][0]["token_ids"][0], time.monotonic()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.01)
+    raise TimeoutError(f"no token from port {port} within {deadline_s} s")
+
+
+def put_back_shm(store, manifest) -> list[tuple[int, int]]:
+    """Write the snapshot's ``/dev/shm`` files (hard links as links); their (st_dev, st_ino)."""
+    from warmctl.checkpoint import capture
+
+    written = []
+    for f in sorted((f for f in manifest.files if f.role == "shm"), key=lambda f: f.hardlink_to is not None):
+        dest = capture.SHM / f.path
+        if f.hardlink_to is not None:
+            os.link(dest.parent / f.hardlink_to, dest)
+        else:
+            store.read_file(f.chunks, dest)
+            os.chmod(dest, f.mode)
+        written.append(dest)
+    return [(s.st_dev, s.st_ino) for s in map(os.stat, written)]
+
+
+def kill_raw(root_pid: int | None, inodes) -> None:
+    """Kill a raw-restored tree and remove every /dev/shm file it maps or we wrote (by inode)."""
+    from warmctl.checkpoint import capture
+    from warmctl.engine import vllm
+
+    live: set = set()
+    if root_pid and vllm.pid_alive(root_pid):
+        live = capture.shm_inodes_of(root_pid) | {(p.stat().st_dev, p.stat().st_ino)
+                                                  for p in capture.referenced_files(root_pid).shm if p.exists()}
+        vllm.kill_tree(root_pid)
+    capture.remove_by_inode(live | {tuple(x) for x in inodes})
+
+
+def micro(n: int, fn) -> float:
+    """Median seconds of ``n`` calls of ``fn``."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def import_cost(n: int) -> dict[str, float]:
+    """Fresh-interpreter seconds: bare start-up, and the extra for the CLI's imports."""
+    def run(code):
+        return lambda: subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    bare = micro(n, run("pass"))
+    cli = micro(n, run("import warmctl.cli"))
+    up_path = micro(n, run("import warmctl.cli, warmctl.lifecycle"))
+    help_ = micro(n, lambda: subprocess.run([sys.executable, "-m", "warmctl", "--help"], check=True, capture_output=True,
+                                            env={**os.environ, "PYTHONPATH": str(REPO)}))
+    return {"python_bare_s": bare, "import_cli_s": cli - bare, "import_cli_and_lifecycle_s": up_path - bare,
+            "warmctl_help_s": help_}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5, help="runs of each side (default 5)")
+    ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep this work dir (its snapshot)")
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds of pause after each engine is killed")
+    ap.add_argument("--engine-port", type=int, default=18600)
+    ap.add_argument("--gate-port", type=int, default=18680)
+    ap.add_argument("--micro", type=int, default=5, help="repeats of each fixed-cost measurement")
+    ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    a = ap.parse_args()
+    root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-upraw-"))
+    try:
+        run_all(a, root)
+    finally:
+        if a.keep_home is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_all(a, root: Path) -> None:
+    from tests.conftest import isolated_env
+
+    env = isolated_env(root, a.engine_port, a.gate_port)
+    os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
+
+    from warmctl import snapshot as snap
+    from warmctl.catalog import Catalog
+    from warmctl.checkpoint import criu
+    from warmctl.config import load_settings
+    from warmctl.host import fingerprint
+    from warmctl.store import open_store
+
+    settings = load_settings()
+    store = open_store(settings.store_dir)
+    if store.get_tag("tiny", "latest") is None:
+        print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
+        wc(env, "snapshot", "tiny", "--quiet")
+    digest = store.get_tag("tiny", "latest")
+    manifest = store.get_manifest(digest)
+    prompt = manifest.canary.completions[0].prompt
+    expected = manifest.canary.completions[0].token_ids[0]
+    model = manifest.profile["engine"]["served_model_name"]
+
+    # fixed costs before up's first phase
+    fixed = import_cost(a.micro)
+    fixed["fingerprint_s"] = micro(a.micro, lambda: fingerprint(criu=settings.criu))
+    fp = fingerprint(criu=settings.criu)
+    fixed["catalog_resolve_s"] = micro(a.micro, lambda: Catalog(store).resolve("tiny", fp, settings.keys_dir))
+    fixed["criu_check_s"] = micro(a.micro, lambda: criu.check(settings.criu))
+    print("fixed costs (median of %d): " % a.micro + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in fixed.items()),
+          flush=True)
+
+    # the raw side's image, written once
+    raw_dir = root / "raw"
+    images = raw_dir / "images"
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    images.mkdir(parents=True)
+    for f in manifest.files:
+        if f.role == "image":
+            if f.hardlink_to is not None:
+                os.link(images / f.hardlink_to, images / f.path)
+            else:
+                store.read_file(f.chunks, images / f.path)
+                os.chmod(images / f.path, f.mode)
+    log_path = Path(manifest.restore.get("log_path", snap.engine_dir(settings, "tiny") / "engine.log"))
+    for p in (log_path.parent, Path(manifest.restore.get("cwd", log_path.parent))):
+        p.mkdir(parents=True, exist_ok=True)
+    log_path.touch()
+    image_bytes = sum(p.stat().st_size for p in images.iterdir())
+    subprocess.run(["sync"], check=False)
+
+    raw, up, raw_criu, up_phases, up_outside = [], [], [], [], []
+    try:
+        for i in range(a.runs):
+            wc(env, "down", "tiny")
+            root_pid, inodes = None, []
+            try:
+                with criu.host_lock():
+                    inodes = put_back_shm(store, manifest)
+                    t0 = time.monotonic()
+                    root_pid, secs = criu.restore(images, raw_dir / "engine.pid", log_file=raw_dir / "restore.log",
+                                                  binary=settings.criu)
+                tok, t1 = first_token(a.engine_port, prompt, model)
+            finally:
+                kill_raw(root_pid, inodes)
+            assert tok == expected, f"raw-restored engine's first token {tok} != canary {expected}"
+            raw.append(t1 - t0)
+            raw_criu.append(secs)
+            print(f"run {i}: raw criu restore -> first correct token {raw[-1]:6.2f} s (criu restore {secs:.2f} s)",
+                  flush=True)
+            time.sleep(a.gap)
+
+            t0 = time.monotonic()
+            try:
+                r = wc(env, "up", "tiny", "--json")
+                t_up = time.monotonic()
+                tok, t1 = first_token(a.gate_port, prompt, model)
+            finally:
+                wc(env, "down", "tiny", check=False)
+            assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
+            res = json.loads(r.stdout)
+            phases = {k: v for k, v in res["timings_s"].items() if k != "total"}
+            up.append(t1 - t0)
+            up_phases.append(phases)
+            up_outside.append((t_up - t0) - sum(phases.values()))
+            print(f"run {i}: warmctl up      -> first correct token {up[-1]:6.2f} s ("
+                  + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                  + f", outside phases {up_outside[-1]:.2f}, after up {t1 - t_up:.2f})", flush=True)
+            time.sleep(a.gap)
+    finally:
+        wc(env, "down", "tiny", check=False)
+        shutil.rmtree(raw_dir, ignore_errors=True)
+
+    mr, mu = statistics.median(raw), statistics.median(up)
+    keys = list(dict.fromkeys(k for p in up_phases for k in p))
+    med_phases = {k: statistics.median([p.get(k, 0.0) for p in up_phases]) for k in keys}
+    print(f"\nmedian over {a.runs} runs: raw restore {mr:.2f} s (criu restore {statistics.median(raw_criu):.2f} s), "
+          f"warmctl up {mu:.2f} s; ratio up/raw = {mu / mr:.2f}x")
+    print("up's phases (medians): " + ", ".join(f"{k} {v:.2f} s" for k, v in med_phases.items())
+          + f", outside phases {statistics.median(up_outside):.2f} s")
+    print(f"image: {image_bytes / 2**30:.2f} GiB apparent size; snapshot {manifest.total_size() / 2**30:.2f} GiB")
+    if a.json:
+        a.json.write_text(json.dumps({"raw_s": raw, "raw_criu_restore_s": raw_criu, "up_s": up,
+                                      "up_phases_s": up_phases, "up_outside_phases_s": up_outside,
+                                      "fixed_s": fixed, "ratio": mu / mr}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
