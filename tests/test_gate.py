@@ -1,5 +1,6 @@
 """The gate, with real sockets: a real uvicorn upstream (streaming), the real gate process."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -94,3 +95,39 @@ def test_upstream_down_gives_502(tmp_path):
     finally:
         subprocess.run(["kill", str(pid)], check=False)
         sleeper.kill()
+
+
+def test_prestarted_gate_listens_only_once_opened(upstream, tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    port = _free_port()
+    pending = gate.prestart("127.0.0.1", port, upstream, tmp_path / "gate.log")
+    try:
+        time.sleep(1.0)  # time enough to have started listening, were it going to
+        assert pending.proc.poll() is None and gate.port_free("127.0.0.1", port)
+        pid = pending.open(sleeper.pid)
+        assert pid == pending.pid and not gate.port_free("127.0.0.1", port)
+        assert httpx.get(f"http://127.0.0.1:{port}/echo/abc").json() == {"x": "abc"}
+        sleeper.kill()  # it follows the engine PID it was given at open
+        sleeper.wait()
+        pending.proc.wait(timeout=5)
+        assert gate.port_free("127.0.0.1", port)
+    finally:
+        pending.proc.kill()
+        sleeper.kill()
+
+
+def test_prestarted_gate_cancelled_never_listens(tmp_path):
+    port = _free_port()
+    pending = gate.prestart("127.0.0.1", port, 1, tmp_path / "gate.log")
+    pending.cancel()
+    assert pending.proc.returncode == 0 and gate.port_free("127.0.0.1", port)
+
+
+def test_prestarted_gate_port_taken_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        pending = gate.prestart("127.0.0.1", s.getsockname()[1], 1, tmp_path / "g.log")
+        with pytest.raises(HostError, match="could not open"):
+            pending.open(os.getpid())
+        assert pending.proc.poll() is not None

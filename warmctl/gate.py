@@ -77,7 +77,8 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             pass
 
 
-async def _serve(listen: tuple[str, int], upstream: tuple[str, int], engine_pid: int | None) -> None:
+async def _serve(listen: tuple[str, int], upstream: tuple[str, int], engine_pid: int | None,
+                 ready_fd: int | None = None) -> None:
     async def handle(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         try:
             u_reader, u_writer = await asyncio.open_connection(*upstream)
@@ -95,6 +96,9 @@ async def _serve(listen: tuple[str, int], upstream: tuple[str, int], engine_pid:
 
     server = await asyncio.start_server(handle, listen[0], listen[1], reuse_address=True, backlog=1024)
     print("ready", flush=True)
+    if ready_fd is not None:  # the parent waits on this pipe (no polling of the log)
+        os.write(ready_fd, b"ready\n")
+        os.close(ready_fd)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,9 +136,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--listen", required=True, help="public HOST:PORT")
     ap.add_argument("--upstream", required=True, help="engine HOST:PORT")
     ap.add_argument("--engine-pid", type=int, default=None, help="exit when this PID is gone")
+    ap.add_argument("--wait-open", action="store_true",
+                    help="start, but listen only once stdin says 'open PID' (PID: the engine); exit at EOF")
+    ap.add_argument("--ready-fd", type=int, default=None, help="also write 'ready' to this inherited pipe")
     a = ap.parse_args(argv)
+    engine_pid = a.engine_pid
+    if a.wait_open:
+        line = sys.stdin.readline().split()
+        if len(line) != 2 or line[0] != "open":  # the caller gave up (EOF): never listen
+            sys.exit(0)
+        engine_pid = int(line[1])
     try:
-        asyncio.run(_serve(_hostport(a.listen), _hostport(a.upstream), a.engine_pid))
+        asyncio.run(_serve(_hostport(a.listen), _hostport(a.upstream), engine_pid, a.ready_fd))
     except OSError as e:
         print(f"gate: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr, flush=True)
         sys.exit(2 if e.errno == errno.EADDRINUSE else 1)
@@ -169,6 +182,91 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
         time.sleep(0.05)
     proc.kill()
     raise HostError(f"the gate did not open {listen_host}:{listen_port} within {timeout_s:.0f} s")
+
+
+class PendingGate:
+    """A gate process started ahead of time (:func:`prestart`) that does not listen until
+    :meth:`open`: its interpreter start-up and imports (~0.2-0.9 s on a loaded 2-core host)
+    overlap the restore instead of delaying the public port after the canary (issue 12).
+    It holds no socket before :meth:`open`, and exits without ever listening if the process
+    that started it closes its stdin (exits, or calls :meth:`cancel`)."""
+
+    def __init__(self, proc: subprocess.Popen, ready_r: int, listen: str, log_path: Path, offset: int):
+        self.proc, self.listen, self.log_path, self._offset = proc, listen, log_path, offset
+        self._ready_r: int | None = ready_r
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _output(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def open(self, engine_pid: int, timeout_s: float = 15.0) -> int:
+        """Tell the gate to listen in front of ``engine_pid``; return its PID once it accepts
+        connections. Raises :class:`HostError` (with the gate's own message) if it cannot."""
+        import select
+
+        try:
+            self.proc.stdin.write(f"open {engine_pid}\n".encode())
+            self.proc.stdin.close()
+        except OSError:
+            pass  # it died already: reported below
+        try:
+            ready, _, _ = select.select([self._ready_r], [], [], timeout_s)
+            data = os.read(self._ready_r, 64) if ready else b""
+        finally:
+            self._close_pipe()
+        if b"ready" in data:
+            return self.proc.pid
+        self.proc.kill()
+        self.proc.wait()
+        msg = self._output().strip().splitlines()[-1:] or [f"no answer within {timeout_s:.0f} s"]
+        raise HostError(f"the gate could not open {self.listen}: {msg[0]}")
+
+    def cancel(self) -> None:
+        """Stop the gate before it ever listened (``up`` failed)."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()  # EOF: it exits on its own
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self._ready_r is not None:  # once: the number may be reused by another file later
+            os.close(self._ready_r)
+            self._ready_r = None
+
+
+def prestart(listen_host: str, listen_port: int, upstream_port: int, log_path: Path) -> PendingGate:
+    """Start a gate for ``listen_host:listen_port`` -> ``127.0.0.1:upstream_port`` that waits,
+    not listening, for :meth:`PendingGate.open` (see :class:`PendingGate`)."""
+    log_path = Path(log_path)
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    ready_r, ready_w = os.pipe()
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "warmctl.gate", "--listen", f"{listen_host}:{listen_port}",
+                 "--upstream", f"127.0.0.1:{upstream_port}", "--wait-open", "--ready-fd", str(ready_w)],
+                stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True, pass_fds=(ready_w,))
+    except BaseException:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
+    return PendingGate(proc, ready_r, f"{listen_host}:{listen_port}", log_path, offset)
 
 
 if __name__ == "__main__":
