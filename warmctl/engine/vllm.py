@@ -144,11 +144,12 @@ def tail(path: Path, lines: int = 12) -> str:
     return "\n".join(errors + (["..."] if errors else []) + all_lines[-lines:])
 
 
-def wait_healthy(eng: EngineProcess, timeout_s: float, progress=None) -> float:
-    """Poll ``GET /health`` until 200. Returns seconds waited.
+def wait_healthy(eng: EngineProcess, timeout_s: float, progress=None, interval_s: float = 0.2) -> float:
+    """Poll ``GET /health`` every ``interval_s`` seconds until 200. Returns seconds waited.
 
     Raises :class:`EngineError` with the log's tail when the engine dies or ``timeout_s``
-    (seconds) passes. ``progress(elapsed_s)`` is called about once a second.
+    (seconds) passes. ``progress(elapsed_s)`` is called about once a second. A restored engine
+    answers within milliseconds, so ``up`` polls it at 10 ms; a cold start takes a minute.
     """
     t0 = time.monotonic()
     last = 0.0
@@ -167,7 +168,7 @@ def wait_healthy(eng: EngineProcess, timeout_s: float, progress=None) -> float:
             if progress and elapsed - last >= 1.0:
                 progress(elapsed)
                 last = elapsed
-            time.sleep(0.2)
+            time.sleep(interval_s)
 
 
 def kill_tree(root_pid: int, timeout_s: float = 10.0) -> None:
