@@ -88,6 +88,7 @@ def test_missing_remote_chunk_names_the_remote_location(tmp_path, remote):
         src.read_file(refs, dest, cache=open_store(tmp_path / "cache"))
     msg = str(ei.value)
     assert victim in msg and str(where) in msg and str(dest) in msg
+    assert (ei.value.digest, ei.value.location) == (victim, str(where))
     assert str(tmp_path / "cache") not in msg
     assert not dest.exists() and list(dest.parent.iterdir()) == []
     assert not (tmp_path / "cache" / chunk_key(victim)).exists()
@@ -103,6 +104,7 @@ def test_corrupt_remote_chunk_never_lands_in_the_cache(tmp_path, remote):
     with pytest.raises(ChunkCorrupt) as ei:
         src.read_file(refs, tmp_path / "a.img", cache=open_store(tmp_path / "cache"))
     assert victim in str(ei.value) and str(where) in str(ei.value)
+    assert ei.value.location == str(where) and ei.value.reason and ei.value.reason in str(ei.value)
     assert not (tmp_path / "cache" / chunk_key(victim)).exists()
     # a damaged cached copy in front of a damaged remote: the error names the remote, the
     # damaged copy is dropped rather than kept

@@ -42,11 +42,21 @@ PIECE = 256 * 1024
 
 
 class ChunkMissing(IntegrityError):
-    """A chunk the caller needs is not in the store (``digest``, ``location``)."""
+    """A chunk the caller needs is not in the store: attributes ``digest`` and ``location``
+    (where it was looked for), with the operator's message."""
+
+    def __init__(self, message: str, digest: str, location: str):
+        super().__init__(message)
+        self.digest, self.location = digest, location
 
 
 class ChunkCorrupt(IntegrityError):
-    """A stored chunk does not decompress to bytes matching its digest (``digest``, ``location``)."""
+    """A stored chunk does not decompress to bytes matching its digest: attributes ``digest``,
+    ``location`` and ``reason`` (what was wrong with the last copy read)."""
+
+    def __init__(self, message: str, digest: str, location: str, reason: str):
+        super().__init__(message)
+        self.digest, self.location, self.reason = digest, location, reason
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int, window: int | None = None) -> Iterator[R]:
@@ -119,7 +129,8 @@ def load_verified(
         try:
             blob = backend.load_into(key, bufs.blob)
         except ObjectNotFound:
-            raise ChunkMissing(f"chunk {ref.digest} is missing: not found at {backend.location(key)}{ctx}") from None
+            where = backend.location(key)
+            raise ChunkMissing(f"chunk {ref.digest} is missing: not found at {where}{ctx}", ref.digest, where) from None
         if isinstance(blob.obj, bytearray) and blob.obj is not bufs.blob:
             bufs.blob = blob.obj  # the backend needed a larger buffer: keep it
         if len(bufs.data) < ref.size:
@@ -144,7 +155,8 @@ def load_verified(
             reason = f"content does not match its digest (got {got})"
         if not backend.forget(key):
             failures += 1
-    raise ChunkCorrupt(f"chunk {ref.digest} at {backend.location(key)} is corrupt: {reason}{ctx}")
+    where = backend.location(key)
+    raise ChunkCorrupt(f"chunk {ref.digest} at {where} is corrupt: {reason}{ctx}", ref.digest, where, reason)
 
 
 def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, workers: int, progress: Progress | None = None) -> None:

@@ -69,7 +69,7 @@ def verify(store: Store, digests: Iterable[str] | None = None, progress: Progres
         except ChunkMissing:
             return d, "missing", "not found"
         except ChunkCorrupt as e:
-            return d, "corrupt", str(e).split(" is corrupt: ", 1)[-1]
+            return d, "corrupt", e.reason
         return d, None, None
 
     for d, kind, msg in ordered_map(work, list(sizes), store.workers):
