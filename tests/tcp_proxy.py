@@ -3,10 +3,10 @@
 :class:`TcpProxy` forwards every connection made to ``127.0.0.1:<port>`` to ``upstream`` byte
 for byte (HTTP keep-alive and all). :meth:`TcpProxy.down` does what a crashed or restarting
 server does to its clients: the listener closes (new connections are refused) and every open
-connection is reset mid-answer. :meth:`TcpProxy.up` listens on the same port again. With
-``down_after`` set, the proxy goes down by itself once it has forwarded that many bytes from
-the server (so the outage lands mid-transfer, whoever the client is; the bytes that cross
-the mark are not delivered), and comes back after
+connection is cut mid-request or mid-answer. :meth:`TcpProxy.up` listens on the same port
+again. With ``down_after`` set, the proxy goes down by itself once it has forwarded that many
+bytes (both directions: a download or an upload; the bytes that cross the mark are not
+delivered), so the outage lands mid-transfer whoever the client is, and comes back after
 ``down_for`` seconds when that is set. ``stall = True`` accepts connections but forwards
 nothing (a server that hangs: the client's read timeout fires).
 """
@@ -25,7 +25,7 @@ class TcpProxy:
         u = urlparse(upstream)
         self.upstream = (u.hostname, u.port)
         self.port = 0
-        self.bytes_down = 0  # bytes forwarded server -> client
+        self.bytes = 0  # bytes forwarded, both directions
         self.downs = 0  # times the proxy went down (stop() is not counted)
         self.down_after: int | None = None
         self.down_for: float | None = None
@@ -102,8 +102,8 @@ class TcpProxy:
                 continue
             if not (self._track(client) and self._track(server)):
                 continue
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
 
     def _track(self, s: socket.socket) -> bool:
         with self._mu:
@@ -113,13 +113,13 @@ class TcpProxy:
             self._socks.add(s)
             return True
 
-    def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
-                if downstream and self._count(len(data)):
+                if self._count(len(data)):
                     self._went_down()  # these bytes are never delivered
                     break
                 dst.sendall(data)
@@ -135,10 +135,10 @@ class TcpProxy:
         src.close()
 
     def _count(self, n: int) -> bool:
-        """Count ``n`` bytes from the server; True when they cross ``down_after``."""
+        """Count ``n`` forwarded bytes; True when they cross ``down_after``."""
         with self._mu:
-            self.bytes_down += n
-            trigger = self.down_after is not None and self.bytes_down >= self.down_after
+            self.bytes += n
+            trigger = self.down_after is not None and self.bytes >= self.down_after
             if trigger:
                 self.down_after = None
         return trigger

@@ -113,6 +113,26 @@ def test_pull_gives_up_after_window_then_rerun_fetches_only_missing(remote_snap,
     _check_restored(dst, d, f, tmp_path)
 
 
+def test_push_survives_endpoint_down_for_3_s(s3_url, moto_endpoint, tmp_path):
+    f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH)], seed=8)
+    local = open_store(tmp_path / "local", chunk_size=CH)
+    d = snapshot(local, "tiny", {"pages-1.img": f})
+    local.close()
+    proxy = TcpProxy(moto_endpoint).start()
+    proxy.down_after, proxy.down_for = 16 * CH, 3.0  # mid-upload, for 3 s
+    try:
+        r = warmctl("push", "tiny", "--to", s3_url, "--store", str(tmp_path / "local"),
+                    env=_env(tmp_path, proxy.url), check=False, timeout=300)
+    finally:
+        proxy.stop()
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert proxy.downs == 1
+    assert len(re.findall(r"not answering", r.stderr)) == 1 and "answering again" in r.stderr, r.stderr
+    assert "48/48 chunks copied" in r.stderr
+    remote = open_store(s3_url)  # straight to moto
+    assert remote.get_tag("tiny", "latest") == d and remote.verify().ok
+
+
 def _backend(endpoint, url, window=0.5, **kw):
     u = urlparse(url)
     return RetryingBackend(S3Backend(u.netloc, u.path, endpoint_url=endpoint, **kw), window, base_delay=0.01, setting="s3_outage_s")
