@@ -11,8 +11,10 @@ Covered here, where a real server can behave differently from moto: push/pull ro
 chunk objects large enough to go through multipart upload, ranged GETs across part boundaries,
 RGW's 5 MiB minimum part size (the failed upload is aborted, nothing dangles), ``verify`` of the
 remote store, and a chunk object deleted or damaged on the RGW side named by ``verify``,
-``read_file`` and ``pull``. Server faults and a killed, resumed pull are tested against moto
-(``test_store_s3.py``).
+``read_file`` and ``pull``, and credentials RGW refuses (403 ``SignatureDoesNotMatch``,
+``InvalidAccessKeyId``) or a missing bucket reported in one line without retries. Server faults,
+outages and a killed, resumed pull are tested against moto (``test_store_s3.py``,
+``test_store_s3_outage.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from warmctl.store import (
     RetryingBackend,
     S3Backend,
     Store,
+    TransientBackendError,
     chunk_key,
     open_store,
     pull,
@@ -171,3 +174,25 @@ def test_chunk_deleted_or_damaged_on_rgw_is_named(s3, tmp_path):
         pull(_remote(ep, prefix), b, "tiny", "latest")
     assert b.get_tag("tiny", "latest") is None  # nothing half-written: no tag, no manifest
     assert not b.list_manifests()
+
+
+@pytest.mark.parametrize(("key_id", "secret", "code"), [(None, "not-the-secret", "SignatureDoesNotMatch"), ("WARMCTLNOSUCHKEY0000", "x", "InvalidAccessKeyId")])
+def test_refused_credentials_and_missing_bucket_are_one_line_without_retry(s3, monkeypatch, key_id, secret, code):
+    ep, _, prefix = s3
+    good = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id or good[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    b = RetryingBackend(S3Backend(BUCKET, prefix, endpoint_url=ep), 30)
+    with pytest.raises(HostError) as ei:
+        b.load("tags/tiny/latest")
+    assert not isinstance(ei.value, TransientBackendError) and b.retries == 0
+    assert str(ei.value) == (
+        f"load s3://{BUCKET}/{prefix}/tags/tiny/latest at {ep}: access refused (HTTP 403 {code}); check the "
+        "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket policy"
+    )
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", good[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", good[1])
+    s3_ok = RetryingBackend(S3Backend("warmctl-no-such-bucket", prefix, endpoint_url=ep), 30)
+    with pytest.raises(HostError, match=r"bucket 'warmctl-no-such-bucket' does not exist; check the bucket") as ei:
+        s3_ok.load("tags/tiny/latest")
+    assert s3_ok.retries == 0
