@@ -124,9 +124,9 @@ def run_all(a, root: Path) -> None:
 
     env = isolated_env(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
-    from warmctl import snapshot as snap
     from warmctl.checkpoint import criu
     from warmctl.config import load_settings
+    from warmctl.engine.run import EngineRun
     from warmctl.store import open_store
 
     settings = load_settings()
@@ -147,10 +147,9 @@ def run_all(a, root: Path) -> None:
     for f in manifest.files:
         if f.role == "image":
             store.read_file(f.chunks, images / f.path)
-    log_path = Path(manifest.restore.get("log_path", snap.engine_dir(settings, "tiny") / "engine.log"))
-    for p in (log_path.parent, Path(manifest.restore.get("cwd", log_path.parent))):
-        p.mkdir(parents=True, exist_ok=True)
-    log_path.touch()
+    run = EngineRun(settings.run_dir, "tiny", 0, log_path=manifest.restore.log_path,
+                    cwd=manifest.restore.cwd).prepare()  # CRIU reopens the recorded log and cwd
+    run.log_path.touch()
     pages_bytes = sum(p.stat().st_size for p in images.glob("pages-*.img"))
     allocated = sum(p.stat().st_blocks * 512 for p in images.iterdir())
     rate = dd_rate(images) if a.cold else None

@@ -68,20 +68,15 @@ def first_token(port: int, prompt: str, deadline_s: float = 900) -> tuple[int, f
 
 
 def stop_cold(eng) -> None:
-    """Stop a cold engine like ``warmctl down`` does: kill the tree, then remove every
-    ``/dev/shm`` file it mapped or held open (its ring buffers, and the ``sem.mp-*`` that
-    glibc's ``sem_open`` leaves named by nobody in the tree: found by inode)."""
-    from warmctl.checkpoint import capture
-    from warmctl.engine import vllm
+    """Stop a cold engine like ``warmctl down`` does (:meth:`warmctl.engine.run.EngineRun.teardown`:
+    the tree killed, every ``/dev/shm`` file it mapped or held open removed, by inode too)."""
+    from warmctl.engine.run import EngineRun
 
-    shm = capture.referenced_files(eng.root_pid).shm
-    inodes = capture.shm_inodes_of(eng.root_pid)
-    vllm.kill_tree(eng.root_pid)
+    run = EngineRun(Path(eng.log_path).parent / "run", "cold", eng.port, log_path=eng.log_path)
+    run.set_root(eng.root_pid)
+    run.teardown()
     if eng.launcher is not None:
         eng.launcher.wait(timeout=10)
-    for p in shm:
-        p.unlink(missing_ok=True)
-    capture.remove_by_inode(inodes)
 
 
 def main() -> None:
@@ -103,7 +98,7 @@ def run(a, root: Path) -> None:
 
     from warmctl.config import load_settings
     from warmctl.profile import load_profile
-    from warmctl.snapshot import resolve_model
+    from warmctl.engine.cold import resolve_model
     from warmctl.store import open_store
 
     settings = load_settings()
@@ -115,7 +110,7 @@ def run(a, root: Path) -> None:
     manifest = store.get_manifest(store.get_tag("tiny", "latest"))
     prompt = manifest.canary.completions[0].prompt
     expected = manifest.canary.completions[0].token_ids[0]
-    model = resolve_model(prof, settings)
+    model = resolve_model(prof, settings.models_dir)
 
     cold, restore = [], []
     try:

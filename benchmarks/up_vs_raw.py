@@ -91,13 +91,13 @@ def put_back_shm(store, manifest) -> list[tuple[int, int]]:
 def kill_raw(root_pid: int | None, inodes) -> None:
     """Kill a raw-restored tree and remove every /dev/shm file it maps or we wrote (by inode)."""
     from warmctl.checkpoint import capture
-    from warmctl.engine import vllm
+    from warmctl.proc import kill_tree, pid_alive
 
     live: set = set()
-    if root_pid and vllm.pid_alive(root_pid):
+    if root_pid and pid_alive(root_pid):
         live = capture.shm_inodes_of(root_pid) | {(p.stat().st_dev, p.stat().st_ino)
                                                   for p in capture.referenced_files(root_pid).shm if p.exists()}
-        vllm.kill_tree(root_pid)
+        kill_tree(root_pid)
     capture.remove_by_inode(live | {tuple(x) for x in inodes})
 
 
@@ -148,10 +148,10 @@ def run_all(a, root: Path) -> None:
     env = isolated_env(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
 
-    from warmctl import snapshot as snap
     from warmctl.catalog import Catalog
     from warmctl.checkpoint import criu
     from warmctl.config import load_settings
+    from warmctl.engine.run import EngineRun
     from warmctl.host import fingerprint
     from warmctl.store import open_store
 
@@ -187,10 +187,9 @@ def run_all(a, root: Path) -> None:
             else:
                 store.read_file(f.chunks, images / f.path)
                 os.chmod(images / f.path, f.mode)
-    log_path = Path(manifest.restore.get("log_path", snap.engine_dir(settings, "tiny") / "engine.log"))
-    for p in (log_path.parent, Path(manifest.restore.get("cwd", log_path.parent))):
-        p.mkdir(parents=True, exist_ok=True)
-    log_path.touch()
+    run = EngineRun(settings.run_dir, "tiny", 0, log_path=manifest.restore.log_path,
+                    cwd=manifest.restore.cwd).prepare()  # CRIU reopens the recorded log and cwd
+    run.log_path.touch()
     image_bytes = sum(p.stat().st_size for p in images.iterdir())
     subprocess.run(["sync"], check=False)
 

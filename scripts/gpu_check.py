@@ -90,7 +90,7 @@ def main() -> int:
         again = answers(a.port)
         assert [x["tokens"] for x in before] == [x["tokens"] for x in again], "server is not deterministic"
         assert [x["logits_sha256"] for x in before] == [x["logits_sha256"] for x in again]
-        pids = ranks.gpu_ranks(root)
+        pids = ranks.gpu_rank_pids(root)
         res["ranks"] = pids
         assert pids, f"no GPU process found in the tree of {root}"
         saved = weights(a.port, "save", a.work / "weights")

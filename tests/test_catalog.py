@@ -24,7 +24,7 @@ from warmctl.catalog import (
 )
 from warmctl.errors import SnapshotNotFound
 from warmctl.host import CpuInfo, GpuInfo, HostFingerprint, fingerprint
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.manifest import CanaryRecord, FileEntry, Manifest, RestoreInfo
 from warmctl.store import Store, open_store
 from warmctl.trust import TrustError, generate_keypair
 
@@ -273,7 +273,7 @@ def test_publish_refuses_bad_input(tmp_path, keys):
     d, m = publish_snapshot(store, tmp_path, host(), 1)
     with pytest.raises(CatalogError, match="manifest digest is"):
         cat.publish("sha256:" + "0" * 64, m)
-    other = m.model_copy(update={"restore": {"x": 1}})
+    other = m.model_copy(update={"restore": RestoreInfo(cwd="/elsewhere")})
     with pytest.raises(CatalogError, match="not readable from the store .*push it first"):
         cat.publish(other.digest(), other)
     with pytest.raises(CatalogError, match="tag '../x'"):

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from warmctl.checkpoint import criu
-from warmctl.engine.vllm import kill_tree
+from warmctl.proc import kill_tree
 from warmctl.errors import CheckpointError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")

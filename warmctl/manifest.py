@@ -14,7 +14,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
 
 #: Version of the manifest schema; readers refuse versions they do not know.
 MANIFEST_FORMAT = 1
@@ -83,6 +83,70 @@ class Phase(_M):
     seconds: float
 
 
+class _Recorded(_M):
+    """A record whose JSON holds exactly the keys it was given: a key left unset is omitted
+    (not written as its default or ``null``), so a manifest read back serializes to the same
+    bytes, hence the same digest, as the one a writer stored (older writers omitted keys)."""
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if k in self.model_fields_set}
+
+
+class GpuRestore(_Recorded):
+    """``restore.gpu`` (profiles with ``checkpoint.cuda``): what the CUDA restore of the ranks
+    needs. ``nspids``: each GPU rank's PID inside the engine's PID namespace (the ranks are found
+    again by it after a CRIU restore); ``gpu_bytes``: ``{snapshot GPU UUID: bytes}`` the ranks
+    held (checked against free memory before any restore); ``ranks``: the checkpoint report of
+    :class:`warmctl.checkpoint.ranks.RankReport` (``to_dict()``; informational)."""
+
+    nspids: list[int]
+    gpu_bytes: dict[str, int] = {}
+    ranks: dict[str, Any] = {}
+
+
+class RankWeights(_Recorded):
+    """One rank's weights file: ``rank`` number, ``file`` (the manifest path of its ``weights``
+    entry, ``weights/rank-<r>.safetensors``) and its size in ``bytes``."""
+
+    rank: int
+    file: str
+    bytes: int = Field(ge=0)
+
+
+class WeightsRestore(_Recorded):
+    """``restore.weights`` (profiles with ``checkpoint.weights_outside_image``): the weights kept
+    outside the image: ``bytes`` and ``tensors`` over all ranks, ``save_s`` (seconds the slowest
+    rank took to write them) and one :class:`RankWeights` per rank."""
+
+    bytes: int = Field(ge=0)
+    tensors: int = Field(ge=0)
+    save_s: float = 0.0
+    ranks: list[RankWeights] = []
+
+
+class RestoreInfo(_Recorded):
+    """``restore``: facts a restore needs that the images do not hold.
+
+    ``log_path`` and ``cwd``: absolute paths of the engine's log and working directory on the
+    snapshot host (CRIU reopens them at the same paths); ``internal_port``: the engine's
+    loopback TCP port; ``required_files``: ``{absolute path: size in bytes}`` of files the tree
+    maps from the interpreter and system directories (checked before anything is written,
+    :func:`warmctl.checkpoint.capture.missing_or_changed`); ``images_bytes``: size of the CRIU
+    image files; ``gpu`` / ``weights``: present only for those checkpoint flavours. Every key
+    is optional in the format (a manifest written without one reads with its default).
+    """
+
+    log_path: str | None = None
+    cwd: str | None = None
+    internal_port: int | None = None
+    required_files: dict[str, int] = {}
+    images_bytes: int = Field(0, ge=0)
+    gpu: GpuRestore | None = None
+    weights: WeightsRestore | None = None
+
+
 class Manifest(_M):
     """A snapshot manifest (see module docstring). Sizes are bytes, times are seconds."""
 
@@ -99,8 +163,8 @@ class Manifest(_M):
     #: Cold-start phases parsed from the engine's log (weights, torch.compile, ...) and
     #: snapshot phases (warm-up, canary, dump, store).
     phases: list[Phase] = []
-    #: Facts the restore needs: the engine's pid-namespace root, ports, paths it expects.
-    restore: dict[str, Any] = {}
+    #: Facts the restore needs beyond the images (paths, port, required files, GPU, weights).
+    restore: RestoreInfo = Field(default_factory=RestoreInfo)
     files: list[FileEntry]
 
     def to_bytes(self) -> bytes:

@@ -3,41 +3,47 @@
 ``snapshot(profile)`` runs, each phase timed:
 
 1. pre-flight: CRIU usable, the engine's internal port free, no engine of that name running;
-2. cold start in its own PID namespace with io_uring blocked (:mod:`warmctl.engine.vllm`),
-   wait for ``/health``, parse the start-up log into phases (weights, torch.compile, ...);
-3. the warm-up grid (:mod:`warmctl.engine.warmup`), then the canary (:mod:`warmctl.engine.canary`);
-   with ``checkpoint.weights_outside_image`` every rank then saves its weights as the engine laid
-   them out and drops them from memory (:mod:`warmctl.engine.worker_ext`); they are stored as
-   ``weights`` files, not as image pages;
-4. CRIU dump of the whole tree (:mod:`warmctl.checkpoint.criu`); capture of ``/dev/shm`` files
-   and of files the tree maps outside the interpreter and OS (:mod:`warmctl.checkpoint.capture`);
-5. every file chunked into the content-addressed store; the manifest is written last, then
-   tagged ``NAME:TAG``. A failure at any point leaves no manifest and no tag (chunks already
-   written are unreferenced and ``warmctl gc`` removes them), no process and no ``/dev/shm``
-   file of the tree.
+2. cold start (:mod:`warmctl.engine.cold`): the engine tree in its own PID namespace with
+   io_uring blocked, ``/health``, the start-up log parsed into phases (weights, torch.compile,
+   ...); then the warm-up grid and the canary record;
+
+then :func:`checkpoint`, one short function per phase:
+
+3. ``before_dump`` of the profile's checkpoint plan (:mod:`warmctl.engine.plan`): with
+   ``checkpoint.weights_outside_image`` every rank saves its weights as the engine laid them out
+   and drops them from memory; they are stored as ``weights`` files, not as image pages;
+4. :func:`_dump`: CRIU dump of the whole tree (around the CUDA checkpoint of every rank on GPU
+   profiles) under the host's CRIU lock, with the ``/dev/shm`` files and CRIU's ``link_remap``
+   files it needs (:mod:`warmctl.checkpoint.capture`); with ``leave_running`` the plan's
+   ``after_dump`` then brings the source engine back to serving;
+5. :func:`_store_files`: every file chunked into the content-addressed store;
+   :func:`_build_manifest`; :func:`_publish`: the manifest is written last, then signed and
+   tagged ``NAME:TAG``.
+
+A failure at any point leaves no manifest and no tag (chunks already written are unreferenced
+and ``warmctl gc`` removes them), no process and no ``/dev/shm`` file of the tree: the run is
+torn down (:meth:`warmctl.engine.run.EngineRun.teardown`). Scratch files (images, weights) live
+in the run directory and are removed in every case.
 """
 
 from __future__ import annotations
 
 import shutil
 import socket
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl import host, tinymodel, trust
+from warmctl import host, trust
 from warmctl.catalog import Catalog
 from warmctl.checkpoint import capture, criu
 from warmctl.config import Settings
-from warmctl.engine import canary, vllm, warmup
-from warmctl.engine.sleep import SleepClient, resume
-from warmctl.errors import EngineError, HostError
-from warmctl.gate import require_port_free
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest, Phase
+from warmctl.engine import cold
+from warmctl.engine.plan import CheckpointPlan
+from warmctl.engine.run import EngineRun
+from warmctl.manifest import CanaryRecord, FileEntry, GpuRestore, Manifest, Phase, RestoreInfo, WeightsRestore
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
-from warmctl.state import load as load_state
 from warmctl.store import open_store
 
 
@@ -48,27 +54,6 @@ class SnapshotResult:
     digest: str
     manifest: Manifest
     size: int
-
-
-def resolve_model(profile: Profile, settings: Settings) -> str:
-    """The model path for ``profile``; builds the ``builtin:tiny`` model on first use.
-
-    Raises :class:`EngineError` if a model path does not exist.
-    """
-    m = profile.engine.model
-    if m == "builtin:tiny":
-        return str(tinymodel.build(tinymodel.model_dir(settings.models_dir)))
-    if m.startswith("/") or m.startswith("."):
-        if not Path(m).exists():
-            raise EngineError(f"profile {profile.name}: engine.model {m} does not exist")
-    return m
-
-
-def engine_dir(settings: Settings, name: str) -> Path:
-    """``<home>/run/NAME``: the engine's working directory, log and state."""
-    d = settings.run_dir / name
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def signing_key(settings: Settings, reporter: Reporter) -> Path:
@@ -91,217 +76,158 @@ def signing_key(settings: Settings, reporter: Reporter) -> Path:
     return key
 
 
-def preflight(profile: Profile, settings: Settings) -> None:
-    """Refuse early: an engine of this name already recorded as running, or the port taken."""
-    st = load_state(settings.run_dir, profile.name)
-    if st and st.engine_alive():
-        raise HostError(f"engine {profile.name} is running (pid {st.root_pid}); `warmctl down {profile.name}` first")
-    require_port_free("127.0.0.1", profile.engine.port, f"engine port for {profile.name}:")
-
-
-def cold_start(profile: Profile, settings: Settings, reporter: Reporter) -> tuple[vllm.EngineProcess, dict[str, float]]:
-    """Start the engine cold and wait until healthy. Returns (engine, start-up phases in seconds).
-
-    On failure the tree is killed and :class:`EngineError` raised (with the log's tail).
-    """
-    model = resolve_model(profile, settings)
-    d = engine_dir(settings, profile.name)
-    log_path = d / "engine.log"
-    offset = log_path.stat().st_size if log_path.exists() else 0
-    eng = vllm.start(profile, model, log_path, cwd=d)
-    try:
-        with reporter.phase("cold_start", f"starting {profile.engine.kind} for {profile.name} (log: {log_path})"):
-            total = vllm.wait_healthy(eng, profile.engine.startup_timeout_s)
-    except BaseException:
-        vllm.kill_tree(eng.root_pid)
-        raise
-    with open(log_path, "rb") as f:
-        f.seek(offset)
-        text = f.read().decode(errors="replace")
-    return eng, vllm.parse_startup_phases(text, total_s=total)
-
-
-def warm_and_record(eng: vllm.EngineProcess, profile: Profile, reporter: Reporter) -> CanaryRecord:
-    """Run the warm-up grid, then record the canary."""
-    with reporter.phase("warmup", f"warm-up grid: {len(profile.warmup.cells())} cells"):
-        warmup.run_grid(eng.base_url, profile.engine.served_model_name, profile.warmup)
-    with reporter.phase("canary_record", f"recording canary ({len(profile.canary.prompts)} prompts)"):
-        return canary.run(eng.base_url, profile.canary, profile.engine.served_model_name)
-
-
-def checkpoint(eng: vllm.EngineProcess, profile: Profile, settings: Settings, record: CanaryRecord,
-               startup: dict[str, float], reporter: Reporter, tag: str = "latest",
-               leave_running: bool = False) -> SnapshotResult:
-    """Dump the engine tree with CRIU and write everything into the store (see module doc).
-
-    With ``leave_running`` the engine keeps serving after the dump; otherwise CRIU kills it.
-    Raises :class:`warmctl.errors.CheckpointError` or the store's errors; in every case the
-    temporary image directory is removed, and without ``leave_running`` the tree and its
-    ``/dev/shm`` files are gone.
-    """
-    store = open_store(settings.store_dir)
-    d = engine_dir(settings, profile.name)
-    work = Path(tempfile.mkdtemp(prefix=f"snap-{profile.name}-", dir=settings.home))
-    images = work / "images"
-    shm_files: list[Path] = []
-    remap_inodes: list[tuple[int, int]] = []
-    gpu: dict | None = None
-    weights_dir = work / "weights" if profile.checkpoint.weights_outside_image else None
-    weights: dict | None = None
-    try:
-        time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
-        if weights_dir is not None:
-            with reporter.phase("weights_save", "every rank saves its weights as laid out, outside the image"):
-                weights = _save_weights(eng, profile, weights_dir)
-            reporter.info(f"weights: {weights['bytes'] / 2**20:,.1f} MiB in {weights['tensors']} tensors "
-                          f"over {len(weights['ranks'])} rank(s), kept out of the image")
-        files = capture.referenced_files(eng.root_pid, exclude=[d])
-        shm_files = list(files.shm)
-        links: dict[Path, Path | None] = {}
-        entries: list[FileEntry] = []
-        items: list[tuple[Path, str, str]] = []  # (source, role, path in manifest)
-        with reporter.phase("criu_dump", f"CRIU dump of pid {eng.root_pid} and its children"), \
-                criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
-            shm_before = capture.shm_names()
-            if profile.checkpoint.cuda:
-                gpu = _dump_with_gpu(eng, profile, images, leave_running, settings.criu)
-            else:
-                criu.dump(eng.root_pid, images, leave_running=leave_running, binary=settings.criu)
-            # CRIU's link_remap.N files leave /dev/shm before the host lock is released: a hard link
-            # to a captured file is recorded as such; any other one is copied out first
-            remaps = capture.link_remaps_since(shm_before)
-            links = capture.group_hardlinks(shm_files + remaps)
-            for p in remaps:
-                st = p.stat()
-                remap_inodes.append((st.st_dev, st.st_ino))
-                if links[p] is not None:
-                    entries.append(FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777,
-                                             hardlink_to=links[p].name))
-                else:
-                    (work / "shm").mkdir(exist_ok=True)
-                    items.append((Path(shutil.copy2(p, work / "shm" / p.name)), "shm", p.name))
-                p.unlink()
-        if leave_running and (weights_dir is not None or profile.checkpoint.sleep_level):
-            with reporter.phase("resume_source", "bringing the source engine back to serving"), \
-                    SleepClient(eng.base_url) as sc:
-                if profile.checkpoint.cuda:
-                    sc.checkpoint_restore()
-                resume(sc, profile.checkpoint.sleep_level, weights_dir)
-        for p in sorted(images.iterdir()):
-            if p.is_file():
-                items.append((p, "image", p.name))
-        for p in shm_files:
-            if links.get(p) is not None:
-                st = p.stat()
-                entries.append(FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777,
-                                         hardlink_to=links[p].name))
-            else:
-                items.append((p, "shm", p.name))
-        for p in files.bundled:
-            items.append((p, "file", str(p).lstrip("/")))
-        for p in sorted(weights_dir.iterdir()) if weights_dir is not None else []:
-            items.append((p, "weights", f"weights/{p.name}"))
-        total = sum(p.stat().st_size for p, _, _ in items)
-        with reporter.phase("store", f"chunking {total / 2**20:,.0f} MiB into {store}"):
-            advance = reporter.bytes_progress("store", total)
-            for src, role, rel in items:
-                st = src.stat()
-                chunks = store.add_file(src, progress=advance)
-                entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777, chunks=chunks))
-        phases = [Phase(name=k, seconds=v) for k, v in startup.items()] + list(reporter.phases)
-        manifest = Manifest(
-            name=profile.name,
-            profile_digest=profile.digest(),
-            profile=profile.model_dump(mode="json"),
-            host=host.fingerprint(criu=settings.criu).model_dump(mode="json"),
-            canary=record,
-            phases=phases,
-            restore={
-                "log_path": str(eng.log_path),
-                "cwd": str(d),
-                "internal_port": profile.engine.port,
-                "required_files": files.required,
-                "images_bytes": sum(p.stat().st_size for p in images.iterdir() if p.is_file()),
-                **({"gpu": gpu} if gpu else {}),
-                **({"weights": weights} if weights else {}),
-            },
-            files=entries,
-        )
-        digest = store.put_manifest(manifest)
-        with reporter.phase("publish", f"signing and publishing {profile.name}:{tag}"):
-            Catalog(store).publish(digest, manifest, tag=tag, signer=signing_key(settings, reporter))
-        return SnapshotResult(digest, manifest, manifest.total_size())
-    finally:
-        store.close()  # releases the store's writer lock (gc waits for it)
-        shutil.rmtree(work, ignore_errors=True)
-        if not leave_running:
-            vllm.kill_tree(eng.root_pid)
-            for p in shm_files:
-                Path(p).unlink(missing_ok=True)
-            capture.remove_by_inode(remap_inodes)  # the semaphores the remaps stood for
-
-
-def _save_weights(eng: vllm.EngineProcess, profile: Profile, directory: Path) -> dict:
-    """Every rank writes its weights to ``directory`` (:mod:`warmctl.engine.worker_ext`); then,
-    on an engine without sleep mode, frees them (with sleep mode, sleep level 2 in
-    :func:`_dump_with_gpu` drops them). Returns the manifest's ``restore.weights`` record:
-    ``bytes``, ``tensors``, ``ranks`` (per-rank dicts) and ``save_s``. Raises
-    :class:`EngineError` from the engine."""
-    with SleepClient(eng.base_url) as sc:
-        ranks_ = sc.save_weights(directory)
-        if not profile.checkpoint.sleep_level:
-            sc.release_weights()
-    return {"bytes": sum(r["bytes"] for r in ranks_), "tensors": sum(r["tensors"] for r in ranks_),
-            "save_s": max(r["seconds"] for r in ranks_),
-            "ranks": [{"rank": r["rank"], "file": f"weights/{Path(r['path']).name}", "bytes": r["bytes"]} for r in ranks_]}
-
-
-def _dump_with_gpu(eng: vllm.EngineProcess, profile: Profile, images: Path, leave_running: bool,
-                   criu_bin: str | None = None) -> dict:
-    """The GPU path (``checkpoint.cuda``): optional vLLM sleep, then every rank locked and
-    checkpointed through the CUDA driver (:mod:`warmctl.checkpoint.ranks`) around the CRIU dump;
-    ranks are rolled back (restored and unlocked) if anything fails. Returns what the restore
-    needs: namespace PIDs of the ranks and GPU bytes per GPU UUID. Not run on CPU-only hosts
-    (no GPU was available to this project's CI; ``scripts/gpu-check.sh`` exercises the parts).
-    """
-    from warmctl.checkpoint import ranks
-    from warmctl.errors import CheckpointError
-
-    pids = ranks.gpu_ranks(eng.root_pid)
-    if not pids:
-        raise CheckpointError(f"profile {profile.name} asks for a CUDA checkpoint, but no process of "
-                              f"the engine (pid {eng.root_pid}) holds a GPU")
-    with SleepClient(eng.base_url) as sc:
-        if profile.checkpoint.sleep_level:
-            sc.sleep(profile.checkpoint.sleep_level)
-        sc.checkpoint_prepare()
-    with ranks.checkpoint_ranks(pids, profile.checkpoint.lock_timeout_s) as rep:
-        criu.dump(eng.root_pid, images, leave_running=leave_running, binary=criu_bin)
-    return {"nspids": list(rep.nspids.values()), "gpu_bytes": rep.gpu_bytes, "ranks": rep.to_dict()}
-
-
 def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest") -> SnapshotResult:
     """Cold-start ``profile``, warm it up, record its canary and snapshot it into the store.
 
     Returns the :class:`SnapshotResult`. Raises :class:`HostError` (pre-flight),
     :class:`EngineError` (start-up, warm-up, canary), :class:`warmctl.errors.CheckpointError`
-    (CRIU) or store errors; nothing of the engine survives a failure.
+    (CRIU) or store errors; nothing of the engine survives, in any case (CRIU's dump kills it).
     """
     criu.check(settings.criu)
-    preflight(profile, settings)
-    since = time.time() - 1
+    cold.preflight(profile, settings.run_dir)
+    run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
+    startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter)
     try:
-        return _snapshot(profile, settings, reporter, tag)
-    finally:
-        for p in capture.orphaned_shm(since):
-            p.unlink(missing_ok=True)
-
-
-def _snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str) -> SnapshotResult:
-    eng, startup = cold_start(profile, settings, reporter)
-    try:
-        record = warm_and_record(eng, profile, reporter)
+        record = cold.warm_and_record(run, profile, reporter)
     except BaseException:
-        vllm.kill_tree(eng.root_pid)
+        run.teardown()
         raise
-    return checkpoint(eng, profile, settings, record, startup, reporter, tag=tag)
+    return checkpoint(run, profile, settings, record, startup, reporter, tag=tag)
+
+
+def checkpoint(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
+               startup: dict[str, float], reporter: Reporter, tag: str = "latest",
+               leave_running: bool = False) -> SnapshotResult:
+    """Dump the running engine ``run`` with CRIU and write everything into the store (see the
+    module doc). ``record``: its canary; ``startup``: its cold-start phases (seconds).
+
+    With ``leave_running`` the engine keeps serving after the dump; otherwise it is gone after
+    (CRIU kills it; :meth:`EngineRun.teardown` removes what is left, also on failure). Raises
+    :class:`warmctl.errors.CheckpointError`, :class:`warmctl.errors.EngineError` or the store's
+    errors; in every case the scratch images and weights are removed.
+    """
+    plan = CheckpointPlan.of(profile)
+    store = open_store(settings.store_dir)
+    try:
+        time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
+        weights = plan.before_dump(run, reporter)
+        dumped = _dump(run, plan, leave_running, settings.criu, reporter)
+        if leave_running:
+            plan.after_dump(run, reporter)
+        entries = _store_files(store, dumped, reporter)
+        manifest = _build_manifest(run, profile, settings, record, startup, reporter, dumped, weights, entries)
+        digest = _publish(store, manifest, tag, settings, reporter)
+        return SnapshotResult(digest, manifest, manifest.total_size())
+    finally:
+        store.close()  # releases the store's writer lock (gc waits for it)
+        if leave_running:
+            run.remove_scratch()
+        else:
+            run.teardown()
+
+
+@dataclass
+class _Dumped:
+    """What :func:`_dump` leaves for the store: files to chunk as (source, role, path in the
+    manifest), entries that need no chunks (hard links), the files the tree referenced, the GPU
+    restore record (CUDA profiles) and the images' size in bytes."""
+
+    files: capture.TreeFiles
+    items: list[tuple[Path, str, str]] = field(default_factory=list)
+    links: list[FileEntry] = field(default_factory=list)
+    gpu: GpuRestore | None = None
+    images_bytes: int = 0
+
+
+def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
+          reporter: Reporter) -> _Dumped:
+    """The ``criu_dump`` phase: the plan's dump of ``run`` into ``run.images`` under the host's
+    CRIU lock, with the ``/dev/shm`` files of the tree recorded on the run (so a teardown finds
+    them by inode) and CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` before the lock is
+    released: one that is a hard link of a captured file is recorded as such, any other is
+    copied to the run's scratch first. Then every file to store is listed."""
+    files = capture.referenced_files(run.root_pid, exclude=[run.dir])
+    run.shm_files = [str(p) for p in files.shm]
+    run.shm_inodes = [(st.st_dev, st.st_ino) for st in map(Path.stat, files.shm)]
+    out = _Dumped(files)
+    shutil.rmtree(run.images, ignore_errors=True)
+    with reporter.phase("criu_dump", f"CRIU dump of pid {run.root_pid} and its children"), \
+            criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+        shm_before = capture.shm_names()
+        out.gpu = plan.dump(run, leave_running, criu_bin)
+        remaps = capture.link_remaps_since(shm_before)
+        links = capture.group_hardlinks(list(files.shm) + remaps)
+        for p in remaps:
+            st = p.stat()
+            run.shm_inodes.append((st.st_dev, st.st_ino))  # the semaphore it stands for goes at teardown
+            if links[p] is not None:
+                out.links.append(_link_entry(p, links[p]))
+            else:
+                run.shm_copies.mkdir(parents=True, exist_ok=True)
+                out.items.append((Path(shutil.copy2(p, run.shm_copies / p.name)), "shm", p.name))
+            p.unlink()
+    for p in sorted(run.images.iterdir()):
+        if p.is_file():
+            out.items.append((p, "image", p.name))
+            out.images_bytes += p.stat().st_size
+    for p in files.shm:
+        if links.get(p) is not None:
+            out.links.append(_link_entry(p, links[p]))
+        else:
+            out.items.append((p, "shm", p.name))
+    out.items += [(p, "file", str(p).lstrip("/")) for p in files.bundled]
+    if plan.weights_outside_image:
+        out.items += [(p, "weights", f"weights/{p.name}") for p in sorted(run.weights.iterdir())]
+    return out
+
+
+def _link_entry(p: Path, target: Path) -> FileEntry:
+    """A ``/dev/shm`` file stored as a hard link to ``target`` (no chunks of its own)."""
+    st = p.stat()
+    return FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777, hardlink_to=target.name)
+
+
+def _store_files(store, dumped: _Dumped, reporter: Reporter) -> list[FileEntry]:
+    """The ``store`` phase: every listed file chunked into ``store``; returns the manifest's
+    file entries (hard links included)."""
+    total = sum(p.stat().st_size for p, _, _ in dumped.items)
+    entries = list(dumped.links)
+    with reporter.phase("store", f"chunking {total / 2**20:,.0f} MiB into {store}"):
+        advance = reporter.bytes_progress("store", total)
+        for src, role, rel in dumped.items:
+            st = src.stat()
+            chunks = store.add_file(src, progress=advance)
+            entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777, chunks=chunks))
+    return entries
+
+
+def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
+                    startup: dict[str, float], reporter: Reporter, dumped: _Dumped,
+                    weights: WeightsRestore | None, entries: list[FileEntry]) -> Manifest:
+    """The manifest of the snapshot: profile, host fingerprint, canary, every phase so far, the
+    restore record and the files."""
+    restore = RestoreInfo(log_path=str(run.log_path), cwd=str(run.cwd), internal_port=run.internal_port,
+                          required_files=dumped.files.required, images_bytes=dumped.images_bytes)
+    if dumped.gpu is not None:
+        restore.gpu = dumped.gpu
+    if weights is not None:
+        restore.weights = weights
+    return Manifest(
+        name=profile.name,
+        profile_digest=profile.digest(),
+        profile=profile.model_dump(mode="json"),
+        host=host.fingerprint(criu=settings.criu).model_dump(mode="json"),
+        canary=record,
+        phases=[Phase(name=k, seconds=v) for k, v in startup.items()] + list(reporter.phases),
+        restore=restore,
+        files=entries,
+    )
+
+
+def _publish(store, manifest: Manifest, tag: str, settings: Settings, reporter: Reporter) -> str:
+    """Write the manifest (after its chunks), then sign it and tag it ``NAME:TAG`` in the
+    catalog (the ``publish`` phase). Returns the manifest's digest."""
+    digest = store.put_manifest(manifest)
+    with reporter.phase("publish", f"signing and publishing {manifest.name}:{tag}"):
+        Catalog(store).publish(digest, manifest, tag=tag, signer=signing_key(settings, reporter))
+    return digest

@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import psutil
 from pydantic import BaseModel
 
-from warmctl.engine.vllm import pid_alive
+from warmctl.proc import ProcessId
 
 EnginePhase = Literal["starting", "restoring", "health", "canary", "serving", "failed"]
 
@@ -54,26 +53,28 @@ class EngineState(BaseModel):
         """Record the gate's PID and its creation time."""
         self.gate_pid, self.gate_ctime = pid, _ctime(pid)
 
+    @property
+    def root(self) -> ProcessId | None:
+        """The engine tree's root process as recorded (None before it started)."""
+        return ProcessId.recorded(self.root_pid, self.root_ctime)
+
+    @property
+    def gate(self) -> ProcessId | None:
+        """The gate process as recorded (None before it opened)."""
+        return ProcessId.recorded(self.gate_pid, self.gate_ctime)
+
     def engine_alive(self) -> bool:
         """True if the recorded root PID still is *our* process (same creation time) and alive."""
-        return _same(self.root_pid, self.root_ctime)
+        return self.root is not None and self.root.alive()
 
     def gate_alive(self) -> bool:
-        return _same(self.gate_pid, self.gate_ctime)
+        """True if the recorded gate PID still is *our* gate and alive."""
+        return self.gate is not None and self.gate.alive()
 
 
 def _ctime(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def _same(pid: int | None, ctime: float | None) -> bool:
-    if not pid or ctime is None or not pid_alive(pid):
-        return False
-    now = _ctime(pid)
-    return now is not None and abs(now - ctime) < 0.5
+    ident = ProcessId.of(pid)
+    return ident.ctime if ident else None
 
 
 def state_path(run_dir: Path, name: str) -> Path:

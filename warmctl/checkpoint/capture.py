@@ -25,18 +25,11 @@ from pathlib import Path
 
 import psutil
 
+from warmctl.proc import tree_pids
+
 SHM = Path("/dev/shm")
 #: Paths under these prefixes are required (checked), not bundled.
 SYSTEM_PREFIXES = ("/usr/", "/lib/", "/lib64/", "/bin/", "/sbin/", "/etc/", "/proc/", "/sys/", "/dev/")
-
-
-def tree_pids(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants (host PIDs); [] if the root is gone."""
-    try:
-        root = psutil.Process(root_pid)
-        return [root.pid] + [c.pid for c in root.children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 def _paths_of(pid: int) -> set[str]:

@@ -31,7 +31,7 @@ Operations on different ranks within one phase run in parallel threads (one driv
 rank); a phase has a wall-clock bound, after which its unfinished calls are reported as
 timed out (a driver call cannot be cancelled, so its thread is abandoned).
 
-Rank discovery (:func:`gpu_ranks`): a process of the tree is a rank when NVML lists it as a
+Rank discovery (:func:`gpu_rank_pids`): a process of the tree is a rank when NVML lists it as a
 compute process, or when its memory maps or open files include a ``/dev/nvidia*`` device.
 After a CUDA checkpoint neither holds (the driver released the GPU), so at restore time the
 ranks are found again by their PID inside the engine's PID namespace, recorded at snapshot time
@@ -49,8 +49,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from warmctl.checkpoint import cuda, nvml
-from warmctl.engine.vllm import pid_alive
 from warmctl.errors import CheckpointError
+from warmctl.proc import pid_alive, tree_pids
 
 #: Device files of the NVIDIA driver; a process mapping or holding one has GPU state.
 DEVICE_PREFIX = "/dev/nvidia"
@@ -120,30 +120,6 @@ RestoreReport = RankReport
 # Discovery
 
 
-def tree_pids(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants (from ``/proc/*/stat``), sorted. [] if root is gone."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # comm may contain spaces and parentheses: ppid is the 2nd field after the last ')'.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(name))
-    if not os.path.exists(f"/proc/{root_pid}"):
-        return []
-    out, todo = [], [root_pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return sorted(out)
-
-
 def holds_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
     """True when ``pid`` maps (``/proc/PID/maps``) or has open (``/proc/PID/fd``) a file whose
     path starts with ``prefix``. False when it cannot be read (gone, or not ours)."""
@@ -167,7 +143,7 @@ def holds_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
     return False
 
 
-def gpu_ranks(root_pid: int, *, device_prefix: str = DEVICE_PREFIX, nvml_path: str | None = None) -> list[int]:
+def gpu_rank_pids(root_pid: int, *, device_prefix: str = DEVICE_PREFIX, nvml_path: str | None = None) -> list[int]:
     """Host PIDs of every process in ``root_pid``'s tree that holds a GPU context, sorted.
 
     A process counts when NVML reports it as a compute process or when it maps / holds open a
@@ -303,11 +279,6 @@ def _run_phase(name: str, pids: list[int], fn: Callable[[int], None], timeout_s:
     return errors
 
 
-def _alive(pid: int) -> bool:
-    """Alive and not a zombie."""
-    return pid_alive(pid)
-
-
 def _describe(errors: Mapping[int, BaseException]) -> str:
     return "; ".join(str(e) for _, e in sorted(errors.items()))
 
@@ -336,7 +307,7 @@ def _resume(api: cuda.CheckpointAPI, pids: list[int], report: RankReport, phase:
         if st == cuda.ProcessState.LOCKED:
             api.unlock(pid)
 
-    live = [p for p in pids if _alive(p)]
+    live = [p for p in pids if pid_alive(p)]
     return _run_phase(phase, live, back, timeout_s, report)
 
 
@@ -411,7 +382,7 @@ def checkpoint_ranks(
         e.add_note(f"GPU ranks {pids}: rollback (restore + unlock) {report.rollback}")
         raise
     if resume:
-        live = [p for p in pids if _alive(p)]
+        live = [p for p in pids if pid_alive(p)]
         errors = _resume(api, live, report, "resume", resume_timeout_s)
         report.resumed = [p for p in live if p not in errors]
         if errors:

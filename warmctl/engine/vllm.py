@@ -11,8 +11,6 @@ The engine is started as::
 - ``setsid``: the tree has its own session, so CRIU finds no outside session or terminal.
 - stdin is ``/dev/null``; stdout and stderr go to one log file opened in append mode (CRIU
   restores the descriptor; the file must exist at restore).
-
-Facts used here were verified on this kind of machine (``../shared/DESIGN.md``).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +28,7 @@ import httpx
 import psutil
 
 from warmctl.errors import EngineError
+from warmctl.proc import kill_tree, pid_alive
 from warmctl.profile import Profile
 
 
@@ -89,14 +87,6 @@ class EngineProcess:
         return pid_alive(self.root_pid)
 
 
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str] | None = None,
           cwd: Path | None = None) -> EngineProcess:
     """Start the engine tree for ``profile`` in the background; returns once its root exists.
@@ -144,8 +134,11 @@ def tail(path: Path, lines: int = 12) -> str:
     return "\n".join(errors + (["..."] if errors else []) + all_lines[-lines:])
 
 
-def wait_healthy(eng: EngineProcess, timeout_s: float, progress=None, interval_s: float = 0.2) -> float:
+def wait_healthy(eng, timeout_s: float, progress=None, interval_s: float = 0.2) -> float:
     """Poll ``GET /health`` every ``interval_s`` seconds until 200. Returns seconds waited.
+
+    ``eng``: an :class:`EngineProcess` or a :class:`warmctl.engine.run.EngineRun` (anything
+    with ``base_url``, ``alive()`` and ``log_path``).
 
     Raises :class:`EngineError` with the log's tail when the engine dies or ``timeout_s``
     (seconds) passes. ``progress(elapsed_s)`` is called about once a second. A restored engine
@@ -169,30 +162,6 @@ def wait_healthy(eng: EngineProcess, timeout_s: float, progress=None, interval_s
                 progress(elapsed)
                 last = elapsed
             time.sleep(interval_s)
-
-
-def kill_tree(root_pid: int, timeout_s: float = 10.0) -> None:
-    """SIGTERM ``root_pid`` and all its descendants, SIGKILL what is left after ``timeout_s``.
-
-    Killing a PID namespace's PID 1 also kills every process inside it (kernel rule).
-    """
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
 
 
 # --- start-up log phases ------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Cold start: what ``snapshot`` and the cold path of ``up`` share.
+
+:func:`preflight` refuses early; :func:`start` launches the engine tree of a profile into an
+:class:`~warmctl.engine.run.EngineRun` (:mod:`warmctl.engine.vllm`: own PID namespace, io_uring
+blocked) and waits for ``/health``; :func:`warm_and_record` runs the warm-up grid and records
+the canary. Each either succeeds or leaves nothing running (the run is torn down).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from warmctl import tinymodel
+from warmctl.engine import canary, vllm, warmup
+from warmctl.engine.run import EngineRun
+from warmctl.errors import EngineError, HostError
+from warmctl.gate import require_port_free
+from warmctl.manifest import CanaryRecord
+from warmctl.profile import Profile
+from warmctl.progress import Reporter
+
+
+def resolve_model(profile: Profile, models_dir: Path) -> str:
+    """The model path for ``profile``; builds the ``builtin:tiny`` model under ``models_dir``
+    on first use. Raises :class:`EngineError` if a model path does not exist."""
+    m = profile.engine.model
+    if m == "builtin:tiny":
+        return str(tinymodel.build(tinymodel.model_dir(models_dir)))
+    if m.startswith("/") or m.startswith("."):
+        if not Path(m).exists():
+            raise EngineError(f"profile {profile.name}: engine.model {m} does not exist")
+    return m
+
+
+def preflight(profile: Profile, run_dir: Path) -> None:
+    """Refuse early (:class:`HostError`): an engine of this name recorded as running in
+    ``run_dir``, or the profile's internal port taken."""
+    run = EngineRun.load(run_dir, profile.name)
+    if run is not None and run.alive():
+        raise HostError(f"engine {profile.name} is running (pid {run.root_pid}); `warmctl down {profile.name}` first")
+    require_port_free("127.0.0.1", profile.engine.port, f"engine port for {profile.name}:")
+
+
+def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter) -> dict[str, float]:
+    """Launch ``profile``'s engine (model path ``model``) as ``run`` and wait until healthy.
+
+    Returns the start-up phases in seconds, parsed from the log
+    (:func:`warmctl.engine.vllm.parse_startup_phases`: ``weights``, ``torch_compile``,
+    ``graph_capture``, ``other``, ``total``). On failure the run is torn down and
+    :class:`EngineError` raised (with the log's tail).
+    """
+    run.prepare()
+    offset = run.log_path.stat().st_size if run.log_path.exists() else 0
+    eng = vllm.start(profile, model, run.log_path, cwd=run.cwd)
+    run.set_root(eng.root_pid)
+    try:
+        with reporter.phase("cold_start", f"starting {profile.engine.kind} for {profile.name} (log: {run.log_path})"):
+            total = vllm.wait_healthy(run, profile.engine.startup_timeout_s)
+    except BaseException:
+        run.teardown()
+        raise
+    with open(run.log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return vllm.parse_startup_phases(text, total_s=total)
+
+
+def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> CanaryRecord:
+    """Run the warm-up grid, then record the canary. Raises :class:`EngineError`; the caller
+    owns the run (and tears it down on failure)."""
+    with reporter.phase("warmup", f"warm-up grid: {len(profile.warmup.cells())} cells"):
+        warmup.run_grid(run.base_url, profile.engine.served_model_name, profile.warmup)
+    with reporter.phase("canary_record", f"recording canary ({len(profile.canary.prompts)} prompts)"):
+        return canary.run(run.base_url, profile.canary, profile.engine.served_model_name)

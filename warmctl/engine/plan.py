@@ -1,0 +1,147 @@
+"""The checkpoint flavours of a profile as one plan: what runs before the dump, the dump itself,
+after a dump that leaves the source engine serving, and after a restore.
+
+A profile's ``[checkpoint]`` table picks the flavour (see :class:`warmctl.profile.Checkpoint`):
+
+- ``weights_outside_image``: before the dump every rank saves its weights as the engine laid
+  them out (:meth:`warmctl.engine.sleep.SleepClient.save_weights`) and frees them (or sleep
+  level 2 drops them); after a restore they are loaded back in place;
+- ``sleep_level``: vLLM sleep mode around the checkpoint (GPU engines; woken after);
+- ``cuda``: every GPU rank locked and checkpointed through the CUDA driver around the CRIU dump
+  (:mod:`warmctl.checkpoint.ranks`), restored and unlocked after the CRIU restore.
+
+The snapshot pipeline calls :meth:`CheckpointPlan.before_dump`, :meth:`~CheckpointPlan.dump`
+and (leave-running only) :meth:`~CheckpointPlan.after_dump`; ``up`` calls
+:meth:`~CheckpointPlan.after_restore` (before ``/health``) and :meth:`~CheckpointPlan.wake`
+(after it). A plain CPU profile makes each of them a CRIU dump or nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from warmctl.checkpoint import criu
+from warmctl.engine.run import EngineRun
+from warmctl.engine.sleep import SleepClient, resume
+from warmctl.errors import CheckpointError
+from warmctl.manifest import GpuRestore, RankWeights, RestoreInfo, WeightsRestore
+from warmctl.profile import Profile
+from warmctl.progress import Reporter
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The flavour of one profile's checkpoint (see module doc). ``lock_timeout_s``: the CUDA
+    driver's lock timeout per rank, seconds."""
+
+    name: str
+    cuda: bool = False
+    sleep_level: int = 0
+    weights_outside_image: bool = False
+    lock_timeout_s: float = 30.0
+
+    @classmethod
+    def of(cls, profile: Profile) -> "CheckpointPlan":
+        """The plan of ``profile``'s ``[checkpoint]`` table."""
+        c = profile.checkpoint
+        return cls(profile.name, c.cuda, c.sleep_level, c.weights_outside_image, c.lock_timeout_s)
+
+    @property
+    def wakes(self) -> bool:
+        """True when the engine comes out of a checkpoint frozen (asleep or without weights)
+        and must be woken: after a restore, and after a dump that leaves it running."""
+        return self.weights_outside_image or bool(self.sleep_level)
+
+    # --- snapshot side --------------------------------------------------------------------
+
+    def before_dump(self, run: EngineRun, reporter: Reporter) -> WeightsRestore | None:
+        """With ``weights_outside_image``: every rank writes its weights to ``run.weights``, then
+        (without sleep mode) frees them; returns the manifest's ``restore.weights`` record.
+        Otherwise nothing (None). Raises :class:`warmctl.errors.EngineError` from the engine."""
+        if not self.weights_outside_image:
+            return None
+        with reporter.phase("weights_save", "every rank saves its weights as laid out, outside the image"), \
+                SleepClient(run.base_url) as sc:
+            ranks_ = sc.save_weights(run.weights)
+            if not self.sleep_level:
+                sc.release_weights()  # with sleep mode, level 2 in dump() drops them
+        w = WeightsRestore(
+            bytes=sum(r["bytes"] for r in ranks_), tensors=sum(r["tensors"] for r in ranks_),
+            save_s=max(r["seconds"] for r in ranks_),
+            ranks=[RankWeights(rank=r["rank"], file=f"weights/{Path(r['path']).name}", bytes=r["bytes"])
+                   for r in ranks_])
+        reporter.info(f"weights: {w.bytes / 2**20:,.1f} MiB in {w.tensors} tensors over {len(w.ranks)} rank(s), "
+                      "kept out of the image")
+        return w
+
+    def dump(self, run: EngineRun, leave_running: bool, criu_bin: str | None = None) -> GpuRestore | None:
+        """CRIU dump of ``run``'s tree into ``run.images``; with ``cuda`` first optional vLLM
+        sleep, then every rank locked and checkpointed through the driver around the dump
+        (rolled back if anything fails). Returns what the GPU restore needs (``cuda``) or None.
+        Raises :class:`CheckpointError`. The GPU part is not run on CPU-only hosts (no GPU was
+        available to this project's CI; ``scripts/gpu-check.sh`` exercises the parts)."""
+        if not self.cuda:
+            criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
+            return None
+        from warmctl.checkpoint import ranks
+
+        pids = ranks.gpu_rank_pids(run.root_pid)
+        if not pids:
+            raise CheckpointError(f"profile {self.name} asks for a CUDA checkpoint, but no process of "
+                                  f"the engine (pid {run.root_pid}) holds a GPU")
+        with SleepClient(run.base_url) as sc:
+            if self.sleep_level:
+                sc.sleep(self.sleep_level)
+            sc.checkpoint_prepare()
+        with ranks.checkpoint_ranks(pids, self.lock_timeout_s) as rep:
+            criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
+        return GpuRestore(nspids=list(rep.nspids.values()), gpu_bytes=rep.gpu_bytes, ranks=rep.to_dict())
+
+    def after_dump(self, run: EngineRun, reporter: Reporter) -> None:
+        """After a dump that left the source engine running: bring it back to serving (rebuild
+        the CUDA communicators, wake it, load its weights back). Nothing for a plain profile."""
+        if not self.wakes:
+            return
+        with reporter.phase("resume_source", "bringing the source engine back to serving"), \
+                SleepClient(run.base_url) as sc:
+            if self.cuda:
+                sc.checkpoint_restore()
+            resume(sc, self.sleep_level, run.weights if self.weights_outside_image else None)
+
+    # --- restore side ---------------------------------------------------------------------
+
+    def after_restore(self, run: EngineRun, restore: RestoreInfo, snapshot_gpus: list[str],
+                      host_gpus: list[str], reporter: Reporter) -> None:
+        """After CRIU restored the processes, before ``/health`` (``cuda`` only): check free GPU
+        memory, restore and unlock every rank (GPU UUIDs remapped when this host's differ:
+        ``snapshot_gpus`` / ``host_gpus`` in index order), then rebuild what vLLM's checkpoint
+        hooks released. On failure the ranks are killed (the caller tears the run down). Not
+        run on CPU-only hosts."""
+        if not self.cuda:
+            return
+        from warmctl.checkpoint import ranks
+
+        g = restore.gpu
+        if g is None:
+            raise CheckpointError(f"snapshot of {self.name} has no GPU restore record (restore.gpu)")
+        with reporter.phase("gpu_restore", "CUDA restore and unlock of every rank"):
+            pids = ranks.restored_ranks(run.root_pid, g.nspids)
+            ranks.restore_ranks(pids, ranks.default_gpu_pairs(snapshot_gpus, host_gpus), g.gpu_bytes)
+            with SleepClient(run.base_url) as sc:
+                sc.checkpoint_restore()
+
+    def wake(self, run: EngineRun, restore: RestoreInfo, reporter: Reporter) -> None:
+        """After ``/health`` of a restored engine: wake it from sleep and load its weights back
+        in place when the snapshot kept them outside the image (from ``run.weights``); reports
+        the load in GB/s. Nothing for a plain profile."""
+        if not self.wakes:
+            return
+        w = restore.weights if self.weights_outside_image else None
+        desc = (f"loading {w.bytes / 2**20:,.1f} MiB of weights into {len(w.ranks)} rank(s)" if w
+                else f"waking the engine from sleep level {self.sleep_level}")
+        with reporter.phase("weights", desc), SleepClient(run.base_url) as sc:
+            reload = resume(sc, self.sleep_level, run.weights if w else None)
+        if reload is not None and reload.gb_per_s is not None:
+            reporter.info(f"weights: {reload.nbytes / 1e9:.3f} GB loaded in place in {reload.seconds:.2f} s "
+                          f"({reload.gb_per_s:.2f} GB/s)")
