@@ -7,9 +7,9 @@ import time
 import psutil
 import pytest
 
-from warmctl.checkpoint import criu
-from warmctl.proc import kill_tree
+from warmctl.checkpoint import capture, criu
 from warmctl.errors import CheckpointError
+from warmctl.proc import kill_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 
@@ -65,6 +65,14 @@ def test_configured_binary_is_used_and_checked(tmp_path, monkeypatch):
         criu.criu_binary(str(tmp_path / "nope"))
 
 
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
     """A file open under a name that no longer exists, while another name links it (what
     glibc's sem_open leaves: a temporary name linked to sem.NAME, then removed), needs CRIU's
@@ -79,18 +87,23 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
     root = None
     for _ in range(100):
         kids = psutil.Process(launcher.pid).children()
-        if kids and not os.path.exists(f"/dev/shm/{name}.tmp"):
+        # the script has linked its file and removed the first name (checked in that order)
+        if kids and os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/dev/shm/{name}.tmp"):
             root = kids[0].pid
             break
         time.sleep(0.05)
     assert root, "tree did not start"
     source = psutil.Process(root)  # is_running() compares creation times: safe against PID reuse
+    # /dev/shm is shared with everything else on the host (other suites run side by side): this
+    # test looks at and removes only the names of its own file's inode
+    mine = os.stat(f"/dev/shm/{name}")
+    ours = lambda names: sorted(n for n in names if _inode(f"/dev/shm/{n}") == (mine.st_dev, mine.st_ino))  # noqa: E731
     before = set(os.listdir("/dev/shm"))
     new_root = None
     try:
         with criu.host_lock():
             criu.dump(root, tmp_path / "img", leave_running=True)
-            remaps = sorted(set(os.listdir("/dev/shm")) - before)
+            remaps = ours(set(os.listdir("/dev/shm")) - before)
             assert [r for r in remaps if r.startswith("link_remap.")] == remaps and len(remaps) == 1, remaps
             assert not [n for n in os.listdir("/dev/shm") if n.startswith(criu.KEPT_PREFIX)]
             assert psutil.Process(root).is_running()  # the source keeps running
@@ -109,6 +122,4 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
             kill_tree(source.pid)
         launcher.kill()
         launcher.wait(10)
-        for n in (set(os.listdir("/dev/shm")) - before) | {name}:
-            if os.path.exists(f"/dev/shm/{n}"):
-                os.unlink(f"/dev/shm/{n}")
+        capture.remove_by_inode([(mine.st_dev, mine.st_ino)])
