@@ -146,7 +146,7 @@ def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, cl
             time.sleep(0.1)
         j = agent.wait_job(job["id"])
         assert j["state"] == "succeeded", j
-        assert j["result"]["path"] == "restore" and j["result"]["snapshot"] == tiny_snapshot["digest"]
+        assert j["result"]["source"] == "restore" and j["result"]["snapshot"] == tiny_snapshot["digest"]
         names = [p["name"] for p in j["progress"]["phases"]]
         assert names == ["materialize", "restore", "health", "canary", "gate"], names
         assert seen_phases & {"pending", "restoring", "health", "canary"}, seen_phases
@@ -165,7 +165,7 @@ def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, cl
         assert pulled > 100 * 2**20
         # up again changes nothing
         j2 = agent.wait_job(h.post("/v1/engines/tiny/up", json={}).json()["id"])
-        assert j2["state"] == "succeeded" and j2["result"]["path"] == "already-up"
+        assert j2["state"] == "succeeded" and j2["result"]["already_up"] and j2["result"]["path"] == "already-up"
         # down
         jd = agent.wait_job(h.post("/v1/engines/tiny/down").json()["id"], 60)
         assert jd["state"] == "succeeded" and jd["result"]["was_up"] is True

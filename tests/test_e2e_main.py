@@ -73,7 +73,8 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     store = open_store(s.store_dir)
     m = store.get_manifest(tiny_snapshot["digest"])
     names = {p.name for p in m.phases}
-    assert {"weights", "torch_compile", "total", "warmup", "canary_record", "criu_dump", "store"} <= names
+    assert {"weights", "torch_compile", "cold_start", "warmup", "canary_record", "criu_dump", "store"} <= names
+    assert "total" not in names  # launch to healthy is cold_start; "total" is up's own sum
     assert next(p.seconds for p in m.phases if p.name == "torch_compile") > 0
     roles = {f.role for f in m.files}
     assert {"image", "shm"} <= roles
@@ -90,7 +91,11 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     # cold path: a tag with no snapshot -> up says why and cold-starts from the profile
     r = warmctl("up", "tiny:none", "--json", env=wc_env, timeout=900)
     res = json.loads(r.stdout)
-    assert res["path"] == "cold" and "no snapshot tiny:none" in res["reason"]
+    assert res["source"] == "cold" and not res["already_up"] and "no snapshot tiny:none" in res["reason"]
+    assert res["path"] == "cold"  # the field older clients read
+    t = res["timings_s"]  # total: the sum of up's own phases (not the engine's launch-to-healthy)
+    assert t["total"] == pytest.approx(sum(t[k] for k in ("cold_start", "warmup", "canary_record", "gate")))
+    assert t["total"] > t["cold_start"] >= t["torch_compile"]
     cold = [_completion(gate, p) for p in PROMPTS]
     warmctl("down", "tiny", env=wc_env)
     assert not _listening(gate)
@@ -98,8 +103,10 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
 
     r = warmctl("up", "tiny", "--json", env=wc_env)
     res = json.loads(r.stdout)
-    assert res["path"] == "restore" and res["snapshot"] == tiny_snapshot["digest"]
+    assert res["source"] == "restore" and res["snapshot"] == tiny_snapshot["digest"]
     assert {"materialize", "restore", "health", "canary", "gate", "total"} <= set(res["timings_s"])
+    t = res["timings_s"]
+    assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
     restored = [_completion(gate, p) for p in PROMPTS]
     assert restored == cold
     # chat completion on the public port
@@ -111,7 +118,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert answer.strip() and chat.json()["usage"]["completion_tokens"] >= 1, chat.text
     # up again changes nothing
     again = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)
-    assert again["path"] == "already-up"
+    assert again["already_up"] and again["source"] == "restore" and again["path"] == "already-up"
     st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
     assert st["phase"] == "serving" and st["healthy"] and st["gate_alive"]
 
@@ -124,7 +131,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
 
     # a second up from the same snapshot after down works too
     res2 = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)
-    assert res2["path"] == "restore"
+    assert res2["source"] == "restore"
     assert [_completion(gate, p) for p in PROMPTS] == cold
     warmctl("down", "tiny", env=wc_env)
 

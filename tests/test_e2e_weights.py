@@ -63,10 +63,10 @@ def manifest(wx, wc_env) -> Manifest:
 
 def test_source_engine_serves_again_after_snapshot(wx, manifest):
     """The dump freed the weights; the source engine loaded them back and answers as recorded."""
-    assert wx["up"]["path"] == "cold" and wx["up"]["snapshot"]
+    assert wx["up"]["source"] == "cold" and wx["up"]["snapshot"]
     recorded = {c.prompt: c.token_ids for c in manifest.canary.completions}
     assert wx["cold"][0]["ids"][:4] == recorded["The capital of France is"][:4]
-    assert {"weights_save", "criu_dump", "resume_source", "store"} <= set(wx["up"]["timings_s"])
+    assert {"weights_save", "criu_dump", "wake_source", "store"} <= set(wx["up"]["timings_s"])
 
 
 def test_weights_are_store_files_not_image_pages(manifest, wc_env, tmp_path):
@@ -91,7 +91,7 @@ def test_weights_are_store_files_not_image_pages(manifest, wc_env, tmp_path):
 
 def test_restore_loads_weights_and_serves_as_recorded(wx, wc_env, engine_ports):
     r = json.loads(warmctl("up", NAME, "--json", env=wc_env).stdout)
-    assert r["path"] == "restore" and r["snapshot"] == wx["up"]["snapshot"]
+    assert r["source"] == "restore" and r["snapshot"] == wx["up"]["snapshot"]
     assert {"restore", "health", "weights", "canary", "gate"} <= set(r["timings_s"])
     assert [_completion(engine_ports[1], p) for p in PROMPTS] == wx["cold"]
     chat = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/chat/completions", timeout=60, json={

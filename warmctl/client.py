@@ -200,8 +200,9 @@ class AgentClient:
                            json={"tag": tag, "port": public_port, "host": public_host, "snapshot_after": snapshot_after,
                                  "insecure": insecure})
         res = self.follow(job["id"], reporter)
-        return UpResult(EngineState.model_validate(res["state"]), res["path"], res.get("timings") or {},
-                        res.get("reason") or "", res.get("snapshot"))
+        st = EngineState.model_validate(res["state"])
+        return UpResult(st, res.get("source", st.source), res.get("timings") or {}, res.get("reason") or "",
+                        res.get("snapshot"), already_up=res.get("already_up", res.get("path") == "already-up"))
 
     def down(self, name: str) -> EngineState | None:
         """Like :func:`warmctl.lifecycle.down` through the agent: the stopped state, or

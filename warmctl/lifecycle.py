@@ -48,20 +48,33 @@ from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
-from warmctl.state import EngineState, all_states
+from warmctl.state import EngineSource, EngineState, all_states
 from warmctl.store import open_store
 
 
 @dataclass
 class UpResult:
-    """Outcome of :func:`up`. ``path`` is ``"restore"``, ``"cold"`` or ``"already-up"``;
-    ``timings`` are seconds by phase; ``reason`` says why the cold path was taken."""
+    """Outcome of :func:`up`.
+
+    ``source``: how the engine came up, ``"restore"`` (from a snapshot) or ``"cold"`` (started
+    from its profile) -- the same as ``state.source``; ``already_up``: ``up`` found it serving and
+    changed nothing. ``timings``: seconds by phase of this ``up``, ``total`` their sum (a cold
+    path also lists the engine's own start-up breakdown, :func:`warmctl.engine.cold.start`,
+    which ``total`` does not add again). ``reason``: why the cold path was taken.
+    """
 
     state: EngineState
-    path: str
+    source: EngineSource
     timings: dict[str, float] = field(default_factory=dict)
     reason: str = ""
     snapshot_digest: str | None = None
+    already_up: bool = False
+
+    @property
+    def outcome(self) -> str:
+        """``"already-up"``, else ``source``: the ``path`` field of the JSON outputs of ``up``
+        (CLI ``--json``, the agent's job result), kept for clients written against it."""
+        return "already-up" if self.already_up else self.source
 
 
 def _public(profile: Profile, settings: Settings, port: int | None, host: str | None) -> tuple[str, int]:
@@ -127,7 +140,7 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
        profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
        snapshot_after: bool = False, insecure: bool = False) -> UpResult:
     """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
-    is left alone and reported (``path="already-up"``).
+    is left alone and reported (``already_up``).
 
     The snapshot is chosen by the catalog's rules for this host's fingerprint and its signature
     verified before anything is written (:meth:`warmctl.catalog.Catalog.resolve`);
@@ -159,7 +172,7 @@ def _adopt_or_clear(name: str, settings: Settings) -> UpResult | None:
     if existing is None:
         return None
     if existing.alive() and existing.gate is not None and existing.gate.alive():
-        return UpResult(existing.state, "already-up")  # type: ignore[arg-type]
+        return UpResult(existing.state, existing.state.source, already_up=True)  # type: ignore[union-attr]
     existing.teardown()
     return None
 
@@ -247,8 +260,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
         raise
     finally:
         run.remove_scratch()
-    timings = {p.name: p.seconds for p in reporter.phases}
-    timings["total"] = sum(timings.values())
+    timings = _timings(reporter)
     _serving(run, timings)
     return UpResult(run.state, "restore", timings, snapshot_digest=digest)  # type: ignore[arg-type]
 
@@ -275,6 +287,13 @@ def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: R
     """The "gate" phase: the public port opens in front of ``run`` (:mod:`warmctl.gate`)."""
     with reporter.phase("gate", f"opening {host_}:{port}"):
         run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log))
+
+
+def _timings(reporter: Reporter) -> dict[str, float]:
+    """Seconds of each timed phase of this ``up``, and ``total``: their sum."""
+    timings = {p.name: p.seconds for p in reporter.phases}
+    timings["total"] = sum(timings.values())
+    return timings
 
 
 def _serving(run: EngineRun, timings: dict[str, float]) -> None:
@@ -305,14 +324,14 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
                                log_path=str(run.log_path)))
         record = cold.warm_and_record(run, profile, reporter)
         if snapshot_after:
-            digest = snap.checkpoint(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
+            digest = snap.snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
             reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
         _open_gate(run, profile, host_, port, reporter)
     except BaseException:
         run.teardown()
         raise
-    timings = {**startup, **{p.name: p.seconds for p in reporter.phases}}
+    timings = {**startup, **_timings(reporter)}
     _serving(run, timings)
     return UpResult(run.state, "cold", timings, reason=reason, snapshot_digest=digest)  # type: ignore[arg-type]
 

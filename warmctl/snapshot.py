@@ -7,7 +7,7 @@
    io_uring blocked, ``/health``, the start-up log parsed into phases (weights, torch.compile,
    ...); then the warm-up grid and the canary record;
 
-then :func:`checkpoint`, one short function per phase:
+then :func:`snapshot_engine`, one short function per phase:
 
 3. ``before_dump`` of the profile's checkpoint plan (:mod:`warmctl.engine.plan`): with
    ``checkpoint.weights_outside_image`` every rank saves its weights as the engine laid them out
@@ -92,12 +92,12 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
     except BaseException:
         run.teardown()
         raise
-    return checkpoint(run, profile, settings, record, startup, reporter, tag=tag)
+    return snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag)
 
 
-def checkpoint(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
-               startup: dict[str, float], reporter: Reporter, tag: str = "latest",
-               leave_running: bool = False) -> SnapshotResult:
+def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
+                    startup: dict[str, float], reporter: Reporter, tag: str = "latest",
+                    leave_running: bool = False) -> SnapshotResult:
     """Dump the running engine ``run`` with CRIU and write everything into the store (see the
     module doc). ``record``: its canary; ``startup``: its cold-start phases (seconds).
 

@@ -17,6 +17,8 @@ from pydantic import BaseModel
 from warmctl.proc import ProcessId
 
 EnginePhase = Literal["starting", "restoring", "health", "canary", "serving", "failed"]
+#: How an engine came up: restored from a snapshot, or started cold from its profile.
+EngineSource = Literal["restore", "cold"]
 
 
 class EngineState(BaseModel):
@@ -24,7 +26,7 @@ class EngineState(BaseModel):
 
     name: str
     phase: EnginePhase
-    source: Literal["restore", "cold"]
+    source: EngineSource
     manifest_digest: str | None = None
     profile_digest: str | None = None
     root_pid: int | None = None

@@ -1,6 +1,6 @@
 """The ``tiny`` model: a small Llama made locally, so the whole pipeline runs with no model hub.
 
-Shape (see ``../shared/DESIGN.md``): 2 layers, hidden size 128, 4 attention heads / 2 KV heads,
+Shape (see ``docs/design.md``, "The tiny model"): 2 layers, hidden size 128, 4 attention heads / 2 KV heads,
 vocabulary 1024, weights initialised from a fixed seed, and a byte-level BPE tokenizer trained on
 ``warmctl/data/corpus.txt`` with a simple chat template. The weights are then trained for
 :data:`TRAIN_STEPS` full-batch steps (AdamW, one thread) on that corpus plus a few chat turns, so

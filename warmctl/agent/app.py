@@ -204,10 +204,12 @@ class AgentState:
         m.jobs_finished.labels(job.kind, job.state).inc()
         if job.kind == "up" and job.state == "succeeded" and job.result:
             timings = job.result.get("timings") or {}
-            if job.result.get("path") == "restore":
+            if job.result.get("already_up"):
+                pass
+            elif job.result.get("source") == "restore":
                 for k, v in timings.items():
                     m.restore_phase.labels(k).observe(v)
-            elif job.result.get("path") == "cold":
+            elif job.result.get("source") == "cold":
                 m.cold_start.observe(sum(p.seconds or 0 for p in job.progress.phases))
 
     def start(self) -> None:
@@ -431,8 +433,8 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
                 prof = None
             res = lifecycle.up(name, s, rep, tag=req.tag, profile=prof, public_port=req.port, public_host=req.host,
                                snapshot_after=req.snapshot_after, insecure=req.insecure)
-            return {"path": res.path, "reason": res.reason, "snapshot": res.snapshot_digest,
-                    "timings": res.timings, "state": res.state.model_dump(mode="json")}
+            return {"source": res.source, "already_up": res.already_up, "path": res.outcome, "reason": res.reason,
+                    "snapshot": res.snapshot_digest, "timings": res.timings, "state": res.state.model_dump(mode="json")}
 
         def reporter(job_id: str) -> JobReporter:
             def on_phase(phase: str, secs: float, ok: bool) -> None:

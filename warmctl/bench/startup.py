@@ -120,9 +120,9 @@ def _one(name: str, settings: Settings, profile: Profile, tag: str, reporter: Re
         except (httpx.HTTPError, KeyError, ValueError) as e:
             fr, ntok, err = None, None, f"first request failed: {e}"
         phases = {k: v for k, v in res.timings.items() if k != "total"}
-        reporter.info(f"  {res.path}: up {wall:.2f} s" + (f", first answer {fr:.2f} s, ready {wall + fr:.2f} s"
+        reporter.info(f"  {res.source}: up {wall:.2f} s" + (f", first answer {fr:.2f} s, ready {wall + fr:.2f} s"
                                                            if fr is not None else f"; {err}"))
-        return StartupRun(res.path, phases, wall, fr, ntok, None if fr is None else wall + fr, error=err,
+        return StartupRun(res.source, phases, wall, fr, ntok, None if fr is None else wall + fr, error=err,
                           snapshot_digest=res.snapshot_digest, reason=res.reason)
     finally:
         lifecycle.down(name, settings)

@@ -1,7 +1,7 @@
 """CRIU: dump a whole process tree to an image directory and restore it.
 
 Flags (verified with CRIU 4.2.1 on kernel 6.18 against a running ``vllm serve`` tree, see
-``../shared/DESIGN.md``):
+``docs/design.md``, "Making a vLLM tree checkpointable"):
 
 - dump: ``--tcp-established --ext-unix-sk --file-locks --link-remap --manage-cgroups=ignore``
 - restore: the same minus ``--link-remap``, plus ``--restore-detached --pidfile``.

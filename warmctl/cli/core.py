@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.engine.vllm import PHASE_NAMES
 
         startup = {p.name: p.seconds for p in res.manifest.phases
-                   if (p.name in PHASE_NAMES and p.seconds > 0) or p.name in ("other", "total")}
+                   if (p.name in PHASE_NAMES and p.seconds > 0) or p.name in ("other", "cold_start")}
         if startup:
             rep.info("engine start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
         out.print(f"{prof.name}:{tag} {res.digest} ({_human(res.size)})")
@@ -104,14 +104,15 @@ def register(app: typer.Typer) -> None:
                          snapshot_after=snapshot_after, insecure=insecure)
         st = res.state
         if json_out:
-            out.print_json(json.dumps({"name": st.name, "path": res.path, "reason": res.reason,
+            out.print_json(json.dumps({"name": st.name, "source": res.source, "already_up": res.already_up,
+                                       "path": res.outcome, "reason": res.reason,
                                        "snapshot": res.snapshot_digest, "public": f"{st.public_host}:{st.public_port}",
                                        "timings_s": res.timings}))
             return
-        if res.path == "already-up":
+        if res.already_up:
             out.print(f"{st.name} is already up on {st.public_host}:{st.public_port} (pid {st.root_pid}); nothing changed")
             return
-        t = Table(title=f"{st.name} up ({res.path})", show_header=True)
+        t = Table(title=f"{st.name} up ({res.source})", show_header=True)
         t.add_column("phase")
         t.add_column("seconds", justify="right")
         for k, v in res.timings.items():
@@ -180,7 +181,9 @@ def register(app: typer.Typer) -> None:
         for c in ("snapshot", "digest", "size", "created", "cold start"):
             t.add_column(c)
         for n, tg, d, m in rows:
-            total = next((p.seconds for p in m.phases if p.name == "total"), None)
+            # launch to healthy: the cold_start phase (manifests before it was the only one also
+            # carry the same figure as "total")
+            total = next((p.seconds for p in m.phases if p.name in ("cold_start", "total")), None)
             t.add_row(f"{n}:{tg}", d[:19], _human(m.total_size()), m.created.strftime("%Y-%m-%d %H:%M"),
                       f"{total:.0f} s" if total else "")
         out.print(t)

@@ -4,7 +4,7 @@ Run as ``python -m warmctl.engine.launch -- COMMAND...``. Before ``exec`` it ins
 seccomp filter under which ``io_uring_setup(2)`` fails with ``ENOSYS``. The filter is inherited
 by every child and survives a CRIU dump/restore. Why: uvloop's libuv always creates an
 io_uring, and CRIU cannot dump io_uring instances; when the syscall is missing, libuv falls back
-to epoll (verified on kernel 6.18, see ``../shared/DESIGN.md``).
+to epoll (verified on kernel 6.18, see ``docs/design.md``, "Making a vLLM tree checkpointable").
 
 The filter is a classic-BPF program (``seccomp(2)``, ``SECCOMP_MODE_FILTER``): load the audit
 architecture; if it is x86-64 or AArch64 and the syscall number is 425 (``io_uring_setup`` in

@@ -11,7 +11,7 @@ A profile's ``[checkpoint]`` table picks the flavour (see :class:`warmctl.profil
   (:mod:`warmctl.checkpoint.ranks`), restored and unlocked after the CRIU restore.
 
 The snapshot pipeline calls :meth:`CheckpointPlan.before_dump`, :meth:`~CheckpointPlan.dump`
-and (leave-running only) :meth:`~CheckpointPlan.after_dump`; ``up`` calls
+and (leave-running only) :meth:`~CheckpointPlan.after_dump` (:func:`warmctl.snapshot.snapshot_engine`); ``up`` calls
 :meth:`~CheckpointPlan.after_restore` (before ``/health``) and :meth:`~CheckpointPlan.wake`
 (after it). A plain CPU profile makes each of them a CRIU dump or nothing.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from warmctl.checkpoint import criu
 from warmctl.engine.run import EngineRun
-from warmctl.engine.sleep import SleepClient, resume
+from warmctl.engine.sleep import SleepClient, wake
 from warmctl.errors import CheckpointError
 from warmctl.manifest import GpuRestore, RankWeights, RestoreInfo, WeightsRestore
 from warmctl.profile import Profile
@@ -103,11 +103,11 @@ class CheckpointPlan:
         the CUDA communicators, wake it, load its weights back). Nothing for a plain profile."""
         if not self.wakes:
             return
-        with reporter.phase("resume_source", "bringing the source engine back to serving"), \
+        with reporter.phase("wake_source", "bringing the source engine back to serving"), \
                 SleepClient(run.base_url) as sc:
             if self.cuda:
                 sc.checkpoint_restore()
-            resume(sc, self.sleep_level, run.weights if self.weights_outside_image else None)
+            wake(sc, self.sleep_level, run.weights if self.weights_outside_image else None)
 
     # --- restore side ---------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class CheckpointPlan:
         desc = (f"loading {w.bytes / 2**20:,.1f} MiB of weights into {len(w.ranks)} rank(s)" if w
                 else f"waking the engine from sleep level {self.sleep_level}")
         with reporter.phase("weights", desc), SleepClient(run.base_url) as sc:
-            reload = resume(sc, self.sleep_level, run.weights if w else None)
+            reload = wake(sc, self.sleep_level, run.weights if w else None)
         if reload is not None and reload.gb_per_s is not None:
             reporter.info(f"weights: {reload.nbytes / 1e9:.3f} GB loaded in place in {reload.seconds:.2f} s "
                           f"({reload.gb_per_s:.2f} GB/s)")

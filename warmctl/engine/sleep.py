@@ -29,7 +29,7 @@ post-quantisation) to ``rank-<r>.safetensors``; these files become store objects
 ``weights`` (deduplicated across snapshots of the same model). Then either sleep level 2 (GPU:
 weights and KV cache dropped, virtual addresses kept) or :meth:`SleepClient.release_weights`
 (engines without sleep mode, e.g. the CPU build: storage zeroed and freed) keeps them out of the
-image. After restore, :func:`resume` wakes the weights, copies every tensor back in place
+image. After restore, :func:`wake` wakes the weights, copies every tensor back in place
 (:meth:`SleepClient.load_weights`, timed, GB/s in :class:`WeightReload`), then wakes the KV cache.
 
 Errors are :class:`~warmctl.errors.EngineError` with the endpoint, HTTP status and body.
@@ -171,7 +171,7 @@ class SleepClient:
         return res
 
 
-def resume(sc: SleepClient, sleep_level: int, weights_dir: str | Path | None) -> WeightReload | None:
+def wake(sc: SleepClient, sleep_level: int, weights_dir: str | Path | None) -> WeightReload | None:
     """Bring an engine frozen for a checkpoint back to serving: wake what sleep dropped and, when
     ``weights_dir`` is given (weights kept outside the image), load them back in place between
     waking the weights and waking the KV cache (the order vLLM's sleep mode gives for updating
