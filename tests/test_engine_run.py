@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
+from warmctl.errors import CheckpointError
 from warmctl.manifest import CanaryRecord, Manifest, RestoreInfo
 from warmctl.profile import load_profile
 from warmctl.proc import ProcessId, kill_tree, pid_alive, tree_pids
@@ -168,3 +169,20 @@ def test_plan_of_a_plain_profile_does_nothing_but_the_dump(tmp_path):
     w = CheckpointPlan.of(base.model_copy(update={"checkpoint": base.checkpoint.model_copy(
         update={"weights_outside_image": True})}))
     assert w.wakes and w.weights_outside_image and not w.sleep_level
+
+
+def test_cuda_plan_refuses_a_tree_without_gpu_and_a_snapshot_without_gpu_record(tmp_path):
+    """The CUDA flavour checks before touching CRIU or the driver (the driver paths themselves
+    are tested against the fake libcuda in test_cuda_checkpoint.py)."""
+    plan = CheckpointPlan("p", cuda=True)
+    run = EngineRun(tmp_path, "p", 1)
+    tree = _tree()
+    try:
+        run.set_root(tree.pid)
+        with pytest.raises(CheckpointError, match=f"no process of the engine \\(pid {tree.pid}\\) holds a GPU"):
+            plan.dump(run, leave_running=True)
+        assert tree.poll() is None and not run.images.exists()  # nothing dumped, nothing killed
+        with pytest.raises(CheckpointError, match="no GPU restore record"):
+            plan.after_restore(run, RestoreInfo(log_path="/x"), [], [], Reporter())
+    finally:
+        _reap(tree)
