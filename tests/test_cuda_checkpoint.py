@@ -8,6 +8,7 @@ calls, compiled here with ``cc``). Ranks are real child processes.
 from __future__ import annotations
 
 import ctypes
+import subprocess
 import importlib.util
 import os
 import sys
@@ -469,3 +470,79 @@ def test_no_ranks_is_a_no_op():
     with ranks.checkpoint_ranks([]) as report:
         assert report.pids == []
     assert ranks.restore_ranks([]).phases == {}
+
+
+# ------------------------------------------------------- issue 15: fixes before the GPU run
+
+
+def test_a_rank_left_failed_makes_the_rollback_incomplete(api, drv, built):
+    """The driver can leave a process FAILED (CUprocessState 3); restore + unlock cannot bring
+    it back, and the rollback must not say the engine keeps serving."""
+    pids = [drv.spawn_rank(0, GiB) for _ in range(2)]
+    drv.control(f"fail checkpoint {pids[1]} 999 3")  # the checkpoint fails and leaves it FAILED
+    with pytest.raises(ranks.RankCheckpointError) as e:
+        with ranks.checkpoint_ranks(pids, api=api, nvml_path=str(built.full)):
+            pytest.fail("body must not run")
+    assert drv.state(pids[1]) == "FAILED"
+    assert not e.value.rolled_back
+    assert e.value.report.rollback.startswith("incomplete") and "FAILED" in e.value.report.rollback
+    assert "ROLLBACK FAILED" in str(e.value) and "keeps serving" not in str(e.value)
+    assert drv.state(pids[0]) == "RUNNING"  # the other rank was brought back
+
+
+def test_a_rank_still_mapping_the_gpu_after_its_checkpoint_is_refused_before_the_dump(api, drv, built):
+    """CRIU fails on /dev/nvidia* mappings ("Can't handle non-regular mapping"); checkpoint_ranks
+    checks that the ranks released them before the body (the dump) runs. The fake driver does
+    not unmap the rank's fake device file at checkpoint, as a driver that failed to release it."""
+    pids = [drv.spawn_rank(0, GiB, map_device=True), drv.spawn_rank(0, GiB)]
+    prefix = str(drv.root / "dev" / "nvidia")
+    with pytest.raises(ranks.RankCheckpointError) as e:
+        with ranks.checkpoint_ranks(pids, api=api, nvml_path=str(built.full), device_prefix=prefix):
+            pytest.fail("body must not run")
+    assert list(e.value.failures) == [pids[0]]
+    assert "non-regular mapping" in str(e.value) and "keeps serving" in str(e.value)
+    assert [drv.state(p) for p in pids] == ["RUNNING"] * 2
+    # Without the device mapping the same ranks pass.
+    with ranks.checkpoint_ranks(pids[1:], api=api, nvml_path=str(built.full), device_prefix=prefix):
+        assert drv.state(pids[1]) == "CHECKPOINTED"
+
+
+def test_a_process_with_only_the_device_files_open_is_not_a_rank(drv, built):
+    """An NVML client (nvmlInit opens /dev/nvidiactl and /dev/nvidia0, maps nothing) holds no
+    CUDA context: it must not be locked or checkpointed as a rank."""
+    dev = drv.root / "dev" / "nvidia0"
+    dev.write_bytes(b"\0" * 4096)
+    code = (f"f = open({str(dev)!r}, 'rb')\nprint('ready', flush=True)\nimport time; time.sleep(600)\n")
+    opener = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    drv.children.append(opener)
+    assert opener.stdout.readline().strip() == "ready"
+    mapper = drv.spawn(map_device=True)
+    prefix = str(drv.root / "dev" / "nvidia")
+    assert ranks.opens_gpu_device(opener.pid, prefix) and not ranks.maps_gpu_device(opener.pid, prefix)
+    assert ranks.maps_gpu_device(mapper.pid, prefix)
+    found = ranks.gpu_rank_pids(os.getpid(), device_prefix=prefix, nvml_path=str(built.full))
+    assert mapper.pid in found and opener.pid not in found
+
+
+def test_the_gpu_map_names_only_the_checkpointed_gpus(api, drv, built):
+    other0 = "GPU-aaaaaaaa-2222-3333-4444-555555555500"
+    # The source host had GPU0 and GPU1; the ranks used only GPU1; the target host has one GPU.
+    assert ranks.default_gpu_pairs([GPU0, GPU1], [other0], checkpointed=[GPU1]) == {GPU1: other0}
+    assert ranks.default_gpu_pairs([GPU0, GPU1], [GPU1], checkpointed=[GPU1]) is None
+    with pytest.raises(CheckpointError):
+        ranks.default_gpu_pairs([GPU0, GPU1], [other0])  # the old behaviour: both GPUs asked for
+    # restore_ranks cuts a wider map down to the checkpointed GPUs before it reaches the driver.
+    pids, snap = _checkpointed(api, drv, built, [GiB])
+    assert set(snap.gpu_bytes) == {GPU0}
+    passed = []
+    real_restore = api.restore
+    api.restore = lambda pid, pairs=None: (passed.append(pairs), real_restore(pid, pairs))[1]
+    ranks.restore_ranks(pids, {GPU0: GPU1, GPU1: GPU0}, snap.gpu_bytes, api=api, nvml_path=str(built.full))
+    assert passed == [{GPU0: GPU1}]
+    assert drv.proc(pids[0])["gpu"] == 1 and drv.state(pids[0]) == "RUNNING"
+    # A map that lacks a checkpointed GPU is refused before any restore.
+    pids, snap = _checkpointed(api, drv, built, [GiB])
+    with pytest.raises(ranks.RankCheckpointError) as e:
+        ranks.restore_ranks(pids, {GPU1: GPU0}, snap.gpu_bytes, api=api, nvml_path=str(built.full))
+    assert "lacks checkpointed GPUs" in str(e.value)
+    assert [x for x in drv.events("restore") if x[3] in pids] == []

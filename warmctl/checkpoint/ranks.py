@@ -44,7 +44,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -120,9 +120,11 @@ RestoreReport = RankReport
 # Discovery
 
 
-def holds_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
-    """True when ``pid`` maps (``/proc/PID/maps``) or has open (``/proc/PID/fd``) a file whose
-    path starts with ``prefix``. False when it cannot be read (gone, or not ours)."""
+def maps_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
+    """True when ``pid`` has a memory mapping (``/proc/PID/maps``) of a file whose path starts
+    with ``prefix``: what a CUDA context does (device memory and the driver's control pages are
+    mapped from ``/dev/nvidia*``), and what CRIU cannot dump ("Can't handle non-regular
+    mapping"). False when it cannot be read (gone, or not ours)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
@@ -131,27 +133,43 @@ def holds_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
                     return True
     except OSError:
         return False
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                    return True
-            except OSError:
-                continue
-    except OSError:
-        pass
     return False
 
 
-def gpu_rank_pids(root_pid: int, *, device_prefix: str = DEVICE_PREFIX, nvml_path: str | None = None) -> list[int]:
-    """Host PIDs of every process in ``root_pid``'s tree that holds a GPU context, sorted.
+def opens_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
+    """True when ``pid`` has a file descriptor (``/proc/PID/fd``) open on a path starting with
+    ``prefix``. An NVML client (``nvmlInit``: ``/dev/nvidiactl``, ``/dev/nvidia0``) does this
+    without having a CUDA context, so this alone does not make a rank. False when unreadable."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                return True
+        except OSError:
+            continue
+    return False
 
-    A process counts when NVML reports it as a compute process or when it maps / holds open a
-    ``/dev/nvidia*`` file. Returns [] on a host without an NVIDIA driver (and no such files).
+
+def holds_gpu_device(pid: int, prefix: str = DEVICE_PREFIX) -> bool:
+    """True when ``pid`` maps or has open a file whose path starts with ``prefix``
+    (:func:`maps_gpu_device` or :func:`opens_gpu_device`). False when it cannot be read."""
+    return maps_gpu_device(pid, prefix) or opens_gpu_device(pid, prefix)
+
+
+def gpu_rank_pids(root_pid: int, *, device_prefix: str = DEVICE_PREFIX, nvml_path: str | None = None) -> list[int]:
+    """Host PIDs of every process in ``root_pid``'s tree that holds a CUDA context, sorted.
+
+    A process counts when NVML reports it as a compute process or when it *maps* a
+    ``/dev/nvidia*`` file (a CUDA context does both). A process that only has such a file open
+    (an NVML client, e.g. vLLM's API server asking for GPU names) is not a rank: it has no CUDA
+    state to lock or checkpoint. Returns [] on a host without an NVIDIA driver.
     """
     tree = tree_pids(root_pid)
     on_gpu = nvml.compute_processes(nvml_path)
-    return [p for p in tree if p in on_gpu or holds_gpu_device(p, device_prefix)]
+    return [p for p in tree if p in on_gpu or maps_gpu_device(p, device_prefix)]
 
 
 def gpu_footprint(pids: list[int], nvml_path: str | None = None) -> dict[str, int]:
@@ -210,10 +228,20 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def default_gpu_pairs(snapshot_uuids: list[str], host_uuids: list[str]) -> dict[str, str] | None:
-    """The GPU map for a restore: None when every snapshot GPU exists here (restore in place);
-    else snapshot GPU i -> host GPU i, both in index order. Raises
-    :class:`~warmctl.errors.CheckpointError` when the host has fewer GPUs."""
+def default_gpu_pairs(snapshot_uuids: list[str], host_uuids: list[str],
+                      checkpointed: Iterable[str] | None = None) -> dict[str, str] | None:
+    """The GPU map for a restore: None when every checkpointed GPU exists here (restore in
+    place); else checkpointed GPU i -> host GPU i, both in index order.
+
+    ``snapshot_uuids``: the source host's GPUs in index order; ``checkpointed``: the GPUs the
+    ranks held (the snapshot's ``gpu_bytes`` keys). Only those are mapped: the driver wants a map
+    of "every checkpointed GPU" (driver API doc), and a source GPU the engine did not use must
+    not make a restore need more GPUs than it does. Raises
+    :class:`~warmctl.errors.CheckpointError` when the host has fewer GPUs than were checkpointed.
+    """
+    if checkpointed is not None:
+        used = set(checkpointed)
+        snapshot_uuids = [u for u in snapshot_uuids if u in used] + sorted(used - set(snapshot_uuids))
     if set(snapshot_uuids) <= set(host_uuids):
         return None
     if len(host_uuids) < len(snapshot_uuids):
@@ -306,6 +334,10 @@ def _resume(api: cuda.CheckpointAPI, pids: list[int], report: RankReport, phase:
             st = cuda.ProcessState.LOCKED
         if st == cuda.ProcessState.LOCKED:
             api.unlock(pid)
+            st = api.state(pid)
+        if st != cuda.ProcessState.RUNNING:  # FAILED, or stuck mid-transition: not serving
+            raise cuda.IllegalState(f"cuda {phase} of pid {pid}: the process is {st.name}, not RUNNING; "
+                                    "its GPU state is lost (kill it)", op=phase, pid=pid, code=None)
 
     live = [p for p in pids if pid_alive(p)]
     return _run_phase(phase, live, back, timeout_s, report)
@@ -322,6 +354,7 @@ def checkpoint_ranks(
     check_host_ram: bool = True,
     resume: bool = True,
     nvml_path: str | None = None,
+    device_prefix: str = DEVICE_PREFIX,
 ) -> Iterator[RankReport]:
     """Lock then checkpoint every rank; yield a :class:`RankReport`; the CRIU dump goes inside.
 
@@ -335,7 +368,11 @@ def checkpoint_ranks(
     :class:`RankCheckpointError` (phase failures) or the body's own exception (with a note on the
     rollback). On normal exit, ranks still alive (``criu dump --leave-running``) are resumed when
     ``resume`` is true; dead ones (CRIU's default kills the tree) are skipped.
-    ``pids == []`` yields an empty report and does nothing.
+    ``pids == []`` yields an empty report and does nothing. After the checkpoint phase every
+    rank must have released its ``device_prefix`` (``/dev/nvidia``) mappings and files, else
+    the ranks are rolled back before the body (the dump) runs (phase ``release-check``).
+    A rank whose rollback ends in any state but RUNNING (e.g. FAILED) makes the rollback
+    ``incomplete``.
     """
     report = RankReport(pids=list(pids))
     report.timeouts = {"lock": lock_timeout_s, "checkpoint": checkpoint_timeout_s, "resume": resume_timeout_s}
@@ -374,6 +411,15 @@ def checkpoint_ranks(
     errors = _run_phase("checkpoint", pids, api.checkpoint, checkpoint_timeout_s, report)
     if errors:
         raise fail("checkpoint", errors, pids)
+    # A checkpointed process "no longer directly refers to any GPU hardware at the OS level"
+    # (cuda-checkpoint README). One that still does would make CRIU fail late, with "Can't
+    # handle non-regular mapping": refuse now, before the dump, and roll back.
+    held = {p: cuda.CudaCheckpointError(
+                f"pid {p} still maps or holds open {device_prefix}* after its CUDA checkpoint; CRIU cannot "
+                "dump that (\"Can't handle non-regular mapping\")", op="release-check", pid=p)
+            for p in pids if holds_gpu_device(p, device_prefix)}
+    if held:
+        raise fail("release-check", held, pids)
     try:
         yield report
     except BaseException as e:
@@ -410,7 +456,9 @@ def restore_ranks(
     """Restore then unlock every rank of a CRIU-restored engine; returns the report.
 
     ``gpu_pairs``: ``{snapshot GPU UUID: host GPU UUID}``, the same map for every rank (it must
-    name every GPU the snapshot used; driver 580+), or None to restore in place.
+    name every GPU the snapshot used; driver 580+), or None to restore in place. With
+    ``required_free_bytes`` the map is cut down to the checkpointed GPUs (its keys) and must
+    name each of them, else :class:`RankCheckpointError` before any restore.
     ``required_free_bytes``: ``{snapshot GPU UUID: bytes}`` (the snapshot's
     ``report.gpu_bytes``); each target GPU's free memory (NVML) is checked against it *before*
     any restore. ``restore_timeout_s`` / ``unlock_timeout_s``: wall bounds of the phases.
@@ -439,6 +487,14 @@ def restore_ranks(
     api = api or cuda.load()
     report.api, report.driver_version = api.kind, api.driver_version
     report.gpu_bytes = dict(required_free_bytes or {})
+    if gpu_pairs and required_free_bytes:
+        # The map names the checkpointed GPUs, no more (a source GPU the ranks did not use is not
+        # part of the checkpoint), and every one of them (driver API doc).
+        unmapped = sorted(set(required_free_bytes) - set(gpu_pairs))
+        if unmapped:
+            raise fail(RankCheckpointError, f"the GPU map {dict(gpu_pairs)} lacks checkpointed GPUs {unmapped}; "
+                       "a restore map must name every checkpointed GPU")
+        gpu_pairs = {old: new for old, new in gpu_pairs.items() if old in required_free_bytes}
 
     t0 = time.monotonic()
     if required_free_bytes:

@@ -127,7 +127,7 @@ class CheckpointPlan:
             raise CheckpointError(f"snapshot of {self.name} has no GPU restore record (restore.gpu)")
         with reporter.phase("gpu_restore", "CUDA restore and unlock of every rank"):
             pids = ranks.restored_ranks(run.root_pid, g.nspids)
-            ranks.restore_ranks(pids, ranks.default_gpu_pairs(snapshot_gpus, host_gpus), g.gpu_bytes)
+            ranks.restore_ranks(pids, ranks.default_gpu_pairs(snapshot_gpus, host_gpus, g.gpu_bytes or None), g.gpu_bytes)
             with SleepClient(run.base_url) as sc:
                 sc.checkpoint_restore()
 
