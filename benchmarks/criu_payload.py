@@ -110,17 +110,18 @@ def pages_in(image_dir: Path) -> list[Path]:
 def pages_from_store(store_dir: Path, out: Path, ref: str | None = None) -> Path:
     """Materialize the ``pages-*.img`` files of a snapshot in the local store ``store_dir``
     (``ref`` ``NAME[:TAG]``, default: the first ``*:latest``) into ``out``; returns ``out``."""
+    from warmctl.catalog import Catalog
     from warmctl.store import open_store
 
     s = open_store(store_dir)
+    cat = Catalog(s)
     if ref:
         name, _, tag = ref.partition(":")
-        digest = s.resolve(name, tag or "latest")
+        digest = cat.newest(name, tag or "latest")
     else:
-        tags = [d for n, t, d in s.list_tags() if t == "latest"]
-        if not tags:
-            raise SystemExit(f"no NAME:latest snapshot in {store_dir}")
-        digest = tags[0]
+        digest = next((e.manifest for e in cat.all_entries() if e.tag == "latest"), None)
+    if digest is None:
+        raise SystemExit(f"no snapshot {ref or 'NAME:latest'} in the catalog of {store_dir}")
     m = s.get_manifest(digest)
     files = [f for f in m.files if Path(f.path).name.startswith("pages-") and f.path.endswith(".img")]
     if not files:

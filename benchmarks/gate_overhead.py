@@ -76,10 +76,11 @@ def main() -> None:
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-gate-"))
     env = setup(root)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
+    from warmctl.catalog import Catalog
     from warmctl.config import load_settings
     from warmctl.store import open_store
 
-    if open_store(load_settings().store_dir).get_tag("tiny", "latest") is None:
+    if Catalog(open_store(load_settings().store_dir)).newest("tiny") is None:
         wc(env, "snapshot", "tiny", "--quiet")
     wc(env, "up", "tiny")
     try:

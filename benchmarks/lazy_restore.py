@@ -126,15 +126,16 @@ def run_all(a, root: Path) -> None:
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
     from warmctl.checkpoint import criu
     from warmctl.config import load_settings
+    from warmctl.catalog import Catalog
     from warmctl.engine.run import EngineRun
     from warmctl.store import open_store
 
     settings = load_settings()
     store = open_store(settings.store_dir)
-    if store.get_tag("tiny", "latest") is None:
+    if Catalog(store).newest("tiny") is None:
         print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
         wc(env, "snapshot", "tiny", "--quiet")
-    manifest = store.get_manifest(store.get_tag("tiny", "latest"))
+    manifest = store.get_manifest(Catalog(store).newest("tiny"))
     prompt, expected = manifest.canary.completions[0].prompt, manifest.canary.completions[0].token_ids[0]
     model = manifest.profile["engine"]["served_model_name"]
     criu_bin = criu.check(settings.criu)

@@ -98,16 +98,17 @@ def run(a, root: Path) -> None:
 
     from warmctl.config import load_settings
     from warmctl.profile import load_profile
+    from warmctl.catalog import Catalog
     from warmctl.engine.cold import resolve_model
     from warmctl.store import open_store
 
     settings = load_settings()
     prof = load_profile("tiny", settings.profile_dirs)
     store = open_store(settings.store_dir)
-    if store.get_tag("tiny", "latest") is None:
+    if Catalog(store).newest("tiny") is None:
         print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
         wc(env, "snapshot", "tiny", "--quiet")
-    manifest = store.get_manifest(store.get_tag("tiny", "latest"))
+    manifest = store.get_manifest(Catalog(store).newest("tiny"))
     prompt = manifest.canary.completions[0].prompt
     expected = manifest.canary.completions[0].token_ids[0]
     model = resolve_model(prof, settings.models_dir)

@@ -11,7 +11,7 @@ Measured in one run, the sides interleaved, ``--rounds`` times, medians reported
   memcpy             numpy copy of a 1 GiB buffer (one core)
   plain read         ``dd bs=4M`` of the payload file to /dev/null, page cache cold and warm
   read_file local    ``Store.read_file`` local store -> file (materialize, every chunk verified), cold and warm
-  pull local         ``copy_snapshot`` local store -> new local store (fsync'ed objects), cold and warm
+  pull local         ``copy_manifest`` local store -> new local store (fsync'ed objects), cold and warm
   add_file           local store ingest (read, zero check, hash, compress, write), once
   push / pull S3     local <-> S3 (``--s3 moto`` by default, ``rgw`` for a throwaway Ceph RGW
                      from tests/rgw_server.py, or an endpoint URL); ``--s3-size-gib`` payload
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from criu_payload import build_payload, dump_sample_process, pages_from_store, pages_in  # noqa: E402
 
 from warmctl.manifest import CanaryRecord, FileEntry, Manifest  # noqa: E402
-from warmctl.store import CHUNK_SIZE, DIGEST_ALGORITHM, ZSTD_LEVEL, copy_snapshot, open_store  # noqa: E402
+from warmctl.store import CHUNK_SIZE, DIGEST_ALGORITHM, ZSTD_LEVEL, copy_manifest, open_store  # noqa: E402
 from warmctl.store import chunks as ck  # noqa: E402
 
 GiB = 1 << 30
@@ -300,7 +300,6 @@ def main() -> None:
         dt, cpu, refs = timed(lambda: local.add_file(payload))
         res.add("add_file -> local store (payload cached)", size, dt, cpu)
         digest = local.put_manifest(make_manifest("bench", size, refs))
-        local.set_tag("bench", "latest", digest)
         local.close()
         zero_chunk_bytes = sum(c.size for c in refs if ck.is_zero_chunk(c.digest, c.size))
         stored = sum(p.stat().st_size for p in (d / "local" / "chunks").rglob("*") if p.is_file())
@@ -341,7 +340,7 @@ def main() -> None:
             else:
                 warm_up([d / "local"])
             dst = open_store(dst_root, workers=a.workers)
-            dt, cpu, _ = timed(lambda: copy_snapshot(open_store(d / "local", workers=a.workers), dst, "bench"))
+            dt, cpu, _ = timed(lambda: copy_manifest(open_store(d / "local", workers=a.workers), dst, digest))
             dst.close()
             res.add(f"pull local store -> local store, {cache}", size, dt, cpu)
             shutil.rmtree(dst_root)
@@ -364,6 +363,7 @@ def main() -> None:
             s3_payload = payload
             s3_local = local
             s3_refs = refs
+            s3_digest = digest
             if s3_size != size:
                 s3_payload = d / "payload" / "pages-s3.img"
                 with open(payload, "rb") as fi, open(s3_payload, "wb") as fo:
@@ -374,7 +374,7 @@ def main() -> None:
                         left -= len(b)
                 s3_local = open_store(d / "local-s3", workers=a.workers)
                 s3_refs = s3_local.add_file(s3_payload)
-                s3_local.set_tag("bench", "latest", s3_local.put_manifest(make_manifest("bench", s3_size, s3_refs)))
+                s3_digest = s3_local.put_manifest(make_manifest("bench", s3_size, s3_refs))
                 s3_local.close()
             print(f"S3 ({a.s3}), payload {s3_size / GiB:.2f} GiB (the first {s3_size / GiB:.2f} GiB of the local payload)", flush=True)
             with S3Server(a.s3, d, s3_size * 2) as ep:
@@ -383,7 +383,7 @@ def main() -> None:
                 bucket = f"bench-{os.getpid()}"
                 c.create_bucket(Bucket=bucket)
                 remote = open_store(f"s3://{bucket}/store")
-                dt, cpu, _ = timed(lambda: copy_snapshot(s3_local, remote, "bench"))
+                dt, cpu, _ = timed(lambda: copy_manifest(s3_local, remote, s3_digest))
                 res.add("push local -> S3", s3_size, dt, cpu)
                 dt, cpu, _ = timed(lambda: c.upload_file(str(s3_payload), bucket, "raw/pages.img"))
                 res.add("boto3 upload_file (one object, defaults)", s3_size, dt, cpu)
@@ -395,7 +395,7 @@ def main() -> None:
                 def s3_pull() -> None:
                     shutil.rmtree(dst_root, ignore_errors=True)
                     dst = open_store(dst_root)
-                    dt, cpu, _ = timed(lambda: copy_snapshot(open_store(f"s3://{bucket}/store"), dst, "bench"))
+                    dt, cpu, _ = timed(lambda: copy_manifest(open_store(f"s3://{bucket}/store"), dst, s3_digest))
                     dst.close()
                     res.add("pull S3 -> local store", s3_size, dt, cpu)
                     shutil.rmtree(dst_root)

@@ -157,10 +157,10 @@ def run_all(a, root: Path) -> None:
 
     settings = load_settings()
     store = open_store(settings.store_dir)
-    if store.get_tag("tiny", "latest") is None:
+    if Catalog(store).newest("tiny") is None:
         print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
         wc(env, "snapshot", "tiny", "--quiet")
-    digest = store.get_tag("tiny", "latest")
+    digest = Catalog(store).newest("tiny")
     manifest = store.get_manifest(digest)
     prompt = manifest.canary.completions[0].prompt
     expected = manifest.canary.completions[0].token_ids[0]

@@ -92,6 +92,7 @@ def _engine_procs(home: Path) -> list[psutil.Process]:
 
 def _snapshot_shm(env) -> list[str]:
     """Names of /dev/shm files the tiny snapshot restores."""
+    from warmctl.catalog import Catalog
     from warmctl.config import load_settings
     from warmctl.store import open_store
 
@@ -105,7 +106,7 @@ def _snapshot_shm(env) -> list[str]:
         else:
             os.environ["WARMCTL_CONFIG"] = old
     st = open_store(s.store_dir)
-    m = st.get_manifest(st.get_tag("tiny", "latest"))
+    m = st.get_manifest(Catalog(st).newest("tiny"))
     return [f.path for f in m.files if f.role == "shm"]
 
 

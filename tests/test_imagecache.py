@@ -9,6 +9,7 @@ import os
 import pytest
 
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
+from warmctl.catalog import Catalog
 from warmctl.checkpoint.imagecache import MARKER, ImageCache, entry_name
 from warmctl.errors import HostError, IntegrityError
 from warmctl.manifest import FileEntry
@@ -155,7 +156,7 @@ def test_store_gc_and_du_know_the_image_cache(tmp_path, monkeypatch):
     m1 = make_manifest(store, "a", {"pages-1.img": write_payload(src / "a.img", [("random", MiB)], seed=1)})
     m2 = make_manifest(store, "b", {"pages-1.img": write_payload(src / "b.img", [("random", MiB)], seed=2)})
     d1 = store.put_manifest(m1)
-    store.set_tag("a", "latest", d1)
+    Catalog(store).publish(d1, m1)
     d2 = m2.digest()  # an image whose manifest this store does not hold (e.g. removed since)
     cache = ImageCache(tmp_path / "home" / "cache" / "images")
     cache.get(store, m1, d1)

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_store_fixtures import MiB, chunk_files, make_manifest, snapshot, write_payload
+from test_store_fixtures import MiB, chunk_files, make_manifest, pull, push, snapshot, tag_of, write_payload
 
-from warmctl.errors import HostError, IntegrityError, SnapshotNotFound
+from warmctl.catalog import Catalog, CatalogError, Ref
+from warmctl.errors import HostError, IntegrityError
 from warmctl.manifest import ChunkRef
 from warmctl.store import (
     CHUNK_SIZE,
@@ -26,9 +27,6 @@ from warmctl.store import (
     TransientBackendError,
     chunk_key,
     open_store,
-    parse_ref,
-    pull,
-    push,
 )
 from warmctl.store import chunks as ck
 
@@ -94,22 +92,19 @@ def test_put_manifest_refuses_missing_chunk(tmp_path, payload):
     assert fresh.list_manifests() == []
 
 
-def test_manifest_and_tags(tmp_path, payload):
+def test_manifests_by_digest_names_in_the_catalog(tmp_path, payload):
     store = open_store(tmp_path / "store")
     d = snapshot(store, "tiny", {"pages-1.img": payload})
     assert store.has_manifest(d)
     assert store.get_manifest(d).name == "tiny"
-    assert store.get_tag("tiny", "latest") == d
-    assert store.get_tag("tiny", "nope") is None
-    store.set_tag("tiny", "v1", d)
-    assert store.list_tags() == [("tiny", "latest", d), ("tiny", "v1", d)]
-    store.remove_tag("tiny", "v1")
-    assert store.list_tags() == [("tiny", "latest", d)]
-    with pytest.raises(IntegrityError):
-        store.set_tag("tiny", "x", "sha256:" + "1" * 64)
-    with pytest.raises(SnapshotNotFound, match="ghost:latest"):
-        store.resolve("ghost")
-    assert parse_ref("tiny") == ("tiny", "latest") and parse_ref("a:b") == ("a", "b")
+    assert tag_of(store, "tiny", "latest") == d
+    assert tag_of(store, "tiny", "nope") is None
+    assert not (tmp_path / "store" / "tags").exists()  # the store names nothing
+    assert Ref.parse("tiny") == Ref(name="tiny", tag="latest") and Ref.parse("a:b") == Ref(name="a", tag="b")
+    assert Ref.parse("a@sha256:" + "1" * 64).digest == "sha256:" + "1" * 64
+    for bad in ("a@sha256:12", ":b", "a b", "a:b c", "a@md5:" + "1" * 64):
+        with pytest.raises(CatalogError):
+            Ref.parse(bad)
     # a corrupted manifest is caught by its digest
     mpath = tmp_path / "store" / "manifests" / "sha256" / d.split(":")[1]
     mpath.write_bytes(mpath.read_bytes().replace(b'"tiny"', b'"tinY"', 1))
@@ -149,7 +144,7 @@ def test_verify_reports_missing_and_corrupt(tmp_path, payload):
     rep = store.verify()
     assert not rep.ok and len(rep.missing) == 1 and len(rep.corrupt) == 1
     assert rep.missing[0].location == str(files[0]) and rep.corrupt[0].location == str(files[1])
-    assert "tiny:latest" in str(rep)
+    assert "(tiny)" in str(rep)
 
 
 def test_gc_removes_only_unreferenced(tmp_path, payload):
@@ -160,11 +155,12 @@ def test_gc_removes_only_unreferenced(tmp_path, payload):
     store.close()
     before = len(chunk_files(tmp_path / "store"))
     assert store.gc(grace=0).chunks_removed == 0
-    store.remove_tag("b", "latest")
+    cat = Catalog(store)
+    assert cat.remove_tag("b", "latest") == [d2]
     store.close()
-    rep = store.gc(grace=3600, untagged=True)  # too young: nothing goes
+    rep = store.gc(keep=cat.referenced_manifests(), grace=3600)  # too young: nothing goes
     assert rep.chunks_removed == 0 and rep.manifests_removed == []
-    rep = store.gc(grace=0, untagged=True)
+    rep = store.gc(keep=cat.referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d2] and rep.chunks_removed == 1
     assert len(chunk_files(tmp_path / "store")) == before - 1
     assert store.verify().ok and store.list_manifests() == [d1]
@@ -241,7 +237,7 @@ def test_push_pull_local_resumes(tmp_path, payload):
     chunk_files(tmp_path / "b")[0].unlink()
     third = pull(a, open_store(tmp_path / "b"), "tiny", "latest")
     assert third.chunks_copied == 1
-    assert b.verify().ok and b.get_tag("tiny", "latest") == d
+    assert b.verify().ok and tag_of(b, "tiny", "latest") == d
 
 
 class FlakyBackend(Backend):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_store_fixtures import MiB, chunk_files, moto_endpoint, s3_url, snapshot, write_payload  # noqa: F401
+from test_store_fixtures import MiB, chunk_files, moto_endpoint, push, s3_url, snapshot, write_payload  # noqa: F401
 
 from warmctl.errors import IntegrityError
 from warmctl.store import (
@@ -23,7 +23,6 @@ from warmctl.store import (
     Store,
     chunk_key,
     open_store,
-    push,
 )
 
 CH = 256 * 1024  # small chunks: many objects, fast tests

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from warmctl.manifest import CanaryRecord, FileEntry, Manifest
-from warmctl.store import CHUNK_SIZE, Store
+from warmctl.catalog import Catalog, Ref
+from warmctl.fleet import entries_to_copy, transfer
+from warmctl.store import CHUNK_SIZE, CopyReport, Store
 
 MiB = 1024 * 1024
 
@@ -55,10 +57,26 @@ def make_manifest(store: Store, name: str, files: dict[str, Path]) -> Manifest:
 
 
 def snapshot(store: Store, name: str, files: dict[str, Path], tag: str = "latest") -> str:
-    """add files + put_manifest + set_tag; returns the manifest digest."""
-    d = store.put_manifest(make_manifest(store, name, files))
-    store.set_tag(name, tag, d)
+    """add files + put_manifest + a catalog entry ``name:tag``; returns the manifest digest."""
+    m = make_manifest(store, name, files)
+    d = store.put_manifest(m)
+    Catalog(store).publish(d, m, tag=tag)
     return d
+
+
+def push(src: Store, dst: Store, name: str, tag: str = "latest", progress=None) -> CopyReport:
+    """Copy the one catalog entry of ``name:tag`` with its data (:mod:`warmctl.fleet`); its report."""
+    (c,) = transfer(src, dst, entries_to_copy(src, Ref(name=name, tag=tag)), progress)
+    return c.report
+
+
+pull = push
+
+
+def tag_of(store: Store, name: str, tag: str = "latest") -> str | None:
+    """The manifest digest the catalog of ``store`` names ``name:tag`` (one kind of host), or None."""
+    entries = Catalog(store).entries(name, tag)
+    return entries[0].manifest if entries else None
 
 
 def chunk_files(root: Path) -> list[Path]:

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 import boto3
 import pytest
-from test_store_fixtures import MiB, chunk_files, moto_endpoint, s3_url, snapshot, write_payload  # noqa: F401
+from test_store_fixtures import MiB, chunk_files, moto_endpoint, pull, push, s3_url, snapshot, tag_of, write_payload  # noqa: F401
 from test_store_proxy import FaultProxy
 
 from warmctl.errors import IntegrityError
@@ -23,8 +23,6 @@ from warmctl.store import (
     Store,
     chunk_key,
     open_store,
-    pull,
-    push,
 )
 
 pytestmark = pytest.mark.s3
@@ -50,7 +48,7 @@ def test_s3_store_round_trip(s3_url, tmp_path):
     f = write_payload(tmp_path / "a.img", [("random", 2 * CH), ("zero", 2 * CH), ("text", CH)])
     with open_store(s3_url, chunk_size=CH) as s:
         d = snapshot(s, "tiny", {"a.img": f})
-        assert s.get_tag("tiny", "latest") == d and s.list_tags() == [("tiny", "latest", d)]
+        assert tag_of(s, "tiny", "latest") == d and s.list_manifests() == [d]
         s.read_file(s.get_manifest(d).files[0].chunks, tmp_path / "out" / "a.img")
         assert (tmp_path / "out" / "a.img").read_bytes() == f.read_bytes()
         assert s.verify().ok
@@ -66,7 +64,7 @@ def test_push_then_pull_to_another_host(s3_url, tmp_path, local_snap):
     assert sum(seen) == f.stat().st_size
     other = open_store(tmp_path / "other")
     rep = pull(open_store(s3_url), other, "tiny", "latest")
-    assert rep.chunks_copied == 10 and other.get_tag("tiny", "latest") == d
+    assert rep.chunks_copied == 10 and tag_of(other, "tiny", "latest") == d
     other.read_file(other.get_manifest(d).files[0].chunks, tmp_path / "restored.img")
     assert (tmp_path / "restored.img").read_bytes() == f.read_bytes()
     assert pull(open_store(s3_url), other, "tiny", "latest").chunks_copied == 0
@@ -108,7 +106,7 @@ def test_damaged_s3_object_is_named_and_nothing_half_written(s3_url, moto_endpoi
     with pytest.raises(IntegrityError) as ei:
         pull(open_store(s3_url), dst, "tiny", "latest")
     assert victim in str(ei.value) and f"s3://{bucket}/{key}" in str(ei.value)
-    assert dst.get_tag("tiny", "latest") is None and dst.list_manifests() == []
+    assert tag_of(dst, "tiny", "latest") is None and dst.list_manifests() == []
     assert not (tmp_path / "dst" / chunk_key(victim)).exists()
     rep = open_store(s3_url).verify()
     assert [p.digest for p in rep.corrupt] == [victim]
@@ -154,16 +152,18 @@ def test_pull_gives_up_cleanly_when_server_keeps_failing(s3_url, moto_endpoint, 
         dst = open_store(tmp_path / "dst")
         with pytest.raises(BackendUnavailable, match=r"still failing after .* 3 attempts .*load s3://.*/chunks/.* at http://127\.0\.0\.1:\d+: HTTP 503 SlowDown"):
             pull(_proxied(s3_url, proxy, attempts=3), dst, "tiny", "latest")
-        assert dst.get_tag("tiny", "latest") is None and dst.list_manifests() == []
+        assert tag_of(dst, "tiny", "latest") is None and dst.list_manifests() == []
     finally:
         proxy.stop()
 
 
 _PULL = """
 import sys
-from warmctl.store import open_store, pull
-n = [0]
-pull(open_store(sys.argv[1]), open_store(sys.argv[2]), "tiny", "latest")
+from warmctl.catalog import Ref
+from warmctl.fleet import entries_to_copy, transfer
+from warmctl.store import open_store
+src = open_store(sys.argv[1])
+transfer(src, open_store(sys.argv[2]), entries_to_copy(src, Ref(name="tiny")))
 print("finished")
 """
 
@@ -186,12 +186,12 @@ def test_killed_pull_resumes_fetching_only_missing(s3_url, moto_endpoint, tmp_pa
         have = len(chunk_files(dst_dir))
         assert 3 <= have < total, "the pull was not killed midway"
         dst = open_store(dst_dir)
-        assert dst.get_tag("tiny", "latest") is None and dst.list_manifests() == []
+        assert tag_of(dst, "tiny", "latest") is None and dst.list_manifests() == []
         before = proxy.gets()
         proxy.fault = None
         rep = pull(_proxied(s3_url, proxy), dst, "tiny", "latest")
         assert proxy.gets() - before == total - have == rep.chunks_copied
-        assert dst.get_tag("tiny", "latest") == d and dst.verify().ok
+        assert tag_of(dst, "tiny", "latest") == d and dst.verify().ok
         # the killed puller's lock is recognised as dead; gc can run
         assert dst.gc(grace=0).chunks_removed == 0
     finally:

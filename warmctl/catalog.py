@@ -1,5 +1,10 @@
 """The catalog: names (with tags) -> a profile and the snapshots published for each kind of host.
 
+The catalog is warmctl's **only naming layer**: the store underneath knows snapshots by digest
+alone (like containerd's content store under its metadata store). ``snapshot``, ``push``,
+``pull``, ``ls``, ``up``, ``gc`` and the agent's snapshot routes all name snapshots through
+it, and garbage collection keeps exactly the manifests it names (:meth:`Catalog.referenced_manifests`).
+
 The catalog lives in a store's backend, next to the chunks and manifests (local directory or
 S3), as small JSON objects; the format is specified in ``catalog/README.md``:
 
@@ -9,6 +14,10 @@ S3), as small JSON objects; the format is specified in ``catalog/README.md``:
   superseded), so a tag holds at most one snapshot per kind of host.
 - ``catalog/<name>/profile.json``: the profile last published under that name (digest + the
   validated profile), so a host that fits no snapshot can cold-start from it.
+
+Stores written before the catalog was the only naming layer also hold ``tags/<name>/<tag>``
+objects (``"<manifest digest>\n"``). They are read as entries (:meth:`Catalog.entries`), kept by
+gc, and turned into entries by :meth:`Catalog.migrate`, which every writing command runs first.
 
 :func:`select` picks, among candidates, the one this host can restore, by the rules in
 ``catalog/README.md`` (:data:`RULES`); every other candidate gets exactly one :class:`Rejection`
@@ -36,7 +45,10 @@ log = logging.getLogger(__name__)
 
 CATALOG_FORMAT = 1
 CATALOG_PREFIX = "catalog/"
+#: Store tags of the earlier layout (``tags/<name>/<tag>`` -> ``"<digest>\n"``); read, then migrated.
+LEGACY_TAG_PREFIX = "tags/"
 DEFAULT_TAG = "latest"
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 #: Names and tags: a letter or digit, then letters, digits, ``.``, ``_``, ``-`` (at most 128).
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -74,6 +86,35 @@ DriverPolicy = Literal["exact", "major"]
 
 class CatalogError(WarmctlError):
     """A catalog operation failed: bad name/tag, manifest missing from the store, ..."""
+
+
+def _check_name(what: str, value: str) -> str:
+    if not NAME_RE.match(value or ""):
+        raise CatalogError(f"{what} {value!r}: want a letter or digit, then letters, digits, '.', '_' or '-' (max 128)")
+    return value
+
+
+class Ref(BaseModel):
+    """A snapshot reference as users write it: ``NAME``, ``NAME:TAG`` or ``NAME@sha256:<hex>``
+    (a digest pins one manifest, whether or not a tag still names it)."""
+
+    name: str
+    tag: str = DEFAULT_TAG
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, ref: str, default_tag: str = DEFAULT_TAG) -> "Ref":
+        """Parse ``ref``; raises :class:`CatalogError` naming what is malformed."""
+        if "@" in ref:
+            name, _, digest = ref.partition("@")
+            if not _DIGEST_RE.match(digest):
+                raise CatalogError(f"snapshot reference {ref!r}: want NAME@sha256:<64 hex digits>")
+            return cls(name=_check_name("snapshot name", name), digest=digest)
+        name, _, tag = ref.partition(":")
+        return cls(name=_check_name("snapshot name", name), tag=_check_name("tag", tag or default_tag))
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.digest}" if self.digest else f"{self.name}:{self.tag}"
 
 
 class CatalogEntry(BaseModel):
@@ -114,12 +155,14 @@ class Rejection(BaseModel):
 
 
 class Resolution(BaseModel):
-    """What :meth:`Catalog.resolve` found: the chosen entry, the verified manifest, and the
-    candidates that were rejected (with their one reason each)."""
+    """What :meth:`Catalog.resolve` found: the manifest ``digest``, the ``entry`` that named it
+    (``None`` when ``up`` pinned the digest itself), the verified manifest, and the candidates
+    that were rejected (with their one reason each)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    entry: CatalogEntry
+    digest: str
+    entry: CatalogEntry | None
     verification: Verification
     rejections: list[Rejection] = []
 
@@ -261,12 +304,6 @@ def compat_key(host: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- the catalog
 
 
-def _check_name(what: str, value: str) -> str:
-    if not NAME_RE.match(value):
-        raise CatalogError(f"{what} {value!r}: want a letter or digit, then letters, digits, '.', '_' or '-' (max 128)")
-    return value
-
-
 def _entry_key(name: str, tag: str, digest: str) -> str:
     algo, _, hexpart = digest.partition(":")
     return f"{CATALOG_PREFIX}{name}/{tag}/{algo}-{hexpart}.json"
@@ -276,8 +313,7 @@ class Catalog:
     """The catalog kept in ``store.backend`` (see the module docstring for the layout).
 
     ``store``: a :class:`warmctl.store.Store` (from :func:`warmctl.store.open_store`); only
-    ``store.backend`` (save/load/list/remove/location), ``store.get_manifest`` and, when
-    present, ``store.set_tag`` are used.
+    ``store.backend`` (save/load/list/remove/exists/location) and ``store.get_manifest`` are used.
     """
 
     def __init__(self, store: Any):
@@ -288,6 +324,8 @@ class Catalog:
         """Where the catalog lives, for messages (``s3://bucket/prefix/catalog/`` or a path)."""
         return self.backend.location(CATALOG_PREFIX)
 
+    # -- writing
+
     def publish(
         self,
         manifest_digest: str,
@@ -295,15 +333,14 @@ class Catalog:
         tag: str = DEFAULT_TAG,
         signer: str | Path | Any | None = None,
     ) -> CatalogEntry:
-        """Add ``manifest`` (already in the store, with its chunks) as ``manifest.name``:``tag``.
+        """Name ``manifest`` (already in the store, with its chunks) ``manifest.name``:``tag``.
 
         Signs it first when ``signer`` (an ed25519 private key or its file) is given; an
         unsigned entry is published too, but ``up`` refuses it without the insecure flag.
-        Replaces the entry of the same tag with the same :func:`compat_key`, writes
-        ``catalog/<name>/profile.json``, and sets the store tag ``name:tag`` (so store-level
-        listings and gc see it). Raises :class:`CatalogError` when ``manifest_digest`` is not
-        ``manifest``'s digest or the manifest is not in the store; :class:`TrustError` for an
-        unusable key.
+        Replaces the entry of the same tag with the same :func:`compat_key` and writes
+        ``catalog/<name>/profile.json`` (:meth:`add`). Raises :class:`CatalogError` when
+        ``manifest_digest`` is not ``manifest``'s digest or the manifest is not in the store;
+        :class:`TrustError` for an unusable key.
         """
         name = _check_name("snapshot name", manifest.name)
         _check_name("tag", tag)
@@ -319,32 +356,84 @@ class Catalog:
         signed_by: list[str] = []
         if signer is not None:
             signed_by.append(sign_manifest(self.store, manifest_digest, signer).key_id)
-        compat = compat_key(manifest.host)
-        entry = CatalogEntry(
-            name=name,
-            tag=tag,
-            manifest=manifest_digest,
-            created=manifest.created,
-            published=datetime.now(timezone.utc),
-            profile_digest=manifest.profile_digest,
-            size=manifest.total_size(),
-            host=manifest.host,
-            compat=compat,
-            signed_by=signed_by,
-        )
-        self.backend.save(_entry_key(name, tag, manifest_digest), entry.model_dump_json().encode())
-        for old in self.entries(name, tag):
-            if old.compat == compat and old.manifest != manifest_digest:
-                self.backend.remove(_entry_key(name, tag, old.manifest))
-        profile_doc = {"format": CATALOG_FORMAT, "name": name, "profile_digest": manifest.profile_digest, "profile": manifest.profile}
-        self.backend.save(f"{CATALOG_PREFIX}{name}/profile.json", json.dumps(profile_doc, sort_keys=True).encode())
-        if hasattr(self.store, "set_tag"):
-            self.store.set_tag(name, tag, manifest_digest)
+        entry = entry_for(manifest, manifest_digest, tag, signed_by=signed_by)
+        self.add(entry, profile=manifest.profile)
         return entry
 
+    def add(self, entry: CatalogEntry, profile: dict[str, Any] | None = None) -> None:
+        """Write ``entry`` (its manifest must already be in this store: the entry is always the
+        last object written), then remove the entries of the same name and tag whose
+        :func:`compat_key` is the same (a tag holds one snapshot per kind of host: the tag
+        *moves*). ``profile``: the validated profile to record as ``catalog/<name>/profile.json``.
+        """
+        _check_name("snapshot name", entry.name)
+        _check_name("tag", entry.tag)
+        self.migrate()
+        self.backend.save(_entry_key(entry.name, entry.tag, entry.manifest), entry.model_dump_json().encode())
+        for old in self.entries(entry.name, entry.tag):
+            if old.compat == entry.compat and old.manifest != entry.manifest:
+                self.backend.remove(_entry_key(entry.name, entry.tag, old.manifest))
+        if profile is not None:
+            doc = {"format": CATALOG_FORMAT, "name": entry.name, "profile_digest": entry.profile_digest, "profile": profile}
+            self.backend.save(f"{CATALOG_PREFIX}{entry.name}/profile.json", json.dumps(doc, sort_keys=True).encode())
+
+    def remove(self, name: str, tag: str, digest: str) -> bool:
+        """Remove the entry of ``digest`` from ``name``:``tag``; ``True`` if it existed. The
+        manifest, chunks and signatures stay until ``gc`` (which then no longer keeps them)."""
+        self.migrate()
+        key = _entry_key(_check_name("snapshot name", name), _check_name("tag", tag), digest)
+        existed = self.backend.exists(key)
+        self.backend.remove(key)
+        return existed
+
+    def remove_tag(self, name: str, tag: str) -> list[str]:
+        """Remove every entry of ``name``:``tag`` (one per kind of host); returns their manifest
+        digests (``[]`` when the tag names nothing)."""
+        gone = [e.manifest for e in self.entries(name, tag)]
+        for d in gone:
+            self.remove(name, tag, d)
+        return gone
+
+    def migrate(self) -> int:
+        """Turn the earlier layout's store tags (``tags/<name>/<tag>``) into catalog entries and
+        remove them; returns how many were migrated. Idempotent and cheap when there are none
+        (one listing). A tag whose manifest is unreadable is left in place, with a warning."""
+        n = 0
+        for (name, tag), digest in self._legacy_tags().items():
+            key = f"{LEGACY_TAG_PREFIX}{name}/{tag}"
+            if not self.backend.exists(_entry_key(name, tag, digest)):
+                try:
+                    m = self.store.get_manifest(digest)
+                except WarmctlError as e:
+                    log.warning("not migrating tag %s:%s (%s): %s", name, tag, self.backend.location(key), e)
+                    continue
+                self.backend.save(_entry_key(name, tag, digest), entry_for(m, digest, tag).model_dump_json().encode())
+            self.backend.remove(key)
+            n += 1
+        if n:
+            log.warning("migrated %d store tag(s) at %s into catalog entries", n, self.backend.location(LEGACY_TAG_PREFIX))
+        return n
+
+    # -- reading
+
+    def _legacy_tags(self) -> dict[tuple[str, str], str]:
+        out: dict[tuple[str, str], str] = {}
+        for info in self.backend.list(LEGACY_TAG_PREFIX):
+            parts = info.key[len(LEGACY_TAG_PREFIX) :].split("/")
+            if len(parts) != 2 or not (NAME_RE.match(parts[0]) and NAME_RE.match(parts[1])):
+                continue
+            try:
+                d = self.backend.load(info.key).decode().strip()
+            except (WarmctlError, UnicodeDecodeError):
+                continue
+            if _DIGEST_RE.match(d):
+                out[(parts[0], parts[1])] = d
+        return out
+
     def entries(self, name: str, tag: str = DEFAULT_TAG) -> list[CatalogEntry]:
-        """Entries of ``name``:``tag``, newest ``created`` first. Unreadable entry objects are
-        skipped with a logged warning naming them. Unknown name/tag: ``[]``."""
+        """Entries of ``name``:``tag``, newest ``created`` first (an earlier layout's store tag
+        without an entry is read as one). Unreadable entry objects are skipped with a logged
+        warning naming them. Unknown name/tag: ``[]``."""
         _check_name("snapshot name", name)
         _check_name("tag", tag)
         out: list[CatalogEntry] = []
@@ -356,12 +445,28 @@ class Catalog:
                 out.append(CatalogEntry.model_validate_json(self.backend.load(info.key)))
             except (ValidationError, ValueError) as e:
                 log.warning("skipping unreadable catalog entry %s: %s", self.backend.location(info.key), e)
+        legacy = self._legacy_tags().get((name, tag))
+        if legacy and all(e.manifest != legacy for e in out):
+            try:
+                out.append(entry_for(self.store.get_manifest(legacy), legacy, tag))
+            except WarmctlError as e:
+                log.warning("skipping store tag %s:%s -> %s: %s", name, tag, legacy, e)
         out.sort(key=lambda e: (e.created, e.manifest), reverse=True)
         return out
 
+    def newest(self, name: str, tag: str = DEFAULT_TAG) -> str | None:
+        """The manifest digest of ``name:tag``'s newest entry (for a store one kind of host
+        writes, the one it names), or ``None``. To choose for a host, use :meth:`resolve`."""
+        found = self.entries(name, tag)
+        return found[0].manifest if found else None
+
+    def all_entries(self) -> list[CatalogEntry]:
+        """Every entry of every name and tag, sorted by name, tag, then newest first."""
+        return [e for n in self.names() for t in self.tags(n) for e in self.entries(n, t)]
+
     def names(self) -> list[str]:
         """Every name that has a profile or at least one entry, sorted."""
-        found = set()
+        found = {n for n, _ in self._legacy_tags()}
         for info in self.backend.list(CATALOG_PREFIX):
             parts = info.key[len(CATALOG_PREFIX) :].split("/")
             if len(parts) >= 2 and NAME_RE.match(parts[0]):
@@ -372,7 +477,7 @@ class Catalog:
         """Tags of ``name`` that hold at least one entry, sorted."""
         _check_name("snapshot name", name)
         prefix = f"{CATALOG_PREFIX}{name}/"
-        found = set()
+        found = {t for n, t in self._legacy_tags() if n == name}
         for info in self.backend.list(prefix):
             parts = info.key[len(prefix) :].split("/")
             if len(parts) == 2 and parts[1].endswith(".json"):
@@ -387,24 +492,23 @@ class Catalog:
             return None
         return json.loads(self.backend.load(key))
 
-    def remove(self, name: str, tag: str, digest: str) -> bool:
-        """Remove the entry of ``digest`` from ``name``:``tag``; ``True`` if it existed. The
-        manifest, chunks and signatures stay (gc decides)."""
-        key = _entry_key(_check_name("snapshot name", name), _check_name("tag", tag), digest)
-        existed = self.backend.exists(key)
-        self.backend.remove(key)
-        return existed
-
     def referenced_manifests(self) -> set[str]:
-        """Digests of every manifest some catalog entry points to, for every name and tag.
-        Garbage collection must keep these (only the newest entry of a tag is also a store tag)."""
-        out: set[str] = set()
+        """Digests of every manifest some catalog entry (or earlier-layout store tag) names, for
+        every name and tag: the roots that garbage collection keeps."""
+        out: set[str] = set(self._legacy_tags().values())
         for info in self.backend.list(CATALOG_PREFIX):
             parts = info.key[len(CATALOG_PREFIX) :].split("/")
             if len(parts) == 3 and parts[2].endswith(".json"):
                 algo, _, hexpart = parts[2][: -len(".json")].partition("-")
                 if algo and hexpart:
                     out.add(f"{algo}:{hexpart}")
+        return out
+
+    def names_of(self) -> dict[str, list[str]]:
+        """Manifest digest -> the ``name:tag`` references that name it (for listings)."""
+        out: dict[str, list[str]] = {}
+        for e in self.all_entries():
+            out.setdefault(e.manifest, []).append(f"{e.name}:{e.tag}")
         return out
 
     def resolve(
@@ -414,13 +518,15 @@ class Catalog:
         keys_dir: str | Path,
         *,
         tag: str = DEFAULT_TAG,
+        digest: str | None = None,
         insecure: bool = False,
         driver: DriverPolicy = "exact",
     ) -> Resolution:
-        """What ``up NAME`` restores on this host: select among ``name``:``tag`` entries, then
-        verify the chosen manifest's signature and integrity (:func:`verify_manifest`), then
-        re-check the *signed* manifest (its name and host fingerprint, since catalog entries are
-        unsigned pointers). Nothing is pulled or materialized here.
+        """What ``up NAME`` restores on this host: select among ``name``:``tag`` entries (or take
+        the manifest ``digest`` itself, ``NAME@sha256:...``, named by a tag or not), then verify
+        the chosen manifest's signature and integrity (:func:`verify_manifest`), then re-check
+        the *signed* manifest (its name and host fingerprint, since catalog entries are unsigned
+        pointers). Nothing is pulled or materialized here.
 
         Raises :class:`SnapshotNotFound` when no entry exists or none fits (the message lists
         every rejected candidate with its one reason), :class:`TrustError` (unsigned, untrusted,
@@ -428,21 +534,46 @@ class Catalog:
         signature part to a warning in ``resolution.verification.warning``),
         :class:`warmctl.errors.IntegrityError`.
         """
-        entries = self.entries(name, tag)
-        if not entries:
-            raise SnapshotNotFound(f"no snapshot {name}:{tag} in the catalog at {self.location()}")
-        chosen, rejections = select(entries, fp, driver=driver)
-        if chosen is None:
-            lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
-            raise SnapshotNotFound(
-                f"none of the {len(entries)} snapshot(s) of {name}:{tag} fits this host ({fp.summary()}):\n{lines}"
-            )
-        v = verify_manifest(self.store, chosen.manifest, keys_dir, insecure=insecure)
+        ref = f"{name}@{digest}" if digest else f"{name}:{tag}"
+        rejections: list[Rejection] = []
+        if digest:
+            if not self.store.has_manifest(digest):
+                raise SnapshotNotFound(f"no snapshot {ref}: no manifest {digest} in the store at {self.backend.location()}")
+            chosen_digest = digest
+        else:
+            entries = self.entries(name, tag)
+            if not entries:
+                raise SnapshotNotFound(f"no snapshot {ref} in the catalog at {self.location()}")
+            chosen, rejections = select(entries, fp, driver=driver)
+            if chosen is None:
+                lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
+                raise SnapshotNotFound(
+                    f"none of the {len(entries)} snapshot(s) of {ref} fits this host ({fp.summary()}):\n{lines}"
+                )
+            chosen_digest = chosen.manifest
+        v = verify_manifest(self.store, chosen_digest, keys_dir, insecure=insecure)
         if v.manifest.name != name:
-            raise TrustError(f"catalog entry {name}:{tag} points at manifest {chosen.manifest} of {v.manifest.name!r}")
+            raise TrustError(f"{ref} points at manifest {chosen_digest} of {v.manifest.name!r}")
         ok, why = select([v.manifest], fp, driver=driver)
         if ok is None:
-            raise TrustError(
-                f"catalog entry {name}:{tag} -> {chosen.manifest}: the signed manifest's host does not fit: {why[0].reason}"
-            )
-        return Resolution(entry=chosen, verification=v, rejections=rejections)
+            if digest:
+                raise SnapshotNotFound(f"snapshot {ref} does not fit this host ({fp.summary()}): {why[0].reason}")
+            raise TrustError(f"catalog entry {ref} -> {chosen_digest}: the signed manifest's host does not fit: {why[0].reason}")
+        return Resolution(digest=chosen_digest, entry=None if digest else chosen, verification=v, rejections=rejections)
+
+
+def entry_for(manifest: Manifest, digest: str, tag: str, signed_by: list[str] | None = None) -> CatalogEntry:
+    """The catalog entry that names ``manifest`` (stored as ``digest``) ``manifest.name``:``tag``,
+    published now."""
+    return CatalogEntry(
+        name=manifest.name,
+        tag=tag,
+        manifest=digest,
+        created=manifest.created,
+        published=datetime.now(timezone.utc),
+        profile_digest=manifest.profile_digest,
+        size=manifest.total_size(),
+        host=manifest.host,
+        compat=compat_key(manifest.host),
+        signed_by=signed_by or [],
+    )

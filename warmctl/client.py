@@ -191,18 +191,20 @@ class AgentClient:
 
     # ------------------------------------------------------------------ operations
 
-    def up(self, name: str, reporter: Reporter | None = None, *, tag: str = "latest", public_port: int | None = None,
-           public_host: str | None = None, snapshot_after: bool = False, insecure: bool = False):
+    def up(self, name: str, reporter: Reporter | None = None, *, tag: str = "latest", digest: str | None = None,
+           public_port: int | None = None, public_host: str | None = None, snapshot_after: bool = False,
+           insecure: bool = False, cold_start: str | None = None):
         """Like :func:`warmctl.lifecycle.up` through the agent. Returns an ``UpResult``."""
         from warmctl.lifecycle import UpResult
 
         job = self.request("POST", f"/v1/engines/{name}/up",
-                           json={"tag": tag, "port": public_port, "host": public_host, "snapshot_after": snapshot_after,
-                                 "insecure": insecure})
+                           json={"tag": tag, "digest": digest, "port": public_port, "host": public_host,
+                                 "snapshot_after": snapshot_after, "insecure": insecure, "cold_start": cold_start})
         res = self.follow(job["id"], reporter)
         st = EngineState.model_validate(res["state"])
         return UpResult(st, res.get("source", st.source), res.get("timings") or {}, res.get("reason") or "",
-                        res.get("snapshot"), already_up=res.get("already_up", res.get("path") == "already-up"))
+                        res.get("snapshot"), already_up=res.get("already_up", res.get("path") == "already-up"),
+                        fetched=res.get("fetched") or {})
 
     def down(self, name: str) -> EngineState | None:
         """Like :func:`warmctl.lifecycle.down` through the agent: the stopped state, or

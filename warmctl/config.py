@@ -46,6 +46,7 @@ ENV_VARS = {
     "criu": "WARMCTL_CRIU",
     "match_driver": "WARMCTL_MATCH_DRIVER",
     "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
+    "cold_start": "WARMCTL_COLD_START",
 }
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
@@ -62,7 +63,8 @@ class Settings(BaseModel):
     - ``home``: data directory (runtime state, models, local store, cache).
     - ``store``: local content-addressed store (directory); default ``home/store``.
     - ``remote_store``: optional remote store URL (``s3://bucket/prefix`` or a directory)
-      that ``up`` pulls from and ``snapshot --push`` publishes to.
+      shared by a fleet: ``up`` restores from it (streaming chunks into the local store, its
+      cache) and ``snapshot`` publishes to it after the local store (``--no-push`` to skip).
     - ``catalog``: store URL whose catalog ``up`` reads and ``snapshot`` publishes to; default
       ``remote_store`` when set, else the local store (see :attr:`catalog_url`).
     - ``keys_dir``: trusted ed25519 public keys (``*.pub``); default ``/etc/warmctl/keys``.
@@ -78,6 +80,9 @@ class Settings(BaseModel):
     - ``s3_outage_s``: seconds an S3 store that stopped answering (connection refused, DNS,
       timeouts, 5xx, throttling, cut-off bodies) is retried before the command fails with one
       line naming the endpoint and object (default 60; 0 = fail at the first error).
+    - ``cold_start``: what ``up`` does when no snapshot fits this host: ``fallback`` (default:
+      say why, then cold-start from the profile) or ``never`` (fail, naming every candidate
+      and why it was rejected: a fleet node should not silently spend a 14-minute cold start).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -98,6 +103,7 @@ class Settings(BaseModel):
     criu: str = "criu"
     match_driver: Literal["exact", "major"] = "exact"
     s3_outage_s: float = Field(60.0, ge=0)
+    cold_start: Literal["fallback", "never"] = "fallback"
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 

@@ -4,12 +4,15 @@
 
 1. :func:`_adopt_or_clear`: an engine already up is left alone (``up`` changes nothing); what a
    crash or a dead engine left is torn down first;
-2. :func:`_find_snapshot`: the catalog picks the snapshot ``NAME:TAG`` for this host and
-   verifies its signature; with none (or one made from another profile), :func:`_cold_up`
-   says why and cold-starts instead (:mod:`warmctl.engine.cold`);
+2. :func:`_find_snapshot`: the catalog picks the snapshot ``NAME:TAG`` (or takes
+   ``NAME@digest``) for this host and verifies its signature; with none (or one made from
+   another profile), :func:`_cold_up` says why and cold-starts instead
+   (:mod:`warmctl.engine.cold`), unless the ``cold_start`` setting is ``never``: then ``up``
+   fails, naming every candidate and why it was rejected;
 3. :func:`_restore_up`: pre-flight (public and internal ports free, CRIU usable) before
    anything is written; then, under the host's CRIU lock, "materialize" (every chunk fetched
-   and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk --,
+   and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk --;
+   from a remote store each chunk streams into the local store, its cache, and into place --,
    the image directory written, ``/dev/shm`` files and bundled files put back, required files
    checked) and "restore" (CRIU restores the tree: new host PIDs, its own PID namespace);
 4. the checkpoint plan's ``after_restore`` ("gpu_restore" on CUDA profiles: every rank's CUDA
@@ -17,7 +20,9 @@
    weights outside the image: woken from sleep and copied back in place, GB/s reported);
 5. "canary": the canary replayed and compared bit for bit with the record; on any mismatch
    :class:`CanaryMismatch` is raised -- the public port never opens;
-6. "gate": the public port opens (:mod:`warmctl.gate`).
+6. "gate": the public port opens (:mod:`warmctl.gate`); a snapshot restored from a remote store
+   is then named in the local store's catalog too (:func:`_keep_locally`), so the next ``up``
+   finds it without the remote.
 
 Every engine is held as an :class:`~warmctl.engine.run.EngineRun` (paths resolved once, PIDs
 with identity, ``/dev/shm`` files), recorded in ``<home>/run/NAME/state.json`` before anything
@@ -28,14 +33,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from warmctl import snapshot as snap
-from warmctl.catalog import Catalog
+from warmctl import fleet
+from warmctl.catalog import Catalog, CatalogEntry
 from warmctl.checkpoint import capture, criu
 from warmctl.config import Settings
 from warmctl.engine import canary, cold, vllm
@@ -49,7 +54,7 @@ from warmctl.manifest import Manifest
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
 from warmctl.state import EngineSource, EngineState, all_states
-from warmctl.store import open_store
+from warmctl.store import Fetched, open_store
 
 
 @dataclass
@@ -61,6 +66,8 @@ class UpResult:
     changed nothing. ``timings``: seconds by phase of this ``up``, ``total`` their sum (a cold
     path also lists the engine's own start-up breakdown, :func:`warmctl.engine.cold.start`,
     which ``total`` does not add again). ``reason``: why the cold path was taken.
+    ``fetched``: stored bytes of the chunks this ``up`` loaded, from the ``remote`` store and
+    from the ``local`` one (:class:`warmctl.store.Fetched`).
     """
 
     state: EngineState
@@ -69,6 +76,7 @@ class UpResult:
     reason: str = ""
     snapshot_digest: str | None = None
     already_up: bool = False
+    fetched: dict[str, int] = field(default_factory=dict)
 
     @property
     def outcome(self) -> str:
@@ -82,12 +90,13 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
             port or settings.gate_port or profile.gate.port)
 
 
-def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=None) -> None:
+def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=None, fetched: Fetched | None = None) -> None:
     """Write the manifest's files back: images into ``run.images``, weights into
     ``run.weights``, ``/dev/shm`` files (recorded on the run with their (st_dev, st_ino), so a
     teardown removes exactly them) and bundled files at their absolute paths.
 
-    ``cache``: a local store that keeps chunks read from a remote ``store``.
+    ``cache``: a local store that keeps chunks read from a remote ``store``; ``fetched``:
+    counts the stored bytes loaded from each.
     Raises :class:`IntegrityError` (from the store) on a bad chunk, :class:`HostError` when a
     required file is missing/changed or a ``/dev/shm`` file of the snapshot already exists
     (another restore of it is running on this host). On failure the ``/dev/shm`` files written
@@ -126,7 +135,7 @@ def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=N
             if f.hardlink_to is not None:
                 os.link(dest.parent / f.hardlink_to, dest)
                 continue
-            store.read_file(f.chunks, dest, progress=advance, cache=cache)
+            store.read_file(f.chunks, dest, progress=advance, cache=cache, fetched=fetched)
             os.chmod(dest, f.mode)
         inodes = [(x.st_dev, x.st_ino) for x in map(os.stat, written_shm)]
     except BaseException:
@@ -136,29 +145,35 @@ def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=N
     run.shm_files, run.shm_inodes = written_shm, inodes
 
 
-def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest",
+def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest", digest: str | None = None,
        profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
        snapshot_after: bool = False, insecure: bool = False) -> UpResult:
     """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
     is left alone and reported (``already_up``).
 
-    The snapshot is chosen by the catalog's rules for this host's fingerprint and its signature
-    verified before anything is written (:meth:`warmctl.catalog.Catalog.resolve`);
+    The snapshot is chosen by the catalog's rules for this host's fingerprint (or pinned by
+    ``digest``) and its signature verified before anything is written
+    (:meth:`warmctl.catalog.Catalog.resolve`);
     ``insecure`` turns an unsigned or untrusted snapshot into a loud warning instead of an error.
     ``profile`` is needed for the cold path (no snapshot) and to check that a snapshot was made
     from the same profile; without it, the snapshot's embedded profile is used.
-    Raises :class:`HostError` (pre-flight), :class:`SnapshotNotFound` (no snapshot and no
-    profile), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
+    Raises :class:`HostError` (pre-flight), :class:`SnapshotNotFound` (no snapshot, and no
+    profile or ``settings.cold_start == "never"`` or a pinned ``digest``), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
     :class:`CheckpointError`, :class:`CanaryMismatch`.
     """
     already = _adopt_or_clear(name, settings)
     if already is not None:
         return already
-    found = _find_snapshot(name, settings, reporter, tag, profile, insecure)
+    found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure)
     try:
         if found.manifest is None:
             if profile is None:
                 raise SnapshotNotFound(f"{found.reason}; and no profile named {name} to cold-start from")
+            if digest is not None:
+                raise SnapshotNotFound(f"{found.reason}; a pinned snapshot ({name}@{digest[:19]}) is never replaced by a cold start")
+            if settings.cold_start == "never":
+                raise SnapshotNotFound(f"{found.reason}\nnot cold-starting {name}: cold_start is 'never' "
+                                       f"({settings.sources.get('cold_start', 'flag')})")
             return _cold_up(profile, settings, reporter, public_port, public_host, found.reason, snapshot_after, tag)
         return _restore_up(found, settings, reporter, public_port, public_host)
     finally:
@@ -180,8 +195,9 @@ def _adopt_or_clear(name: str, settings: Settings) -> UpResult | None:
 @dataclass
 class _Found:
     """The catalog's answer for ``up`` of engine ``name``: the snapshot (``manifest`` and
-    ``digest``, or None and the ``reason`` why not), the store it streams from, the local store
-    that caches its chunks (None when they are the same), and this host's fingerprint."""
+    ``digest``, or None and the ``reason`` why not; ``entry``, the catalog entry that named it,
+    None when pinned by digest), the store it streams from, the local store that caches its
+    chunks (None when they are the same), this host's fingerprint, and the bytes fetched."""
 
     name: str
     store: object
@@ -189,7 +205,9 @@ class _Found:
     fp: HostFingerprint
     manifest: Manifest | None = None
     digest: str | None = None
+    entry: CatalogEntry | None = None
     reason: str = ""
+    fetched: Fetched = field(default_factory=Fetched)
 
     def close(self) -> None:
         """Release the stores' writer locks (the cache writes chunks)."""
@@ -198,8 +216,8 @@ class _Found:
                 s.close()
 
 
-def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, profile: Profile | None,
-                   insecure: bool) -> _Found:
+def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, digest: str | None,
+                   profile: Profile | None, insecure: bool) -> _Found:
     """Resolve ``NAME:TAG`` in the catalog (the remote store when configured; chunks then stream
     from it through the local store, which keeps them as a cache for the next up). A snapshot
     made from another profile than ``profile`` is not used. Raises
@@ -208,9 +226,9 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
     store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url)
     found = _Found(name, store, None if store is local else local, fingerprint(criu=settings.criu))
     try:
-        res = Catalog(store).resolve(name, found.fp, settings.keys_dir, tag=tag,
+        res = Catalog(store).resolve(name, found.fp, settings.keys_dir, tag=tag, digest=digest,
                                      insecure=insecure, driver=settings.match_driver)
-        found.manifest, found.digest = res.manifest, res.entry.manifest
+        found.manifest, found.digest, found.entry = res.manifest, res.digest, res.entry
         if res.verification.warning:
             reporter.info(f"[bold red]{res.verification.warning}[/]")
     except SnapshotNotFound as e:
@@ -262,7 +280,25 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
         run.remove_scratch()
     timings = _timings(reporter)
     _serving(run, timings)
-    return UpResult(run.state, "restore", timings, snapshot_digest=digest)  # type: ignore[arg-type]
+    fetched = found.fetched.as_dict()
+    if found.cache is not None:
+        reporter.info(f"fetched {fetched['remote'] / 2**20:,.0f} MiB from {found.store.location}, "
+                      f"{fetched['local'] / 2**20:,.0f} MiB from the local store")
+        _keep_locally(found, reporter)
+    return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched)  # type: ignore[arg-type]
+
+
+def _keep_locally(found: _Found, reporter: Reporter) -> None:
+    """After a restore from a remote store: name the snapshot in the local store's catalog too
+    (its chunks are there already, as the cache; the manifest and signatures are copied), so a
+    later ``up`` or ``pull`` needs no remote. A snapshot pinned by digest is not named. Never
+    fails the serving engine: a problem is reported and left."""
+    if found.entry is None or found.cache is None:
+        return
+    try:
+        fleet.copy_entry(found.store, found.cache, found.entry)
+    except WarmctlError as e:
+        reporter.info(f"[yellow]the restored snapshot is not named in the local store: {e}[/]")
 
 
 def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, settings: Settings,
@@ -275,7 +311,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, set
     assert m is not None
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
-            _materialize(found.store, m, run, reporter, cache=found.cache)
+            _materialize(found.store, m, run, reporter, cache=found.cache, fetched=found.fetched)
             run.prepare()
             run.log_path.touch()
         run.record(st)
@@ -371,16 +407,3 @@ def status(settings: Settings, name: str | None = None) -> list[EngineStatus]:
                 pass
         out.append(EngineStatus(st, st.engine_alive(), st.gate_alive(), healthy))
     return out
-
-
-def snapshots(settings: Settings) -> list[tuple[str, str, str, Manifest]]:
-    """Every tagged snapshot in the local store: (name, tag, digest, manifest)."""
-    store = open_store(settings.store_dir)
-    out = []
-    for name, tag, digest in store.list_tags():
-        try:
-            out.append((name, tag, digest, store.get_manifest(digest)))
-        except WarmctlError:
-            continue
-    return out
-

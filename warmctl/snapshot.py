@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl import host, trust
-from warmctl.catalog import Catalog
+from warmctl import fleet, host, trust
+from warmctl.catalog import Catalog, Ref
 from warmctl.checkpoint import capture, criu
 from warmctl.config import Settings
 from warmctl.engine import cold
@@ -76,8 +76,10 @@ def signing_key(settings: Settings, reporter: Reporter) -> Path:
     return key
 
 
-def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest") -> SnapshotResult:
-    """Cold-start ``profile``, warm it up, record its canary and snapshot it into the store.
+def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest",
+             push_to: str | None = None) -> SnapshotResult:
+    """Cold-start ``profile``, warm it up, record its canary and snapshot it into the store;
+    with ``push_to`` (a store URL: the fleet's remote), then publish it there (``push`` phase).
 
     Returns the :class:`SnapshotResult`. Raises :class:`HostError` (pre-flight),
     :class:`EngineError` (start-up, warm-up, canary), :class:`warmctl.errors.CheckpointError`
@@ -92,14 +94,15 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
     except BaseException:
         run.teardown()
         raise
-    return snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag)
+    return snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, push_to=push_to)
 
 
 def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
                     startup: dict[str, float], reporter: Reporter, tag: str = "latest",
-                    leave_running: bool = False) -> SnapshotResult:
+                    leave_running: bool = False, push_to: str | None = None) -> SnapshotResult:
     """Dump the running engine ``run`` with CRIU and write everything into the store (see the
-    module doc). ``record``: its canary; ``startup``: its cold-start phases (seconds).
+    module doc). ``record``: its canary; ``startup``: its cold-start phases (seconds);
+    ``push_to``: a store URL to publish the snapshot to once it is in the local store.
 
     With ``leave_running`` the engine keeps serving after the dump; otherwise it is gone after
     (CRIU kills it; :meth:`EngineRun.teardown` removes what is left, also on failure). Raises
@@ -117,6 +120,8 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
         entries = _store_files(store, dumped, reporter)
         manifest = _build_manifest(run, profile, settings, record, startup, reporter, dumped, weights, entries)
         digest = _publish(store, manifest, tag, settings, reporter)
+        if push_to:
+            _push(store, manifest, digest, tag, push_to, reporter)
         return SnapshotResult(digest, manifest, manifest.total_size())
     finally:
         store.close()  # releases the store's writer lock (gc waits for it)
@@ -231,3 +236,21 @@ def _publish(store, manifest: Manifest, tag: str, settings: Settings, reporter: 
     with reporter.phase("publish", f"signing and publishing {manifest.name}:{tag}"):
         Catalog(store).publish(digest, manifest, tag=tag, signer=signing_key(settings, reporter))
     return digest
+
+
+def _push(store, manifest: Manifest, digest: str, tag: str, url: str, reporter: Reporter) -> None:
+    """The ``push`` phase: publish ``NAME:TAG`` (this snapshot's entry) from the local ``store``
+    to the store at ``url``: chunks it lacks, manifest, signature, then the catalog entry, last
+    (:mod:`warmctl.fleet`). On failure the snapshot stays published locally; the error says
+    how to push it again."""
+    remote = open_store(url)
+    try:
+        with reporter.phase("push", f"publishing {manifest.name}:{tag} to {url}"):
+            advance = reporter.bytes_progress("push", manifest.total_size())
+            fleet.transfer(store, remote, fleet.entries_to_copy(store, Ref(name=manifest.name, tag=tag), only=digest), advance)
+    except BaseException:
+        reporter.info(f"[yellow]the snapshot is in the local store as {manifest.name}:{tag} ({digest[:19]}); "
+                      f"`warmctl push {manifest.name}:{tag}` publishes it[/]")
+        raise
+    finally:
+        remote.close()

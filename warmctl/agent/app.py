@@ -66,13 +66,17 @@ class ErrorBody(BaseModel):
 
 
 class UpRequest(BaseModel):
-    """Bring engine NAME up from snapshot ``NAME:tag`` (or cold from the profile NAME).
-    ``port``/``host``: public address (default: settings, then the profile's);
+    """Bring engine NAME up from snapshot ``NAME:tag`` (or ``NAME@digest``), or cold from the
+    profile NAME. ``port``/``host``: public address (default: settings, then the profile's);
     ``snapshot_after``: on the cold path, snapshot the warmed engine; ``insecure``: accept an
-    unsigned or untrusted snapshot (a snapshot is executable state: only for tests)."""
+    unsigned or untrusted snapshot (a snapshot is executable state: only for tests);
+    ``cold_start``: ``fallback`` or ``never`` when no snapshot fits (default: the agent's
+    ``cold_start`` setting); with ``never`` the job fails naming every rejected candidate."""
 
     model_config = {"extra": "forbid"}
     tag: str = Field("latest", pattern=TAG_PATTERN)
+    digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
+    cold_start: Literal["fallback", "never"] | None = None
     port: int | None = Field(None, ge=1, le=65535)
     host: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9.:-]+$")
     snapshot_after: bool = False
@@ -86,6 +90,8 @@ class SnapshotRequest(BaseModel):
     model_config = {"extra": "forbid"}
     profile: str = Field(..., pattern=NAME_PATTERN)
     tag: str = Field("latest", pattern=TAG_PATTERN)
+    #: publish to the remote store afterwards (default: when the agent has ``remote_store``)
+    push: bool | None = None
 
 
 class EngineView(BaseModel):
@@ -106,7 +112,8 @@ class EngineView(BaseModel):
 
 
 class SnapshotView(BaseModel):
-    """A tagged snapshot in the local store; ``size`` in bytes, ``created`` ISO 8601."""
+    """A snapshot named in the local store's catalog (one per name, tag and kind of host);
+    ``size`` in bytes, ``created`` ISO 8601, ``host`` the fingerprint's one-line summary."""
 
     name: str
     tag: str
@@ -114,14 +121,17 @@ class SnapshotView(BaseModel):
     size: int
     created: str
     profile_digest: str
+    host: str = ""
 
 
 class Deleted(BaseModel):
-    """Result of a delete: what was removed (the manifest stays until ``warmctl gc``)."""
+    """Result of a delete: the manifests ``name:tag`` named (one per kind of host) and the
+    catalogs they were removed from; the data stays until ``warmctl gc``."""
 
     name: str
     tag: str
-    digest: str
+    digests: list[str]
+    catalogs: list[str]
 
 
 class AgentInfo(BaseModel):
@@ -402,12 +412,12 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
             prof = load_profile(name, s.profile_dirs)
         except (ProfileError, OSError):
             try:
+                from warmctl.catalog import Catalog
                 from warmctl.store import open_store
 
-                st = open_store(s.store_dir)
-                d = st.get_tag(name, tag)
-                if d:
-                    prof = Profile.model_validate(st.get_manifest(d).profile)
+                doc = Catalog(open_store(s.catalog_url)).profile(name)
+                if doc:
+                    prof = Profile.model_validate(doc["profile"])
             except (WarmctlError, ValueError, OSError):
                 prof = None
         public = req_port or s.gate_port or (prof.gate.port if prof else None)
@@ -431,10 +441,12 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
                 prof = load_profile(name, s.profile_dirs)
             except ProfileError:
                 prof = None
-            res = lifecycle.up(name, s, rep, tag=req.tag, profile=prof, public_port=req.port, public_host=req.host,
-                               snapshot_after=req.snapshot_after, insecure=req.insecure)
+            settings = s.model_copy(update={"cold_start": req.cold_start}) if req.cold_start else s
+            res = lifecycle.up(name, settings, rep, tag=req.tag, digest=req.digest, profile=prof, public_port=req.port,
+                               public_host=req.host, snapshot_after=req.snapshot_after, insecure=req.insecure)
             return {"source": res.source, "already_up": res.already_up, "path": res.outcome, "reason": res.reason,
-                    "snapshot": res.snapshot_digest, "timings": res.timings, "state": res.state.model_dump(mode="json")}
+                    "snapshot": res.snapshot_digest, "fetched": res.fetched, "timings": res.timings,
+                    "state": res.state.model_dump(mode="json")}
 
         def reporter(job_id: str) -> JobReporter:
             def on_phase(phase: str, secs: float, ok: bool) -> None:
@@ -462,15 +474,26 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
 
     @app.get("/v1/snapshots", response_model=list[SnapshotView], tags=["snapshots"], **v1)
     def snapshots() -> list[SnapshotView]:
-        """Tagged snapshots in the local store."""
-        return [SnapshotView(name=n, tag=t, digest=d, size=m.total_size(), created=m.created.isoformat(),
-                             profile_digest=m.profile_digest) for n, t, d, m in lifecycle.snapshots(s)]
+        """Snapshots named in the local store's catalog (``warmctl ls``)."""
+        from warmctl.fleet import snapshots as named
+        from warmctl.host import HostFingerprint
+
+        out = []
+        for e, _ in named(s):
+            try:
+                hs = HostFingerprint.model_validate(e.host).summary()
+            except ValueError:
+                hs = "(unreadable fingerprint)"
+            out.append(SnapshotView(name=e.name, tag=e.tag, digest=e.manifest, size=e.size, created=e.created.isoformat(),
+                                    profile_digest=e.profile_digest, host=hs))
+        return out
 
     @app.post("/v1/snapshots", status_code=202, response_model=Job, tags=["snapshots"],
               responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])
     def snapshot_create(req: SnapshotRequest) -> Any:
         """Start a job that snapshots profile ``profile`` (cold start, warm-up, canary, CRIU
-        dump, store) as ``profile:tag``. 409 while a job works on that engine or its port."""
+        dump, store) as ``profile:tag`` and, with ``push`` (default: when the agent has a
+        remote store), publishes it there. 409 while a job works on that engine or its port."""
         from warmctl.profile import ProfileError, load_profile
 
         try:
@@ -482,27 +505,31 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         def run(rep: JobReporter, job: Job) -> dict:
             from warmctl.snapshot import snapshot as run_snapshot
 
-            res = run_snapshot(prof, s, rep, tag=req.tag)
-            return {"name": prof.name, "tag": req.tag, "digest": res.digest, "size": res.size}
+            push_to = s.remote_store if req.push is not False else None
+            if req.push and not push_to:
+                raise WarmctlError("push: the agent has no remote store configured (remote_store)")
+            res = run_snapshot(prof, s, rep, tag=req.tag, push_to=push_to)
+            return {"name": prof.name, "tag": req.tag, "digest": res.digest, "size": res.size, "pushed_to": push_to}
 
         return _submit("snapshot", prof.name, resources, run, req.model_dump())
 
     @app.delete("/v1/snapshots/{name}/{tag}", response_model=Deleted, tags=["snapshots"],
                 responses={**ERRORS, **NOT_FOUND, **CONFLICT}, dependencies=[Depends(auth)])
     def snapshot_delete(name: str = Path(..., pattern=NAME_PATTERN), tag: str = Path(..., pattern=TAG_PATTERN)) -> Deleted:
-        """Remove the tag ``name:tag`` from the local store (chunks stay until ``warmctl gc``).
-        404 when there is no such tag; 409 while a job works on engine ``name``."""
-        from warmctl.store import open_store
+        """Remove ``name:tag`` from the catalog (``warmctl rm``): every kind of host's entry, in
+        the local store and in the catalog ``up`` reads (the remote store on a fleet node), so
+        no node's ``up`` finds it any more; the data stays until ``warmctl gc``. 404 when no
+        catalog names it; 409 while a job works on engine ``name``."""
+        from warmctl.fleet import remove_snapshot
 
         holder = agent.jobs.holder(f"engine:{name}")
         if holder is not None:
             raise ApiError(409, "conflict", str(Conflict(f"engine:{name}", holder)), holder.id)
-        st = open_store(s.store_dir)
-        d = st.get_tag(name, tag)
-        if d is None:
-            raise ApiError(404, "not_found", f"no snapshot {name}:{tag} in the store {s.store_dir}")
-        st.remove_tag(name, tag)
-        return Deleted(name=name, tag=tag, digest=d)
+        removed = remove_snapshot(s, name, tag)
+        digests = sorted({d for ds in removed.values() for d in ds})
+        if not digests:
+            raise ApiError(404, "not_found", f"no snapshot {name}:{tag} in the catalog at {', '.join(removed)}")
+        return Deleted(name=name, tag=tag, digests=digests, catalogs=[k for k, v in removed.items() if v])
 
     # -- catalog, host ----------------------------------------------------------------------
 
@@ -513,12 +540,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         from warmctl.catalog import Catalog
         from warmctl.store import open_store
 
-        c = Catalog(open_store(s.catalog_url))
-        out = []
-        for n in c.names():
-            for t in c.tags(n):
-                out.extend(e.model_dump(mode="json") for e in c.entries(n, t))
-        return out
+        return [e.model_dump(mode="json") for e in Catalog(open_store(s.catalog_url)).all_entries()]
 
     @app.get("/v1/host", tags=["host"], **v1)
     def host() -> dict[str, Any]:

@@ -11,15 +11,11 @@ from rich.table import Table
 
 import warmctl
 from warmctl.config import load_settings
+from warmctl.errors import WarmctlError
 from warmctl.profile import ProfileError, load_profile
 from warmctl.progress import ConsoleReporter
 
 out = Console()
-
-
-def _split_ref(ref: str) -> tuple[str, str]:
-    name, _, tag = ref.partition(":")
-    return name, tag or "latest"
 
 
 def _human(n: float) -> str:
@@ -42,23 +38,30 @@ def register(app: typer.Typer) -> None:
     def snapshot(
         profile: str = typer.Argument(..., help="Profile NAME (profiles/NAME.toml) or path to a .toml file."),
         tag: str = typer.Option("latest", help="Tag the snapshot NAME:TAG."),
+        push: Optional[bool] = typer.Option(None, "--push/--no-push",
+                                            help="Publish to the remote store after the local one (default: when remote_store is set)."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress, only the result."),
     ) -> None:
         """Cold-start the engine of PROFILE, warm it up, record the canary, and checkpoint it
-        into the local store as NAME:TAG.
+        into the local store as NAME:TAG; then, with a remote store configured, publish it
+        there for the fleet (chunks, manifest, signature, then the catalog entry, last).
 
         Phases: cold start (with the engine's own start-up breakdown), warm-up grid, canary,
-        CRIU dump, store. Nothing is left running afterwards.
+        CRIU dump, store, publish, push. Nothing is left running afterwards.
 
-        Example: `warmctl snapshot tiny`
+        Example: `warmctl snapshot tiny`, or `WARMCTL_REMOTE_STORE=s3://fleet/warmctl warmctl snapshot tiny`
         """
         from warmctl.snapshot import snapshot as run_snapshot
 
         settings = load_settings()
         prof = load_profile(profile, settings.profile_dirs)
         rep = ConsoleReporter(quiet=quiet)
-        rep.info(f"snapshot of [bold]{prof.name}[/] ({prof.digest()[:19]}) into {settings.store_dir}")
-        res = run_snapshot(prof, settings, rep, tag=tag)
+        push_to = settings.remote_store if push is not False else None
+        if push and not push_to:
+            raise WarmctlError("--push: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
+        rep.info(f"snapshot of [bold]{prof.name}[/] ({prof.digest()[:19]}) into {settings.store_dir}"
+                 + (f", then published to {push_to}" if push_to else ""))
+        res = run_snapshot(prof, settings, rep, tag=tag, push_to=push_to)
         from warmctl.engine.vllm import PHASE_NAMES
 
         startup = {p.name: p.seconds for p in res.manifest.phases
@@ -69,27 +72,39 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def up(
-        name: str = typer.Argument(..., help="NAME[:TAG] of a snapshot (and of the profile to cold-start from)."),
+        name: str = typer.Argument(..., help="NAME[:TAG] or NAME@sha256:DIGEST of a snapshot (NAME is also the profile to cold-start from)."),
         port: Optional[int] = typer.Option(None, help="Public port (default: the profile's, 8000)."),
         host: Optional[str] = typer.Option(None, help="Public address to listen on (default: the profile's)."),
         snapshot_after: bool = typer.Option(False, "--snapshot-after", help="On the cold path, snapshot the warmed engine (it keeps serving)."),
         json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
         insecure: bool = typer.Option(False, "--insecure-skip-signature-check",
                                       help="INSECURE: restore an unsigned or untrusted snapshot (a snapshot is executable state)."),
+        cold_start: Optional[str] = typer.Option(None, "--cold-start", metavar="fallback|never",
+                                                 help="No usable snapshot: cold-start from the profile (fallback) or fail naming why (never). Default: the cold_start setting."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
 
-        Pre-flight checks (ports, CRIU) run before anything is restored; every chunk is
+        The snapshot is found in the catalog of the configured store (the remote store on a
+        fleet node: chunks stream from it into the local store, which keeps them for the next
+        `up`). Pre-flight checks (ports, CRIU) run before anything is restored; every chunk is
         verified; the canary must match bit for bit or nothing is served. With no usable
-        snapshot, says why and cold-starts from the profile of the same name.
+        snapshot, says why and cold-starts from the profile of the same name, unless
+        `--cold-start never` (or the cold_start setting) says to fail instead.
         Running `up` for an engine that is already up changes nothing.
 
         Example: `warmctl up tiny && curl localhost:8000/v1/models`
         """
+        from warmctl.catalog import Ref
         from warmctl.lifecycle import up as run_up
 
-        settings = load_settings()
-        ref, tag = _split_ref(name)
+        overrides = {}
+        if cold_start is not None:
+            if cold_start not in ("fallback", "never"):
+                raise typer.BadParameter(f"{cold_start!r}: use fallback or never", param_hint="--cold-start")
+            overrides["cold_start"] = cold_start
+        settings = load_settings(None, overrides)
+        r = Ref.parse(name)
+        ref, tag = r.name, r.tag
         try:
             prof = load_profile(ref, settings.profile_dirs)
         except ProfileError:
@@ -97,17 +112,18 @@ def register(app: typer.Typer) -> None:
         rep = ConsoleReporter(quiet=json_out)
         if settings.agent_url:  # a configured agent does the work (issue 5); same output
             from warmctl.client import AgentClient
-            res = AgentClient.from_settings(settings).up(ref, rep, tag=tag, public_port=port, public_host=host,
-                                                         snapshot_after=snapshot_after, insecure=insecure)
+            res = AgentClient.from_settings(settings).up(ref, rep, tag=tag, digest=r.digest, public_port=port, public_host=host,
+                                                         snapshot_after=snapshot_after, insecure=insecure,
+                                                         cold_start=overrides.get("cold_start"))
         else:
-            res = run_up(ref, settings, rep, tag=tag, profile=prof, public_port=port, public_host=host,
+            res = run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port, public_host=host,
                          snapshot_after=snapshot_after, insecure=insecure)
         st = res.state
         if json_out:
             out.print_json(json.dumps({"name": st.name, "source": res.source, "already_up": res.already_up,
                                        "path": res.outcome, "reason": res.reason,
                                        "snapshot": res.snapshot_digest, "public": f"{st.public_host}:{st.public_port}",
-                                       "timings_s": res.timings}))
+                                       "fetched": res.fetched, "timings_s": res.timings}))
             return
         if res.already_up:
             out.print(f"{st.name} is already up on {st.public_host}:{st.public_port} (pid {st.root_pid}); nothing changed")
@@ -168,25 +184,60 @@ def register(app: typer.Typer) -> None:
         out.print(t)
 
     @app.command("ls")
-    def ls(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
-        """Snapshots in the local store: NAME:TAG, digest, size, created, cold-start seconds."""
-        from warmctl.lifecycle import snapshots
+    def ls(
+        json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
+        remote: bool = typer.Option(False, "--remote", help="List the remote store's catalog instead of the local one."),
+    ) -> None:
+        """Snapshots named in the local store's catalog (or the remote's): NAME:TAG, digest, size,
+        created, cold-start seconds, and for which host (one row per kind of host)."""
+        from warmctl.fleet import snapshots
 
-        rows = snapshots(load_settings())
+        settings = load_settings()
+        if remote and not settings.remote_store:
+            raise WarmctlError("--remote: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
+        rows = snapshots(settings, settings.remote_store if remote else None)
         if json_out:
-            out.print_json(json.dumps([{"name": n, "tag": t, "digest": d, "size": m.total_size(),
-                                        "created": m.created.isoformat()} for n, t, d, m in rows]))
+            out.print_json(json.dumps([{"name": e.name, "tag": e.tag, "digest": e.manifest, "size": e.size,
+                                        "created": e.created.isoformat(), "host": e.host} for e, _ in rows]))
             return
         t = Table()
-        for c in ("snapshot", "digest", "size", "created", "cold start"):
+        for c in ("snapshot", "digest", "size", "created", "cold start", "host"):
             t.add_column(c)
-        for n, tg, d, m in rows:
+        from warmctl.host import HostFingerprint
+
+        for e, m in rows:
             # launch to healthy: the cold_start phase (manifests before it was the only one also
             # carry the same figure as "total")
-            total = next((p.seconds for p in m.phases if p.name in ("cold_start", "total")), None)
-            t.add_row(f"{n}:{tg}", d[:19], _human(m.total_size()), m.created.strftime("%Y-%m-%d %H:%M"),
-                      f"{total:.0f} s" if total else "")
+            total = next((p.seconds for p in m.phases if p.name in ("cold_start", "total")), None) if m else None
+            try:
+                hs = HostFingerprint.model_validate(e.host).summary()
+            except ValueError:
+                hs = "(unreadable fingerprint)"
+            t.add_row(f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
+                      f"{total:.0f} s" if total else "", hs)
         out.print(t)
+
+    @app.command("rm")
+    def rm(
+        ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="The name to remove (tag defaults to 'latest')."),
+        remote: bool = typer.Option(True, "--remote/--local-only",
+                                    help="Also remove it from the remote store's catalog, when one is configured (default)."),
+    ) -> None:
+        """Remove NAME:TAG from the catalog (every kind of host's entry), locally and on the
+        remote store: no node's `up` finds it any more. The data stays until `warmctl gc`
+        (run with --store URL for the remote), which then frees what no other snapshot shares.
+
+        Idempotent: a name that is not there is reported as such.
+        """
+        from warmctl.catalog import Ref
+        from warmctl.fleet import remove_snapshot
+
+        settings = load_settings()
+        r = Ref.parse(ref)
+        removed = remove_snapshot(settings, r.name, r.tag, remote=remote)
+        for where, digests in removed.items():
+            out.print(f"{r}: removed {len(digests)} entr{'y' if len(digests) == 1 else 'ies'} from {where}"
+                      + (f" ({', '.join(d[:19] for d in digests)})" if digests else " (nothing there)"), highlight=False)
 
     model_app = typer.Typer(help="Models warmctl builds itself.", no_args_is_help=True)
     app.add_typer(model_app, name="model")

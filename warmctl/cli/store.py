@@ -1,4 +1,4 @@
-"""CLI commands for the snapshot store: push, pull, verify, gc, du.
+"""CLI commands for the snapshot store: push, pull, verify, gc, du (names through the catalog).
 
 The local store is ``load_settings().store_dir`` (``$WARMCTL_HOME/store`` unless
 ``$WARMCTL_STORE`` says otherwise); remote URLs are directories or ``s3://bucket/prefix``
@@ -77,26 +77,55 @@ def _remote(url: Optional[str], flag: str):
         raise WarmctlError(str(e)) from None
 
 
-def _copy(src, dst, ref: str, verb: str) -> None:
-    from warmctl.store import copy_snapshot, parse_ref
+def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False) -> None:
+    """Copy the catalog entries of ``ref`` with their data (:mod:`warmctl.fleet`), one progress
+    bar, one summary line per entry."""
+    from warmctl.catalog import Ref
+    from warmctl.config import load_settings
+    from warmctl.fleet import copy_entry, entries_to_copy
 
-    name, tag = parse_ref(ref)
+    r = Ref.parse(ref)
+    fp = None
+    settings = load_settings()
+    if for_this_host:
+        from warmctl.host import fingerprint
+
+        fp = fingerprint(criu=settings.criu)
     try:
-        digest = src.resolve(name, tag)
-        total = src.get_manifest(digest).total_size()
-        with byte_progress(f"{verb} {name}:{tag}", total) as advance:
-            rep = copy_snapshot(src, dst, name, tag, progress=advance)
+        entries = entries_to_copy(src, r, fp, driver=settings.match_driver)
+        with byte_progress(f"{verb} {r}", sum(e.size for e in entries)) as advance:
+            done = [copy_entry(src, dst, e, progress=advance) for e in entries]
     finally:  # locks released now, also on failure (not at interpreter exit)
         src.close()
         dst.close()
-    rate = rep.bytes_copied / rep.seconds if rep.seconds else 0
-    _console().print(
-        f"{verb} {name}:{tag} ({rep.digest[:19]}) {src.location} -> {dst.location}: "
-        f"{rep.chunks_copied}/{rep.chunks_total} chunks copied, {_human(rep.bytes_copied)} moved "
-        f"({_human(rate)}/s), {_human(rep.logical)} of files, {rep.seconds:.1f} s",
-        highlight=False,
-        soft_wrap=True,
-    )
+    for c in done:
+        rep = c.report
+        rate = rep.bytes_copied / rep.seconds if rep.seconds else 0
+        _console().print(
+            f"{verb} {c.entry.name}:{c.entry.tag} ({rep.digest[:19]}) {src.location} -> {dst.location}: "
+            f"{rep.chunks_copied}/{rep.chunks_total} chunks copied, {_human(rep.bytes_copied)} moved "
+            f"({_human(rate)}/s), {_human(rep.logical)} of files, {rep.seconds:.1f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _digests(s, refs: Optional[list[str]]) -> Optional[list[str]]:
+    """Manifest digests named by ``refs`` (``NAME[:TAG]`` or ``NAME@sha256:...``) in the catalog
+    of store ``s``; ``None`` for no refs. Raises SnapshotNotFound for a name that names nothing."""
+    if not refs:
+        return None
+    from warmctl.catalog import Catalog, Ref
+    from warmctl.errors import SnapshotNotFound
+
+    cat, out = Catalog(s), []
+    for ref in refs:
+        r = Ref.parse(ref)
+        found = [r.digest] if r.digest else [e.manifest for e in cat.entries(r.name, r.tag)]
+        if not found:
+            raise SnapshotNotFound(f"no snapshot {r} in the catalog at {cat.location()}")
+        out += found
+    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -108,7 +137,10 @@ def register(app: typer.Typer) -> None:
         to: Optional[str] = typer.Option(None, "--to", help="Destination store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
     ) -> None:
-        """Publish a snapshot: copy its missing chunks (verified), then its manifest, then its tag.
+        """Publish NAME:TAG to a remote store: for each of its catalog entries (one per kind of
+        host), the chunks the remote lacks (verified), the manifest, its signatures, then the
+        catalog entry and the profile record, last. Every node that reads the remote's catalog
+        then sees it (a tag already there for the same kind of host moves to it).
 
         Safe to interrupt and rerun: only what is missing is sent. Example:
         `warmctl push tiny:latest --to s3://my-bucket/warmctl`
@@ -120,30 +152,30 @@ def register(app: typer.Typer) -> None:
         ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="Snapshot in the remote store (tag defaults to 'latest')."),
         from_: Optional[str] = typer.Option(None, "--from", help="Source store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
+        all_hosts: bool = typer.Option(False, "--all", help="Every kind of host's snapshot of NAME:TAG, not only this host's."),
     ) -> None:
-        """Fetch a snapshot into the local store (parallel, each chunk verified against its digest).
+        """Fetch NAME:TAG into the local store: the snapshot this host would restore (by the
+        catalog's rules; `--all` for every kind of host), each chunk verified against its digest,
+        then its manifest, signatures and catalog entry. `warmctl up NAME` then restores it
+        without a remote.
 
-        Resumable: a killed pull, rerun, fetches only the chunks still missing; the tag appears
+        Resumable: a killed pull, rerun, fetches only the chunks still missing; the name appears
         only once every chunk and the manifest are in place. Example:
         `warmctl pull tiny --from s3://my-bucket/warmctl`
         """
-        _copy(_remote(from_, "--from"), _local(store), ref, "pull")
+        _copy(_remote(from_, "--from"), _local(store), ref, "pull", for_this_host=not all_hosts)
 
     @app.command()
     def verify(
-        refs: Optional[list[str]] = typer.Argument(None, metavar="[NAME[:TAG]]...", help="Snapshots to check (default: every manifest)."),
+        refs: Optional[list[str]] = typer.Argument(None, metavar="[NAME[:TAG]|NAME@DIGEST]...", help="Snapshots to check (default: every manifest)."),
         store: Optional[str] = typer.Option(None, "--store", help="Store to check: directory or s3://bucket/prefix (default: local store)."),
     ) -> None:
         """Re-hash every chunk of the store's snapshots; name each missing or corrupt chunk.
 
         Exits 5 when anything is missing or corrupt.
         """
-        from warmctl.store import parse_ref
-
         s = _remote(store, "--store") if store else _local(None)
-        digests = None
-        if refs:
-            digests = [s.resolve(*parse_ref(r)) for r in refs]
+        digests = _digests(s, refs)
         with byte_progress("verify", None) as advance:
             rep = s.verify(digests, progress=advance)
         _out().print(str(rep), highlight=False)
@@ -153,17 +185,24 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def gc(
         grace: float = typer.Option(300.0, "--grace", help="Keep unreferenced objects younger than this many seconds."),
-        untagged: bool = typer.Option(False, "--untagged", help="Also remove manifests no tag or catalog entry names."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be removed."),
         store: Optional[str] = typer.Option(None, "--store", help="Store to clean: directory or s3://bucket/prefix (default: local store)."),
     ) -> None:
-        """Remove chunks that no manifest references.
+        """Remove snapshots that no catalog entry names any more, and chunks no kept manifest uses.
 
-        Takes the store's exclusive lock: refuses (exit 6) while a push, pull or snapshot is
-        writing to the store, so it never removes a chunk a writer is about to reference.
+        The catalog is the naming layer: what it names (every NAME:TAG, for every kind of host)
+        is kept; a snapshot whose tag moved on or was removed (`warmctl rm`) goes, with its
+        signatures and the chunks no other snapshot shares. Objects younger than --grace are
+        kept in any case. Takes the store's exclusive lock: refuses (exit 6) while a push, pull
+        or snapshot is writing to the store.
         """
+        from warmctl.catalog import Catalog
+
         s = _remote(store, "--store") if store else _local(None)
-        rep = s.gc(grace=grace, untagged=untagged, dry_run=dry_run)
+        cat = Catalog(s)
+        if not dry_run:
+            cat.migrate()
+        rep = s.gc(keep=cat.referenced_manifests(), grace=grace, dry_run=dry_run)
         verb = "would remove" if dry_run else "removed"
         _out().print(
             f"{verb} {rep.chunks_removed} chunks ({_human(rep.bytes_removed)}), {len(rep.manifests_removed)} manifests, "
@@ -189,15 +228,17 @@ def register(app: typer.Typer) -> None:
 
         `unique` is what removing that snapshot (then gc) would free; `zero` bytes are never stored.
         """
+        from warmctl.catalog import Catalog
+
         s = _remote(store, "--store") if store else _local(None)
-        rep = s.du()
+        rep = s.du(names=Catalog(s).names_of())
         t = Table(title=f"store {s.location}")
         for col in ("manifest", "tags", "files", "stored", "unique", "shared", "zero"):
             t.add_column(col, justify="left" if col in ("manifest", "tags") else "right", overflow="fold")
         for r in rep.rows:
             t.add_row(
                 r.digest[:19] + ("" if not r.missing_chunks else f" ({r.missing_chunks} missing)"),
-                ", ".join(r.tags) or f"({r.name}, untagged)",
+                ", ".join(r.tags) or f"({r.name}, unnamed: gc removes it)",
                 _human(r.logical),
                 _human(r.stored),
                 _human(r.unique),

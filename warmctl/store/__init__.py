@@ -1,14 +1,15 @@
-"""Content-addressed snapshot store: chunks, manifests, tags on local disk or S3.
+"""Content-addressed snapshot store: chunks and manifests, by digest, on local disk or S3.
 
 Typical use::
 
-    from warmctl.store import open_store, push, pull
+    from warmctl.store import copy_manifest, open_store
     with open_store("/var/lib/warmctl/store") as store:
         refs = store.add_file(Path("pages-1.img"))        # list[ChunkRef]
         digest = store.put_manifest(manifest)              # after every chunk is stored
-        store.set_tag("tiny", "latest", digest)
-    remote = open_store("s3://bucket/warmctl")
-    push(open_store(local_dir), remote, "tiny", "latest")
+    copy_manifest(open_store(local_dir), open_store("s3://bucket/warmctl"), digest)
+
+The store names nothing: names and tags are the catalog's (:mod:`warmctl.catalog`), and
+:mod:`warmctl.fleet` copies them between stores with what they name.
 
 The format is specified in ``docs/store-format.md``; docs/design.md ("The store") maps the
 modules of this package.
@@ -32,11 +33,11 @@ from warmctl.store.backend import (
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing
 from warmctl.store.chunks import CHUNK_SIZE, DIGEST_ALGORITHM, STORE_FORMAT, ZSTD_LEVEL
-from warmctl.store.copy import copy_snapshot, pull, push
-from warmctl.store.layout import chunk_key, manifest_key, tag_key
+from warmctl.store.copy import copy_manifest
+from warmctl.store.layout import chunk_key, manifest_key
 from warmctl.store.local import LocalBackend
 from warmctl.store.lock import StoreLocked
-from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, GcReport, VerifyReport
+from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
 from warmctl.store.s3 import S3Backend
 from warmctl.store.store import Store
 
@@ -54,6 +55,7 @@ __all__ = [
     "DIGEST_ALGORITHM",
     "DuReport",
     "DuRow",
+    "Fetched",
     "GcReport",
     "LocalBackend",
     "ObjectInfo",
@@ -67,14 +69,10 @@ __all__ = [
     "VerifyReport",
     "ZSTD_LEVEL",
     "chunk_key",
-    "copy_snapshot",
+    "copy_manifest",
     "manifest_key",
     "open_backend",
     "open_store",
-    "parse_ref",
-    "pull",
-    "push",
-    "tag_key",
 ]
 
 
@@ -110,9 +108,3 @@ def open_store(url: str | Path, workers: int | None = None, chunk_size: int = CH
     (default 4 local, 16 S3); ``chunk_size``: bytes per new chunk. Nothing is created until
     the first write. Raises ValueError for an unsupported URL."""
     return Store(open_backend(url), workers=workers, chunk_size=chunk_size)
-
-
-def parse_ref(ref: str, default_tag: str = "latest") -> tuple[str, str]:
-    """``"NAME[:TAG]"`` -> ``(name, tag)``; the tag defaults to ``default_tag``."""
-    name, _, tag = ref.partition(":")
-    return name, tag or default_tag

@@ -15,13 +15,15 @@ import threading
 from collections.abc import Callable, Iterator
 
 from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound
+from warmctl.store.reports import Fetched
 
 
 class CachingBackend(Backend):
     """``remote`` with ``cache`` in front of it for keys under ``prefixes`` (default: chunks).
 
     ``before_fill()``: called before a copy is written to the cache (the cache's store takes
-    its writer lock there). Keep/forget refer to the calling thread's last load of a key.
+    its writer lock there). ``fetched``: counts the stored bytes each load took from the
+    remote and from the cache. Keep/forget refer to the calling thread's last load of a key.
     Properties (parallelism, prefetch) are the remote's. Thread-safe.
     """
 
@@ -31,8 +33,10 @@ class CachingBackend(Backend):
         cache: Backend,
         prefixes: tuple[str, ...] = ("chunks/",),
         before_fill: Callable[[], None] | None = None,
+        fetched: Fetched | None = None,
     ):
         self.remote = remote
+        self.fetched = fetched
         self.cache = cache
         self.prefixes = prefixes
         self.before_fill = before_fill
@@ -71,12 +75,18 @@ class CachingBackend(Backend):
             try:
                 out = load(self.cache)
                 fetched.discard(key)
+                self._count("local", out)
                 return out
             except ObjectNotFound:
                 pass
         out = load(self.remote)
         fetched.add(key)
+        self._count("remote", out)
         return out
+
+    def _count(self, where: str, out: object) -> None:
+        if self.fetched is not None:
+            self.fetched.add(where, len(out))  # type: ignore[arg-type]
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         if self._cached(key) and offset == 0 and length is None:  # only whole objects are kept

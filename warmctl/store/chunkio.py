@@ -159,9 +159,11 @@ def load_verified(
     raise ChunkCorrupt(f"chunk {ref.digest} at {where} is corrupt: {reason}{ctx}", ref.digest, where, reason)
 
 
-def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, workers: int, progress: Progress | None = None) -> None:
+def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, workers: int, progress: Progress | None = None,
+              count: Callable[[int], None] | None = None) -> None:
     """Write the file made of ``chunks`` (loaded from ``backend`` on ``workers`` threads) to
-    ``dest``; see :meth:`warmctl.store.Store.read_file` for the guarantees and errors."""
+    ``dest``; see :meth:`warmctl.store.Store.read_file` for the guarantees and errors.
+    ``count(n)``: called with the stored bytes of each chunk loaded."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     total = sum(c.size for c in chunks)
@@ -193,7 +195,9 @@ def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, worker
                 n = os.pwrite(fd, view, pos)
                 view, pos = view[n:], pos + n
 
-        load_verified(backend, c, thread_buffers(), str(dest), write)
+        blob, _ = load_verified(backend, c, thread_buffers(), str(dest), write)
+        if count is not None:
+            count(len(blob))
         return c.size
 
     nonzero = [i for i, z in enumerate(zero) if not z]

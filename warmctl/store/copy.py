@@ -1,8 +1,8 @@
-"""Copying snapshots between stores: :func:`copy_snapshot`, and its two directions
-:func:`push` (local to remote) and :func:`pull` (remote to local).
+"""Copying a snapshot's content between stores by manifest digest: :func:`copy_manifest`.
 
 Owns the copy order (chunks the destination lacks, each verified on the way, then the
-manifest, its attachments, then the tag), which makes a killed copy restartable.
+manifest, then its attachments), which makes a killed copy restartable. Names travel one
+layer up: :mod:`warmctl.fleet` copies catalog entries, each after the content it names.
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ from warmctl.store.reports import CopyReport
 from warmctl.store.store import Store
 
 
-def copy_snapshot(src: Store, dst: Store, name: str, tag: str = "latest", progress: Progress | None = None, workers: int | None = None) -> CopyReport:
-    """Copy snapshot ``name:tag`` from ``src`` to ``dst``: chunks first (only those ``dst``
-    lacks, each verified on the way), then the manifest, then the tag. Restartable: a killed
-    copy, rerun, moves only what is still missing.
+def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None = None, workers: int | None = None) -> CopyReport:
+    """Copy manifest ``digest`` and what it needs from ``src`` to ``dst``: chunks first (only
+    those ``dst`` lacks, each verified on the way), then the manifest, then its attachments
+    (signatures). Restartable: a killed copy, rerun, moves only what is still missing.
 
     ``progress(n)``: snapshot file bytes accounted for (copied, already present, or zero).
-    Raises SnapshotNotFound (no such tag in ``src``), IntegrityError (a source chunk is
-    missing or corrupt), HostError (disk full: bytes needed named).
+    Raises IntegrityError (the manifest or a source chunk is missing or corrupt), HostError
+    (disk full: bytes needed named).
     """
     t0 = time.monotonic()
-    digest = src.resolve(name, tag)
     data = src.get_manifest_bytes(digest)
     manifest = Manifest.from_bytes(data)
     rep = CopyReport(digest=digest, logical=manifest.total_size())
@@ -42,7 +41,8 @@ def copy_snapshot(src: Store, dst: Store, name: str, tag: str = "latest", progre
             elif c.digest not in refs:
                 refs[c.digest] = c.size
     rep.chunks_total = len(refs)
-    dst.lock_for_write(f"copy {name}:{tag} from {src.location}")
+    what = f"{manifest.name} ({digest[:19]})"
+    dst.lock_for_write(f"copy {what} from {src.location}")
     if progress and zero:
         progress(zero)
     remaining = [sum(refs.values())]
@@ -51,11 +51,11 @@ def copy_snapshot(src: Store, dst: Store, name: str, tag: str = "latest", progre
         size = refs[d]
         if dst.has_chunk(d):
             return size, 0
-        blob, _ = load_verified(src.backend, ChunkRef(digest=d, size=size), thread_buffers(), f"{name}:{tag} in {src.location}")
+        blob, _ = load_verified(src.backend, ChunkRef(digest=d, size=size), thread_buffers(), f"{what} in {src.location}")
         try:
             dst.put_chunk_blob(d, blob)
         except HostError as e:
-            raise HostError(f"{e}; about {remaining[0]:,} more bytes (uncompressed, at most) remain to copy for {name}:{tag}") from None
+            raise HostError(f"{e}; about {remaining[0]:,} more bytes (uncompressed, at most) remain to copy for {what}") from None
         return size, len(blob)
 
     for size, copied in ordered_map(work, list(refs), workers or max(src.workers, dst.workers)):
@@ -80,16 +80,5 @@ def copy_snapshot(src: Store, dst: Store, name: str, tag: str = "latest", progre
             except ObjectNotFound:
                 pass
             dst.backend.save(o.key, blob)
-    dst.set_tag(name, tag, digest)
     rep.seconds = time.monotonic() - t0
     return rep
-
-
-def push(src: Store, dst: Store, name: str, tag: str = "latest", progress: Progress | None = None) -> CopyReport:
-    """Publish ``name:tag`` from the local store ``src`` to ``dst`` (see :func:`copy_snapshot`)."""
-    return copy_snapshot(src, dst, name, tag, progress)
-
-
-def pull(src: Store, dst: Store, name: str, tag: str = "latest", progress: Progress | None = None) -> CopyReport:
-    """Fetch ``name:tag`` from the remote ``src`` into the local store ``dst`` (see :func:`copy_snapshot`)."""
-    return copy_snapshot(src, dst, name, tag, progress)

@@ -1,7 +1,7 @@
 """Store maintenance over a :class:`~warmctl.store.store.Store`: verify, gc and du.
 
 Owns what reads the whole store at once: re-hashing every chunk of a set of manifests
-(:func:`verify`), removing what no manifest (or, with ``untagged``, no tag or catalog entry)
+(:func:`verify`), removing what no manifest (or no manifest the catalog names)
 references under the exclusive lock (:func:`gc`), and space accounting per manifest
 (:func:`du`). ``Store.verify``/``gc``/``du`` are thin methods calling these.
 """
@@ -16,9 +16,8 @@ from warmctl.errors import IntegrityError
 from warmctl.manifest import ChunkRef
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
-from warmctl.store.backend import ObjectNotFound
 from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing, Progress, load_verified, ordered_map, thread_buffers
-from warmctl.store.layout import _MANIFEST_DIGEST_RE, _digest_from_chunk_key, attachment_prefixes, chunk_key, manifest_key
+from warmctl.store.layout import _digest_from_chunk_key, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import ChunkProblem, DuReport, DuRow, GcReport, VerifyReport
 
 if TYPE_CHECKING:
@@ -40,19 +39,15 @@ def verify(store: Store, digests: Iterable[str] | None = None, progress: Progres
     missing or corrupt, naming each chunk, its location and the manifests that use it.
     ``progress(n)``: uncompressed bytes checked. Never raises for damaged data."""
     rep = VerifyReport()
-    names = {d: [] for d in (digests if digests is not None else store.list_manifests())}
-    for name, tag, d in store.list_tags():
-        if d in names:
-            names[d].append(f"{name}:{tag}")
     users: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
-    for d in names:
-        label = f"{d[:19]}" + (f" ({', '.join(names[d])})" if names[d] else "")
+    for d in digests if digests is not None else store.list_manifests():
         try:
             m = store.get_manifest(d)
         except IntegrityError as e:
             rep.bad_manifests.append(str(e))
             continue
+        label = f"{d[:19]} ({m.name})"
         rep.manifests_checked += 1
         for f in m.files:
             for c in f.chunks:
@@ -83,9 +78,11 @@ def verify(store: Store, digests: Iterable[str] | None = None, progress: Progres
     return rep
 
 
-def gc(store: Store, grace: float = 300.0, untagged: bool = False, dry_run: bool = False) -> GcReport:
-    """Remove chunks no manifest references (and, with ``untagged``, manifests that no tag
-    and no catalog entry names, with their signatures).
+def gc(store: Store, keep: Iterable[str] | None = None, grace: float = 300.0, dry_run: bool = False) -> GcReport:
+    """Remove manifests that are not in ``keep`` (with their signatures), then chunks no kept
+    manifest references. ``keep``: the digests the naming layer declares live
+    (:meth:`warmctl.catalog.Catalog.referenced_manifests`); ``None`` keeps every manifest and
+    removes only unreferenced chunks.
 
     Takes the exclusive lock (StoreLocked if a push/pull holds the store); the store's own
     writer lock is released first, so do not call it between add_file and put_manifest. Objects younger
@@ -104,17 +101,11 @@ def gc(store: Store, grace: float = 300.0, untagged: bool = False, dry_run: bool
             if not dry_run:
                 store.backend.remove(k)
             rep.locks_removed += 1
-        tagged = {d for _, _, d in store.list_tags()}
-        if untagged:  # anything that names a manifest (catalog entries) keeps it too
-            for o in store.backend.list("catalog/"):
-                try:
-                    tagged |= {m.decode() for m in _MANIFEST_DIGEST_RE.findall(store.backend.load(o.key))}
-                except ObjectNotFound:
-                    continue
+        roots = None if keep is None else set(keep)
         mtimes = {"sha256:" + o.key.rsplit("/", 1)[1]: o.mtime for o in store.backend.list("manifests/sha256/")}
         live: set[str] = set()
         for d, mt in mtimes.items():
-            if untagged and d not in tagged and now - mt >= grace:
+            if roots is not None and d not in roots and now - mt >= grace:
                 if not dry_run:
                     store.backend.remove(manifest_key(d))
                     for prefix in attachment_prefixes(d):
@@ -146,12 +137,11 @@ def gc(store: Store, grace: float = 300.0, untagged: bool = False, dry_run: bool
     return rep
 
 
-def du(store: Store) -> DuReport:
-    """Space per manifest: logical, stored, unique and shared bytes (see :class:`DuRow`)."""
+def du(store: Store, names: dict[str, list[str]] | None = None) -> DuReport:
+    """Space per manifest: logical, stored, unique and shared bytes (see :class:`DuRow`).
+    ``names``: manifest digest -> ``name:tag`` labels from the catalog (:meth:`Catalog.names_of`)."""
     sizes = chunk_sizes(store)
-    tags: dict[str, list[str]] = {}
-    for name, tag, d in store.list_tags():
-        tags.setdefault(d, []).append(f"{name}:{tag}")
+    tags = names or {}
     manifests = {d: store.get_manifest(d) for d in store.list_manifests()}
     refcount: dict[str, int] = {}
     for m in manifests.values():

@@ -1,12 +1,14 @@
 """The store core over any :class:`Backend` (format: docs/store-format.md): config, locking,
-chunks in and out, manifests and tags.
+chunks in and out, manifests. The store names nothing: snapshots are manifest digests here,
+and names and tags live one layer up, in the catalog (:mod:`warmctl.catalog`).
 
-Write order is chunks, then manifest (refused unless every chunk it names exists), then tag;
-a crash at any point leaves at worst unreferenced chunks, which gc removes. The pieces around
+Write order is chunks, then manifest (refused unless every chunk it names exists), then the
+catalog entry that names it; a crash at any point leaves at worst unreferenced chunks or an
+unnamed manifest, which gc removes. The pieces around
 the core have modules of their own: key layout (:mod:`~warmctl.store.layout`), the parallel
 chunk I/O engine and its verify-and-refetch loop (:mod:`~warmctl.store.chunkio`), the read
 cache (:mod:`~warmctl.store.cache`), verify/gc/du (:mod:`~warmctl.store.maintenance`),
-push/pull (:mod:`~warmctl.store.copy`) and report types (:mod:`~warmctl.store.reports`).
+copying between stores (:mod:`~warmctl.store.copy`) and report types (:mod:`~warmctl.store.reports`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
-from warmctl.errors import IntegrityError, SnapshotNotFound, WarmctlError
+from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import ChunkRef, Manifest, sha256_digest
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
@@ -28,8 +30,8 @@ from warmctl.store.backend import Backend, ObjectNotFound
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
 from warmctl.store.chunkio import read_file as _read_file
-from warmctl.store.layout import chunk_key, manifest_key, tag_key
-from warmctl.store.reports import DuReport, GcReport, VerifyReport
+from warmctl.store.layout import attachment_prefixes, chunk_key, manifest_key
+from warmctl.store.reports import DuReport, Fetched, GcReport, VerifyReport
 
 _open_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
@@ -218,7 +220,8 @@ class Store:
         finally:
             os.close(fd)
 
-    def read_file(self, chunks: list[ChunkRef], dest: Path | str, progress: Progress | None = None, cache: Store | None = None) -> None:
+    def read_file(self, chunks: list[ChunkRef], dest: Path | str, progress: Progress | None = None, cache: Store | None = None,
+                  fetched: Fetched | None = None) -> None:
         """Write the file made of ``chunks`` to ``dest`` (parents created; written to a
         temporary file in the same directory, then renamed; zero chunks become holes).
 
@@ -226,14 +229,19 @@ class Store:
         filled with the chunks fetched here, each once verified, so a later read needs no
         download; a damaged cached chunk is fetched again and replaced
         (:class:`~warmctl.store.cache.CachingBackend`). ``progress(n)``: file bytes written
-        since the last call.
+        since the last call. ``fetched``: adds the stored bytes loaded, by where they came from
+        (this store when it is local, else the remote; the cache).
         Raises IntegrityError (naming the chunk digest, where it is stored, and ``dest``) for a
         missing/corrupt/truncated chunk; HostError when the disk is too small (naming bytes).
         """
-        backend = self.backend
+        backend, count = self.backend, None
         if cache is not None:
-            backend = CachingBackend(backend, cache.backend, before_fill=lambda: cache.lock_for_write(f"cache for {dest}"))
-        _read_file(backend, chunks, dest, self.workers, progress)
+            backend = CachingBackend(backend, cache.backend, before_fill=lambda: cache.lock_for_write(f"cache for {dest}"),
+                                     fetched=fetched)
+        elif fetched is not None:
+            where = "local" if backend.properties.local else "remote"
+            count = lambda n: fetched.add(where, n)  # noqa: E731
+        _read_file(backend, chunks, dest, self.workers, progress, count)
 
     def put_manifest(self, manifest: Manifest) -> str:
         """Store ``manifest``; returns its digest (``sha256:<hex>``).
@@ -288,59 +296,13 @@ class Store:
         return sorted("sha256:" + o.key.rsplit("/", 1)[1] for o in self.backend.list("manifests/sha256/"))
 
     def remove_manifest(self, digest: str) -> None:
-        """Delete a manifest (its chunks go at the next gc). Tags pointing to it are removed too."""
+        """Delete a manifest and its attachments (its chunks go at the next gc). Names are the
+        catalog's business: remove its entries first (:class:`warmctl.catalog.Catalog`)."""
         self.lock_for_write(f"remove_manifest {digest}")
-        for name, tag, d in self.list_tags():
-            if d == digest:
-                self.remove_tag(name, tag)
         self.backend.remove(manifest_key(digest))
-
-    def set_tag(self, name: str, tag: str, digest: str) -> None:
-        """Point ``name:tag`` at manifest ``digest`` (which must be stored; IntegrityError otherwise)."""
-        key = tag_key(name, tag)
-        manifest_key(digest)
-        self.lock_for_write(f"set_tag {name}:{tag}")
-        if not self.has_manifest(digest):
-            raise IntegrityError(f"cannot tag {name}:{tag}: manifest {digest} not found at {self.backend.location(manifest_key(digest))}")
-        self.backend.save(key, (digest + "\n").encode())
-
-    def get_tag(self, name: str, tag: str = "latest") -> str | None:
-        """The manifest digest ``name:tag`` points to, or None."""
-        key = tag_key(name, tag)
-        try:
-            d = self.backend.load(key).decode().strip()
-        except ObjectNotFound:
-            return None
-        try:
-            manifest_key(d)
-        except ValueError:
-            raise IntegrityError(f"tag {name}:{tag} at {self.backend.location(key)} is corrupt: {d[:80]!r}") from None
-        return d
-
-    def resolve(self, name: str, tag: str = "latest") -> str:
-        """Like :meth:`get_tag` but raises SnapshotNotFound naming the store."""
-        d = self.get_tag(name, tag)
-        if d is None:
-            raise SnapshotNotFound(f"no snapshot {name}:{tag} in store {self.location}")
-        return d
-
-    def list_tags(self) -> list[tuple[str, str, str]]:
-        """Every ``(name, tag, manifest digest)``, sorted."""
-        out = []
-        for o in self.backend.list("tags/"):
-            parts = o.key.split("/")
-            if len(parts) != 3:
-                continue
-            d = self.get_tag(parts[1], parts[2])
-            if d:
-                out.append((parts[1], parts[2], d))
-        return sorted(out)
-
-    def remove_tag(self, name: str, tag: str) -> None:
-        """Delete ``name:tag`` (the manifest stays until ``gc(untagged=True)``)."""
-        key = tag_key(name, tag)
-        self.lock_for_write(f"remove_tag {name}:{tag}")
-        self.backend.remove(key)
+        for prefix in attachment_prefixes(digest):
+            for a in self.backend.list(prefix):
+                self.backend.remove(a.key)
 
     # -- maintenance (warmctl.store.maintenance)
 
@@ -348,10 +310,12 @@ class Store:
         """Re-hash every chunk of the given manifests (default: all); see :func:`maintenance.verify`."""
         return maintenance.verify(self, digests, progress)
 
-    def gc(self, grace: float = 300.0, untagged: bool = False, dry_run: bool = False) -> GcReport:
-        """Remove what nothing references, under the exclusive lock; see :func:`maintenance.gc`."""
-        return maintenance.gc(self, grace, untagged, dry_run)
+    def gc(self, keep: Iterable[str] | None = None, grace: float = 300.0, dry_run: bool = False) -> GcReport:
+        """Remove manifests outside ``keep`` (``None``: keep every manifest) and chunks no kept
+        manifest uses, under the exclusive lock; see :func:`maintenance.gc`."""
+        return maintenance.gc(self, keep, grace, dry_run)
 
-    def du(self) -> DuReport:
-        """Space per manifest (see :class:`~warmctl.store.reports.DuRow`); see :func:`maintenance.du`."""
-        return maintenance.du(self)
+    def du(self, names: dict[str, list[str]] | None = None) -> DuReport:
+        """Space per manifest (see :class:`~warmctl.store.reports.DuRow`; ``names``: digest ->
+        the catalog's ``name:tag`` labels); see :func:`maintenance.du`."""
+        return maintenance.du(self, names)

@@ -1,0 +1,112 @@
+"""Named snapshots between stores: ``push``, ``pull``, and what ``up`` keeps from a remote.
+
+A fleet shares one remote store (a directory or ``s3://bucket/prefix``); every node has its own
+local store. What moves is always a catalog entry *with* everything it names, in the store
+format's write order (``docs/store-format.md``, section 6): the chunks the destination lacks
+(each verified on the way), then the manifest, then its signatures, then the catalog entry
+(:meth:`warmctl.catalog.Catalog.add`, which also moves the tag when it replaces an entry for the
+same kind of host) and the profile record. A node that reads the destination's catalog
+therefore never sees a name whose data is not all there; a killed copy, rerun, moves only what is
+still missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from warmctl.catalog import Catalog, CatalogEntry, DriverPolicy, Ref, select
+from warmctl.config import Settings
+from warmctl.errors import SnapshotNotFound, WarmctlError
+from warmctl.host import HostFingerprint
+from warmctl.manifest import Manifest
+from warmctl.store import CopyReport, Store, copy_manifest, open_store
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class Copied:
+    """One catalog entry copied to the destination, and what moving its data cost."""
+
+    entry: CatalogEntry
+    report: CopyReport
+
+
+def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress | None = None) -> Copied:
+    """Copy ``entry`` and everything it names from ``src`` to ``dst`` (see the module doc).
+
+    ``progress(n)``: snapshot file bytes accounted for. Raises :class:`warmctl.errors.IntegrityError`
+    (a source chunk or the manifest is missing or corrupt: nothing is named in ``dst``),
+    :class:`warmctl.errors.HostError` (disk full), the backends' errors (an outage that outlasts
+    the retry window).
+    """
+    report = copy_manifest(src, dst, entry.manifest, progress=progress)
+    profile = Catalog(src).profile(entry.name)
+    Catalog(dst).add(entry.model_copy(update={"published": _now()}),
+                     profile=profile["profile"] if profile and profile.get("profile_digest") == entry.profile_digest else None)
+    return Copied(entry, report)
+
+
+def entries_to_copy(src: Store, ref: Ref, fp: HostFingerprint | None = None, *,
+                    driver: DriverPolicy = "exact", only: str | None = None) -> list[CatalogEntry]:
+    """The entries of ``ref`` (``NAME:TAG``) in ``src``'s catalog to copy: all of them, or with
+    ``fp`` only the one this host would restore (``up``'s choice), or with ``only`` the one of
+    that manifest digest. Raises :class:`SnapshotNotFound` naming the catalog, or, with ``fp``,
+    every candidate and why it does not fit."""
+    cat = Catalog(src)
+    if ref.digest:
+        found = [e for t in cat.tags(ref.name) for e in cat.entries(ref.name, t) if e.manifest == ref.digest]
+        if not found:
+            raise SnapshotNotFound(f"no catalog entry names {ref} in the catalog at {cat.location()}")
+        return found[:1]
+    entries = cat.entries(ref.name, ref.tag)
+    if only:
+        entries = [e for e in entries if e.manifest == only]
+    if not entries:
+        raise SnapshotNotFound(f"no snapshot {ref} in the catalog at {cat.location()}")
+    if fp is None:
+        return entries
+    chosen, rejections = select(entries, fp, driver=driver)
+    if chosen is None:
+        lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
+        raise SnapshotNotFound(f"none of the {len(entries)} snapshot(s) of {ref} in {cat.location()} fits this host "
+                               f"({fp.summary()}):\n{lines}")
+    return [chosen]
+
+
+def transfer(src: Store, dst: Store, entries: list[CatalogEntry], progress: Progress | None = None) -> list[Copied]:
+    """:func:`copy_entry` for each of ``entries`` in turn (chunks shared between them move once)."""
+    return [copy_entry(src, dst, e, progress) for e in entries]
+
+
+def snapshots(settings: Settings, url: str | None = None) -> list[tuple[CatalogEntry, Manifest | None]]:
+    """Every catalog entry of the local store (or of the store at ``url``), with its manifest
+    (``None`` when unreadable), sorted by name, tag, newest first."""
+    store = open_store(url or settings.store_dir)
+    out = []
+    for e in Catalog(store).all_entries():
+        try:
+            out.append((e, store.get_manifest(e.manifest)))
+        except WarmctlError:
+            out.append((e, None))
+    return out
+
+
+def remove_snapshot(settings: Settings, name: str, tag: str, *, remote: bool = True) -> dict[str, list[str]]:
+    """Remove ``name:tag`` (every kind of host's entry) from the local store's catalog and, with
+    ``remote``, from the catalog ``up`` reads (``settings.catalog_url``) when that is another
+    store. Returns ``{catalog location: removed manifest digests}``. The data stays until gc."""
+    urls = [str(settings.store_dir)]
+    if remote and settings.catalog_url not in urls:
+        urls.append(settings.catalog_url)
+    out = {}
+    for url in urls:
+        cat = Catalog(open_store(url))
+        out[cat.location()] = cat.remove_tag(name, tag)
+    return out
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
