@@ -1,0 +1,194 @@
+"""Snapshots travel: node A publishes, node B restores, with the real vLLM engine (CPU build),
+real CRIU, a directory remote and a real Ceph RGW on loopback, and the agent's REST API.
+
+Nodes are homes on this machine (``isolated_env``), each with its own signing key; B trusts A's
+public key through its ``keys_dir`` and nothing else. A is the session's snapshot home
+(``wc_env``); A2 is a second publisher (its own home, A's signing key) that runs a real
+``warmctl snapshot --push``. Only one engine runs at a time, on the session's test ports.
+
+The tests run in file order and share the directory remote: push, restore on B (streamed, then
+from B's cache), refusal without A's key, the agent path, a new snapshot moving the tag,
+``up NAME@digest``, then ``rm`` + ``gc``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import isolated_env, warmctl
+from tests.test_agent_e2e import Agent, _engine_procs
+
+pytestmark = pytest.mark.e2e
+
+
+def _key_of(env: dict[str, str]) -> Path:
+    return Path(env["WARMCTL_TEST_HOME"]) / "keys" / "local.key"
+
+
+def node(root: Path, engine_ports, *, trust: list[Path], signing_key: Path | None = None, **extra: str) -> dict[str, str]:
+    """A node's environment: its own home under ``root``, its own signing key (generated, or
+    ``signing_key``), and ``keys_dir`` holding its own public key plus the ``trust`` ones."""
+    env = isolated_env(root, *engine_ports)
+    keys = root / "keys"
+    keys.mkdir(exist_ok=True)
+    if signing_key is None:
+        warmctl("keygen", str(root / "signing"), "--name", "node", env=env)
+        signing_key = root / "signing" / "node.key"
+        shutil.copy(root / "signing" / "node.pub", keys / "node.pub")
+    for i, pub in enumerate(trust):
+        shutil.copy(pub, keys / f"trusted-{i}.pub")
+    cfg = Path(env["WARMCTL_CONFIG"])
+    cfg.write_text(cfg.read_text() + f'signing_key = "{signing_key}"\n')
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, wc_env, tiny_snapshot, engine_ports):
+    root = tmp_path_factory.mktemp("fleet")
+    a_pub = next(Path(wc_env["WARMCTL_CONFIG"]).parent.joinpath("keys").glob("local-*.pub"))
+    remote = root / "remote"
+    f = {
+        "root": root,
+        "remote": remote,
+        "a_pub": a_pub,
+        "a": dict(wc_env, WARMCTL_REMOTE_STORE=str(remote)),
+        "b": node(root / "b", engine_ports, trust=[a_pub], WARMCTL_REMOTE_STORE=str(remote)),
+        "digest": tiny_snapshot["digest"],
+        "gate": engine_ports[1],
+    }
+    yield f
+    for n in ("a", "b"):
+        warmctl("down", "tiny", env=f[n], check=False)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left(fleet):
+    yield
+    for n in ("a", "b"):
+        warmctl("down", "tiny", env=fleet[n], check=False)
+    left = _engine_procs(Path(fleet["b"]["WARMCTL_TEST_HOME"]))
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
+
+
+def _up(env, *args: str, check: bool = True):
+    r = warmctl("up", "tiny", "--json", *args, env=env, check=check)
+    return r, (json.loads(r.stdout) if r.returncode == 0 else None)
+
+
+def _answers(port: int) -> str:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "temperature": 0, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "What is the capital of France? One word."}]})
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
+    r = warmctl("push", "tiny", "--to", str(fleet["remote"]), env=fleet["a"])
+    assert f"push tiny:latest ({fleet['digest'][:19]})" in r.stderr
+    assert list((fleet["remote"] / "catalog" / "tiny" / "latest").glob("sha256-*.json"))
+
+    r, res = _up(fleet["b"])
+    assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
+    # (a chunk that occurs twice in the snapshot is fetched once, then read from the local cache)
+    assert res["fetched"]["remote"] > 100 * 2**20 and res["fetched"]["local"] < res["fetched"]["remote"] / 100, res
+    assert _answers(fleet["gate"]).strip()
+    warmctl("down", "tiny", env=fleet["b"])
+    # B's local store now names it and holds its chunks: the next up reads nothing remote
+    ls = json.loads(warmctl("ls", "--json", env=fleet["b"]).stdout)
+    assert [(x["name"], x["tag"], x["digest"]) for x in ls] == [("tiny", "latest", fleet["digest"])]
+    r, res = _up(fleet["b"])
+    assert res["path"] == "restore" and res["fetched"]["remote"] == 0 and res["fetched"]["local"] > 100 * 2**20, res
+
+
+def test_b_without_as_key_refuses_and_names_the_key(fleet, engine_ports):
+    stranger = node(fleet["root"] / "stranger", engine_ports, trust=[], WARMCTL_REMOTE_STORE=str(fleet["remote"]))
+    shm_before = set(os.listdir("/dev/shm"))
+    r, _ = _up(stranger, "--cold-start", "never", check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    kid = json.loads(warmctl("catalog", "show", "tiny", "--json", env=fleet["b"]).stdout)["entries"][0]["signed_by"][0]
+    assert kid in r.stderr and "trust" in r.stderr.lower(), r.stderr
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_agent_on_b_restores_from_the_remote(fleet, engine_ports):
+    env = node(fleet["root"] / "b-agent", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=str(fleet["remote"]))
+    agent = Agent(env)
+    try:
+        h = agent.http
+        j = agent.wait_job(h.post("/v1/engines/tiny/up", json={"cold_start": "never"}).json()["id"])
+        assert j["state"] == "succeeded", j
+        assert j["result"]["path"] == "restore" and j["result"]["snapshot"] == fleet["digest"]
+        assert j["result"]["fetched"]["remote"] > 100 * 2**20
+        assert _answers(fleet["gate"]).strip()
+        assert [s["digest"] for s in h.get("/v1/snapshots").json()] == [fleet["digest"]]  # cached locally
+        jd = agent.wait_job(h.post("/v1/engines/tiny/down").json()["id"], 60)
+        assert jd["state"] == "succeeded" and jd["result"]["was_up"] is True
+    finally:
+        agent.stop()
+
+
+def test_snapshot_push_moves_the_tag_and_the_old_one_stays_by_digest(fleet, engine_ports):
+    a2 = node(fleet["root"] / "a2", engine_ports, trust=[], signing_key=_key_of(fleet["a"]),
+              WARMCTL_REMOTE_STORE=str(fleet["remote"]))
+    r = warmctl("snapshot", "tiny", env=a2, timeout=1500)
+    assert "ok push" in r.stderr, r.stderr  # the snapshot's push phase ran (remote_store is set)
+    new = json.loads(warmctl("ls", "--json", "--remote", env=a2).stdout)
+    assert len(new) == 1 and new[0]["digest"] != fleet["digest"]
+    fleet["new"] = new[0]["digest"]
+
+    r, res = _up(fleet["b"])  # B's next up sees the moved tag
+    assert res["path"] == "restore" and res["snapshot"] == fleet["new"], r.stderr
+    warmctl("down", "tiny", env=fleet["b"])
+    r = warmctl("up", f"tiny@{fleet['digest']}", "--json", env=fleet["b"])
+    assert json.loads(r.stdout)["snapshot"] == fleet["digest"]
+    fleet["a2"] = a2
+
+
+def test_rm_then_b_finds_nothing_and_gc_frees_the_remote(fleet):
+    a2 = fleet.get("a2")
+    if a2 is None:
+        pytest.fail("needs test_snapshot_push_moves_the_tag_and_the_old_one_stays_by_digest to have run")
+    chunks_before = sum(1 for p in (fleet["remote"] / "chunks").rglob("*") if p.is_file())
+    r = warmctl("rm", "tiny", env=a2)
+    assert "removed 1 entry from" in r.stdout
+    r, _ = _up(fleet["b"], "--cold-start", "never", check=False)
+    assert r.returncode != 0 and "no snapshot tiny:latest in the catalog at" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    r = warmctl("gc", "--store", str(fleet["remote"]), "--grace", "0", env=a2)
+    assert "2 manifests" in r.stdout, r.stdout
+    chunks_after = sum(1 for p in (fleet["remote"] / "chunks").rglob("*") if p.is_file())
+    assert chunks_before > 0 and chunks_after == 0
+
+
+@pytest.mark.s3
+def test_b_restores_from_ceph_rgw(fleet, engine_ports, tmp_path_factory):
+    import boto3
+    from rgw_server import free_port, start_rgw
+
+    with start_rgw(tmp_path_factory.mktemp("ceph"), free_port(), free_port()) as (ep, ak, sk):
+        s3env = {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
+                 "AWS_DEFAULT_REGION": "us-east-1"}
+        bucket = f"fleet-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=ep, aws_access_key_id=ak, aws_secret_access_key=sk,
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        url = f"s3://{bucket}/warmctl"
+        warmctl("push", "tiny", "--to", url, env=dict(fleet["a"], **s3env))
+        b3 = node(fleet["root"] / "b-rgw", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=url, **s3env)
+        try:
+            r, res = _up(b3, "--cold-start", "never")
+            assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
+            assert res["fetched"]["remote"] > 100 * 2**20
+            assert _answers(fleet["gate"]).strip()
+        finally:
+            warmctl("down", "tiny", env=b3, check=False)
