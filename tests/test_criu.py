@@ -123,3 +123,68 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
         launcher.kill()
         launcher.wait(10)
         capture.remove_by_inode([(mine.st_dev, mine.st_ino)])
+
+
+# A CRIU plugin in the pre-descriptor form CRIU still loads (criu/plugin.c generates a
+# descriptor when CR_PLUGIN_DESC is missing and calls cr_plugin_init): it only leaves a marker
+# file saying it was loaded, and in which stage.
+MARKER_PLUGIN = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int cr_plugin_init(int stage)
+{
+    const char *m = getenv("WARMCTL_TEST_PLUGIN_MARKER");
+    if (m) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s.%d", m, stage);
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd >= 0) close(fd);
+    }
+    return 0;
+}
+void cr_plugin_fini(void) {}
+"""
+
+
+def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
+    """warmctl's dump and restore load no CRIU plugin (a host's cuda_plugin would restore and
+    unlock the CUDA ranks inside `criu restore`, before warmctl's checks; docs/gpu.md). A marker
+    plugin in $CRIU_LIBS_DIR (where CRIU looks when --libdir is not given) is loaded by a plain
+    `criu dump` and by neither of warmctl's calls."""
+    import shutil
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (tmp_path / "marker.c").write_text(MARKER_PLUGIN)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", plugins / "marker.so", tmp_path / "marker.c"], check=True)
+    marker = tmp_path / "loaded"
+    monkeypatch.setenv("CRIU_LIBS_DIR", str(plugins))
+    monkeypatch.setenv("WARMCTL_TEST_PLUGIN_MARKER", str(marker))
+    before = set(os.listdir(tempfile.gettempdir()))
+
+    # Control: CRIU itself loads the plugin from $CRIU_LIBS_DIR (so this test can fail).
+    launcher, root = _tree(tmp_path)
+    (tmp_path / "plain").mkdir()
+    r = subprocess.run([criu.check(), "dump", "-t", str(root), "-D", str(tmp_path / "plain"), "--leave-running",
+                        "-o", "dump.log", *criu.DUMP_FLAGS], capture_output=True, text=True)
+    assert r.returncode == 0, (tmp_path / "plain" / "dump.log").read_text()[-2000:]
+    assert list(tmp_path.glob("loaded.*")), "control: CRIU did not load the plugin"
+    for m in tmp_path.glob("loaded.*"):
+        m.unlink()
+
+    criu.dump(root, tmp_path / "img")
+    launcher.wait(10)
+    new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+    try:
+        assert psutil.Process(new_root).is_running()
+    finally:
+        kill_tree(new_root)
+    assert list(tmp_path.glob("loaded.*")) == []
+    # The empty plugin directories were removed.
+    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("warmctl-criu-noplugins-")]

@@ -6,6 +6,15 @@ Flags (verified with CRIU 4.2.1 on kernel 6.18 against a running ``vllm serve`` 
 - dump: ``--tcp-established --ext-unix-sk --file-locks --link-remap --manage-cgroups=ignore``
 - restore: the same minus ``--link-remap``, plus ``--restore-detached --pidfile``.
 
+CRIU's plugins are kept out of the way: every dump and restore runs with ``--libdir`` set to
+a fresh empty directory (:func:`_no_plugins`), so a host's CRIU plugins (``/usr/lib/criu``,
+``$CRIU_LIBS_DIR``) are never loaded. Why: CRIU 4.x's ``cuda_plugin`` records itself in the
+image and, at restore, restores and unlocks every CUDA process inside ``criu restore``, before
+warmctl's free-GPU-memory check and GPU remapping (:mod:`warmctl.checkpoint.ranks`); warmctl
+would then meet RUNNING ranks. warmctl does the CUDA checkpoint itself, around CRIU. An image
+dumped with a plugin also needs that plugin at restore (CRIU checks the image's inventory), so
+warmctl's images record none.
+
 ``--link-remap`` makes CRIU keep open-but-unlinked files reachable through ``link_remap.*``
 hard links next to them (for vLLM: multiprocessing semaphores in ``/dev/shm``); those files
 must exist again at restore.
@@ -21,6 +30,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,6 +139,17 @@ def host_lock(timeout_s: float = 900.0, on_wait=None) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextmanager
+def _no_plugins() -> Iterator[list[str]]:
+    """CRIU options that load no plugin: ``["--libdir", <empty directory>]``. The directory is
+    made fresh (CRIU fails on a missing one) and removed afterwards."""
+    d = tempfile.mkdtemp(prefix="warmctl-criu-noplugins-")
+    try:
+        yield ["--libdir", d]
+    finally:
+        os.rmdir(d)
+
+
 def _log_tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -139,11 +160,12 @@ def _log_tail(path: Path, n: int = 15) -> str:
 
 
 def _run(cmd: list[str], what: str, log: Path, timeout_s: float) -> float:
-    """Run a CRIU command; seconds it took. Raises :class:`CheckpointError` naming ``what``
+    """Run a CRIU command (with :func:`_no_plugins` appended); seconds it took. Raises :class:`CheckpointError` naming ``what``
     with the relevant lines of ``log`` on failure or after ``timeout_s``."""
     t0 = time.monotonic()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        with _no_plugins() as no_plugins:
+            r = subprocess.run([*cmd, *no_plugins], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise CheckpointError(f"{what} did not finish in {timeout_s:.0f} s") from None
     if r.returncode != 0:
