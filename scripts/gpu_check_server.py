@@ -16,6 +16,7 @@ a GPU tensor, so a restored server continues the count of the one that was snaps
 memory survived). Usage: python gpu_check_server.py PORT
 """
 
+import ctypes
 import hashlib
 import json
 import sys
@@ -92,7 +93,8 @@ def generate(prompt, n):
         graph.replay()
         h_in.copy_(h_out)
         if i >= len(prompt) - 1:
-            digest.update(logits_out.float().cpu().numpy().tobytes())
+            c = logits_out.float().cpu().contiguous()  # no numpy: the GPU machine may lack it
+            digest.update(ctypes.string_at(c.data_ptr(), c.numel() * c.element_size()))
             nxt = int(logits_out.argmax(dim=-1).item())
             out.append(nxt)
     served.add_(1)
