@@ -5,7 +5,7 @@
 # bit-identical output.
 #
 # For a machine with one NVIDIA GPU (driver 570+; 580+ for GPU remapping) and no network.
-# Needs: root; a Python with CUDA PyTorch (PYTHON, default python3); CRIU 4.2+, either on PATH
+# Needs: root; a Python with CUDA PyTorch and psutil (PYTHON, default python3); CRIU 4.2+, either on PATH
 # or as the bundle made by scripts/criu-bundle.sh (CRIU_BUNDLE, default ./shared/criu-bundle or
 # ./criu-bundle). Prints timings per phase and one JSON result line; finishes in < 5 min.
 #   usage: scripts/gpu-check.sh [WORKDIR]
@@ -32,6 +32,8 @@ CRIU=${WARMCTL_CRIU:-$(command -v criu || true)}
 say "criu: $CRIU ($("$CRIU" --version | head -1))"
 "$CRIU" check >/dev/null 2>&1 || { "$CRIU" check || true; fail "criu check failed"; }
 
+"$PYTHON" scripts/gpu_check.py --imports-only || fail "the check's imports fail under $PYTHON (needs torch, psutil)"
+
 "$PYTHON" - <<'PY' || fail "$PYTHON has no CUDA PyTorch"
 import torch, sys
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
@@ -40,7 +42,9 @@ PY
 
 say "work dir: $WORK"
 set +e
-timeout "$LIMIT" "$PYTHON" scripts/gpu_check.py --work "$WORK" | tee "$WORK/result.json"
+# SIGTERM at LIMIT (gpu_check.py turns it into a clean-up: unlock, kill the namespace), SIGKILL
+# 30 s later if the clean-up hangs; the check's own waits end 40 s before LIMIT.
+timeout -k 30 "$LIMIT" "$PYTHON" scripts/gpu_check.py --work "$WORK" --limit "$LIMIT" | tee "$WORK/result.json"
 rc=${PIPESTATUS[0]}
 set -e
 "$PYTHON" - "$WORK/result.json" <<'PY' || true
@@ -53,6 +57,7 @@ for k, v in r.get("seconds", {}).items():
     print(f"[gpu-check] {k:>28}: {v:8.3f} s")
 print(f"[gpu-check] api={r.get('api')} ranks={r.get('ranks')} gpu_bytes={r.get('gpu_bytes')} image_bytes={r.get('image_bytes')}")
 print(f"[gpu-check] weights: {r.get('weights_bytes')} bytes loaded in place at {r.get('weights_load_gb_per_s')} GB/s; zeroed weights changed the answer: {r.get('zeroed_answer_differs')}")
+print(f"[gpu-check] cleanup: {r.get('cleanup')}")
 print(f"[gpu-check] bit_identical={r.get('bit_identical')} gpu_state_survived={r.get('gpu_state_survived')} error={r.get('error')}")
 PY
 [ "$rc" = 124 ] && fail "did not finish within $LIMIT s"

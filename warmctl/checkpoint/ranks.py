@@ -343,6 +343,24 @@ def _resume(api: cuda.CheckpointAPI, pids: list[int], report: RankReport, phase:
     return _run_phase(phase, live, back, timeout_s, report)
 
 
+def resume_ranks(pids: list[int], *, timeout_s: float | None = 30.0, api: cuda.CheckpointAPI | None = None,
+                 phase: str = "resume") -> tuple[RankReport, dict[int, str]]:
+    """Bring every live rank back to RUNNING from whatever state it reached (CHECKPOINTED:
+    restore + unlock; LOCKED: unlock), all in parallel, bounded by ``timeout_s`` in all. For
+    clean-up paths (a check that failed or got SIGTERM) before the ranks are killed: a process
+    must not be left LOCKED or CHECKPOINTED in the driver. Returns the report and
+    ``{pid: error}`` of the ranks that are not RUNNING afterwards (FAILED, timed out...).
+    Never raises for a rank's failure; raises :class:`CudaUnavailable` without a driver."""
+    report = RankReport(pids=list(pids))
+    report.timeouts = {phase: timeout_s}
+    if not pids:
+        return report, {}
+    api = api or cuda.load()
+    report.api, report.driver_version = api.kind, api.driver_version
+    errors = _resume(api, pids, report, phase, timeout_s)
+    return report, {p: str(e) for p, e in errors.items()}
+
+
 @contextmanager
 def checkpoint_ranks(
     pids: list[int],
