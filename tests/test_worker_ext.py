@@ -112,3 +112,33 @@ def test_load_names_a_truncated_or_malformed_file(tmp_path):
     path.write_bytes(b"\x00" * 4)
     with pytest.raises(RuntimeError, match="is not a safetensors file"):
         Worker(model()).warmctl_load_weights(str(tmp_path))
+
+
+def test_load_puts_non_contiguous_parameters_back_through_their_strides(tmp_path):
+    """A parameter that is a strided view (transposed, or a slice with a storage offset) has no
+    flat view (``.view(-1)`` raises); the load copies into its strides, in place (issue 15)."""
+    torch.manual_seed(1)
+    m = torch.nn.Module()
+    m.t = torch.nn.Parameter(torch.randn(8, 4).t(), requires_grad=False)  # shape (4, 8), strides (1, 4)
+    m.s = torch.nn.Parameter(torch.randn(10, 6)[2:, ::2], requires_grad=False)  # offset 12, strides (6, 2)
+    m.c = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+    assert not m.t.is_contiguous() and not m.s.is_contiguous() and m.s.storage_offset() == 12
+    before = snapshot_of(m)
+    layout = {n: (p.stride(), p.storage_offset()) for n, p in m.named_parameters()}
+    w = Worker(m)
+    w.warmctl_save_weights(str(tmp_path))
+    w.warmctl_release_weights()
+    assert all(p.untyped_storage().nbytes() == 0 for p in m.parameters())
+    res = w.warmctl_load_weights(str(tmp_path))
+    assert res["bytes"] == sum(t.numel() * t.element_size() for t in before.values())
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert (p.stride(), p.storage_offset()) == layout[n], n
+    # Over live weights (as after vLLM's sleep level 2, which keeps the addresses): zeroed,
+    # then loaded at the same addresses.
+    ptrs = {n: p.data_ptr() for n, p in m.named_parameters()}
+    for p in m.parameters():
+        p.data.zero_()
+    w.warmctl_load_weights(str(tmp_path))
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]) and p.data_ptr() == ptrs[n], n

@@ -155,7 +155,8 @@ class WeightsExtension:
 
         Host-memory parameters are read straight from the file into their storage (one copy
         from the page cache); device parameters go through one staging buffer (pinned when
-        CUDA is there) of at most :data:`STAGE_BYTES`."""
+        CUDA is there) of at most :data:`STAGE_BYTES`. Non-contiguous parameters (strided
+        views) are read whole into a host tensor of their shape and copied into their strides."""
         t0 = time.monotonic()
         rank = self._wc_rank()
         path = rank_file(directory, rank)
@@ -181,11 +182,21 @@ class WeightsExtension:
                 p = params[name]
                 begin, end = e["data_offsets"]
                 st = p.data.untyped_storage()
-                need = (p.storage_offset() + p.numel()) * p.element_size()
+                need = _storage_extent(p)
                 if st.nbytes() < need:
                     st.resize_(need)
                 if p.device.type == "cpu" and p.is_contiguous():
                     _read_into(fd, p.data_ptr(), end - begin, data_start + begin, path)
+                elif not p.is_contiguous():
+                    # A strided parameter (a transposed or sliced view) has no flat byte view;
+                    # the file holds its elements in row-major order of its shape (the writer
+                    # makes them contiguous). Read them into one host tensor of that shape and
+                    # let copy_ scatter them into the parameter's strides (host memory: the
+                    # tensor's size, once).
+                    host = torch.empty(tuple(p.shape), dtype=p.dtype,
+                                       pin_memory=p.device.type == "cuda" and torch.cuda.is_available())
+                    _read_into(fd, host.data_ptr(), end - begin, data_start + begin, path)
+                    p.data.copy_(host)
                 else:
                     if stage is None:
                         stage = torch.empty(min(STAGE_BYTES, max(x["data_offsets"][1] - x["data_offsets"][0] for x in entries.values())),
@@ -202,6 +213,15 @@ class WeightsExtension:
             torch.cuda.synchronize()
         return {"rank": rank, "path": str(path), "tensors": len(params), "bytes": nbytes,
                 "seconds": time.monotonic() - t0}
+
+
+def _storage_extent(t: torch.Tensor) -> int:
+    """Bytes of storage ``t`` reaches: up to its last element through its strides (for a
+    contiguous tensor ``(storage_offset + numel) * element_size``)."""
+    if t.numel() == 0:
+        return t.storage_offset() * t.element_size()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
 
 
 def read_header(path: str | Path) -> tuple[dict[str, dict], int]:
