@@ -206,10 +206,10 @@ class AgentClient:
                         res.get("snapshot"), already_up=res.get("already_up", res.get("path") == "already-up"),
                         fetched=res.get("fetched") or {})
 
-    def down(self, name: str) -> EngineState | None:
+    def down(self, name: str, now: bool = False) -> EngineState | None:
         """Like :func:`warmctl.lifecycle.down` through the agent: the stopped state, or
-        ``None`` when nothing of that name was up."""
-        job = self.request("POST", f"/v1/engines/{name}/down")
+        ``None`` when nothing of that name was up. ``now``: no drain."""
+        job = self.request("POST", f"/v1/engines/{name}/down", params={"now": "true"} if now else None)
         res = self.follow(job["id"])
         return EngineState.model_validate(res["state"]) if res.get("state") else None
 

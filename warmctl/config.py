@@ -39,6 +39,10 @@ ENV_VARS = {
     "profile_dirs": "WARMCTL_PROFILE_DIRS",
     "gate_host": "WARMCTL_GATE_HOST",
     "gate_port": "WARMCTL_GATE_PORT",
+    "gate_api_key_file": "WARMCTL_GATE_API_KEY_FILE",
+    "gate_tls_cert": "WARMCTL_GATE_TLS_CERT",
+    "gate_tls_key": "WARMCTL_GATE_TLS_KEY",
+    "gate_drain_s": "WARMCTL_GATE_DRAIN_S",
     "agent_url": "WARMCTL_AGENT_URL",
     "agent_token_file": "WARMCTL_AGENT_TOKEN_FILE",
     "agent_host": "WARMCTL_AGENT_HOST",
@@ -50,7 +54,8 @@ ENV_VARS = {
 }
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
-PATH_FIELDS = ("home", "store", "keys_dir", "signing_key", "agent_token_file")
+PATH_FIELDS = ("home", "store", "keys_dir", "signing_key", "agent_token_file", "gate_api_key_file",
+               "gate_tls_cert", "gate_tls_key")
 
 
 class ConfigError(WarmctlError):
@@ -72,6 +77,15 @@ class Settings(BaseModel):
       snapshots are refused by ``up`` unless its insecure flag is given).
     - ``profile_dirs``: extra directories searched for ``NAME.toml`` before the shipped ones.
     - ``gate_host``/``gate_port``: override the profile's public address when set.
+    - ``gate_api_key_file``: API keys the public port requires (``Authorization: Bearer KEY``),
+      one per line; re-read on change and on SIGHUP to the gate. Unset: no key is required.
+    - ``gate_tls_cert``/``gate_tls_key``: PEM certificate chain and private key; when set the
+      public port speaks TLS only (both re-read on change).
+    - ``gate_public_paths``: decoded paths answered without a key (default ``["/health"]``).
+    - ``gate_deny_paths``: paths refused on the public port in addition to vLLM's control and
+      development routes (:data:`warmctl.gate.CONTROL_PATHS`, always refused).
+    - ``gate_drain_s``: seconds ``down`` lets in-flight requests finish after the public
+      listener closed (default 30; ``down --now``: none).
     - ``agent_url``/``agent_token_file``: when set, the CLI talks to that agent.
     - ``agent_host``/``agent_port``: where ``warmctl agent`` listens by default.
     - ``criu``: the CRIU binary (name looked up in ``$PATH``, or a path).
@@ -96,6 +110,12 @@ class Settings(BaseModel):
     profile_dirs: list[Path] = []
     gate_host: str | None = None
     gate_port: int | None = Field(None, ge=1, le=65535)
+    gate_api_key_file: Path | None = None
+    gate_tls_cert: Path | None = None
+    gate_tls_key: Path | None = None
+    gate_public_paths: list[str] = ["/health"]
+    gate_deny_paths: list[str] = []
+    gate_drain_s: float = Field(30.0, ge=0)
     agent_url: str | None = None
     agent_token_file: Path | None = None
     agent_host: str = "127.0.0.1"

@@ -2,12 +2,24 @@
 
 The engine listens on an internal loopback port. ``warmctl up`` starts the gate only once the
 restored (or cold-started) engine has reproduced its canary; the gate then accepts on the
-public address and relays bytes both ways between each client and the engine (a TCP relay:
-HTTP, streaming and keep-alive pass through unchanged, so the gate adds no parsing cost).
-It exits when the engine's root process is gone, so the public port never stays open in front
-of a dead engine.
+public address (plain TCP, or TLS from certificate/key files) and relays each connection to
+the engine. It exits when the engine's root process is gone, so the public port never stays
+open in front of a dead engine.
 
-Run as ``python -m warmctl.gate --listen HOST:PORT --upstream HOST:PORT --engine-pid PID``.
+What it parses, and what it does not: every HTTP/1.x request head a client sends (including
+the second and later requests of a keep-alive connection) is read whole and checked against
+the :class:`Policy` (API key, control routes) *before* a byte of it reaches the engine; the
+request body is relayed as bytes, following its framing (``Content-Length`` or chunked) only
+to find where the next request head starts. The engine-to-client direction (responses,
+SSE streams) is relayed as bytes, unparsed and unbuffered. A refused request gets an
+OpenAI-style JSON error (401 + ``WWW-Authenticate: Bearer`` for a missing/wrong key, 403 for
+a control route, 400/431 for a malformed head) and the connection is closed after it, so a
+client pipelining behind a refused request never receives another request's response.
+
+Run as ``python -m warmctl.gate --listen HOST:PORT --upstream HOST:PORT --engine-pid PID
+[--api-key-file F] [--tls-cert F --tls-key F] [--public-path P ...] [--deny-path P ...]``.
+SIGHUP (and any change of the key, certificate or private-key file, seen within 1 s) reloads
+the keys and the certificate; open connections keep going.
 """
 
 from __future__ import annotations
@@ -15,18 +27,223 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import hmac
+import json
 import os
+import posixpath
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from warmctl.errors import HostError
 from warmctl.proc import create_time
 
 BUF = 256 * 1024
+#: Longest request head (request line + headers) accepted, bytes; longer gets 431.
+MAX_HEAD = 64 * 1024
+
+#: vLLM's development and control routes (vLLM 0.32, ``vllm/entrypoints``: dev mode,
+#: profiler, sleep, weight transfer, LoRA loading, elastic EP, pause/resume); a path equal
+#: to one of these or below it is refused (403) through the public port, key or not.
+CONTROL_PATHS = (
+    "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache",
+    "/reset_mm_cache", "/reset_encoder_cache", "/pause", "/resume", "/is_paused",
+    "/abort_requests", "/release_kv_cache_memory", "/start_profile", "/stop_profile",
+    "/server_info", "/get_world_size", "/kv_event_sources", "/fault_tolerance",
+    "/scale_elastic_ep", "/is_scaling_elastic_ep", "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine", "/update_weights", "/start_weight_update",
+    "/start_draft_weight_update", "/finish_weight_update", "/update_weight_version",
+    "/weight_info", "/weight_checker", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+)
+#: Paths answered without a key by default (exact match of the decoded path).
+DEFAULT_PUBLIC_PATHS = ("/health",)
+
+
+class GateConfigError(HostError):
+    """A key, certificate or private-key file the gate was given is missing, unreadable or
+    invalid (the message names the file)."""
+
+
+def read_keys(path: Path) -> list[bytes]:
+    """API keys from ``path``: one per line, surrounding whitespace stripped, blank lines and
+    lines starting with ``#`` skipped. Raises :class:`GateConfigError` naming the file if it
+    cannot be read, holds no key, or a key contains whitespace."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise GateConfigError(f"API key file {path}: cannot read: {e.strerror}") from None
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        k = line.strip()
+        if not k or k.startswith("#"):
+            continue
+        if any(c.isspace() for c in k):
+            raise GateConfigError(f"API key file {path}, line {n}: a key must not contain whitespace")
+        keys.append(k.encode())
+    if not keys:
+        raise GateConfigError(f"API key file {path}: no key in it (one key per line)")
+    return keys
+
+
+def tls_context(cert: Path, key: Path, into: ssl.SSLContext | None = None) -> ssl.SSLContext:
+    """A TLS server context (TLS 1.2+, ALPN ``http/1.1``) holding ``cert`` (PEM chain) and
+    ``key`` (PEM). With ``into``, the pair is first checked in a throwaway context and then
+    loaded into ``into`` (new handshakes use it, established ones keep theirs). Raises
+    :class:`GateConfigError` naming the files if they cannot be read or do not match."""
+    def load(ctx: ssl.SSLContext) -> None:
+        try:
+            ctx.load_cert_chain(str(cert), str(key))
+        except (OSError, ssl.SSLError) as e:
+            raise GateConfigError(f"TLS certificate {cert} / key {key}: {getattr(e, 'strerror', None) or e}") from None
+
+    fresh = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    fresh.minimum_version = ssl.TLSVersion.TLSv1_2
+    fresh.set_alpn_protocols(["http/1.1"])
+    load(fresh)
+    if into is None:
+        return fresh
+    load(into)
+    return into
+
+
+def _norm(path: str) -> str:
+    p = posixpath.normpath("/" + path.lstrip("/")) if path else "/"
+    return p.lower()
+
+
+@dataclass
+class Policy:
+    """What the gate lets through. ``keys``: accepted API keys (None: no key needed);
+    ``public_paths``: decoded paths answered without a key; ``deny_paths``: paths refused
+    (403) with or without a key, themselves and everything below them."""
+
+    keys: list[bytes] | None = None
+    public_paths: frozenset[str] = frozenset(DEFAULT_PUBLIC_PATHS)
+    deny_paths: tuple[str, ...] = CONTROL_PATHS
+    _deny: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._deny = tuple(_norm(p).rstrip("/") for p in self.deny_paths)
+
+    def denied(self, path: str) -> bool:
+        """True if the decoded ``path`` (or its normalized form: ``//``, ``.``/``..`` and
+        case folded) is a control route or below one."""
+        for p in {path.lower(), _norm(path)}:
+            for d in self._deny:
+                if p == d or p.startswith(d + "/"):
+                    return True
+        return False
+
+    def key_ok(self, authorization: bytes | None) -> bool:
+        """True if ``authorization`` (the header's value) is ``Bearer <one of the keys>``;
+        compared with :func:`hmac.compare_digest` against every key (no early exit)."""
+        if self.keys is None:
+            return True
+        if authorization is None:
+            return False
+        scheme, _, token = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        ok = False
+        for k in self.keys:
+            ok |= hmac.compare_digest(token, k)
+        return ok
+
+
+class Refused(Exception):
+    def __init__(self, status: int, reason: str, message: str, code: str, extra: bytes = b""):
+        super().__init__(message)
+        self.status, self.reason, self.code, self.extra = status, reason, code, extra
+
+    def response(self) -> bytes:
+        body = json.dumps({"error": {"message": str(self), "type": "invalid_request_error" if self.status != 401
+                                     else "authentication_error", "param": None, "code": self.code}}).encode()
+        return (f"HTTP/1.1 {self.status} {self.reason}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n").encode() + self.extra + b"\r\n" + body
+
+
+def _bad(msg: str) -> Refused:
+    return Refused(400, "Bad Request", msg, "bad_request")
+
+
+@dataclass
+class Request:
+    """What the gate reads of one request head."""
+
+    method: bytes
+    path: str
+    content_length: int
+    chunked: bool
+    upgrade: bool
+
+
+def parse_head(head: bytes, policy: Policy) -> Request:
+    """Parse one request head (ending in a blank line) and apply ``policy``. Returns the
+    request's framing; raises :class:`Refused` with the response to send."""
+    if head.count(b"\n") != head.count(b"\r\n") or head.count(b"\r") != head.count(b"\r\n"):
+        raise _bad("bare CR or LF in the request head")
+    lines = head[:-4].split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        raise _bad("malformed request line")
+    method, target = parts[0], parts[1].decode("latin-1")
+    if method == b"CONNECT" or not method.isalpha():
+        raise Refused(405, "Method Not Allowed", f"method {method.decode('latin-1')!r} is not allowed", "method_not_allowed")
+    if target == "*":
+        path = "*"
+    else:
+        if not target.startswith("/"):
+            target = urlsplit(target).path or "/"
+        path = unquote(target.split("?", 1)[0].split("#", 1)[0])
+    auth = None
+    cl: bytes | None = None
+    te: bytes | None = None
+    upgrade = False
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
+            raise _bad("malformed header line")
+        n = name.lower()
+        value = value.strip()
+        if n == b"authorization":
+            if auth is not None:
+                raise _bad("more than one Authorization header")
+            auth = value
+        elif n == b"content-length":
+            if cl is not None and cl != value:
+                raise _bad("conflicting Content-Length headers")
+            cl = value
+        elif n == b"transfer-encoding":
+            te = value if te is None else te + b"," + value
+        elif n == b"upgrade":
+            upgrade = True
+    chunked = False
+    if te is not None:
+        if cl is not None:
+            raise _bad("both Content-Length and Transfer-Encoding")
+        codings = [c.strip().lower() for c in te.split(b",")]
+        if codings != [b"chunked"]:
+            raise Refused(501, "Not Implemented", "only 'Transfer-Encoding: chunked' is accepted", "not_implemented")
+        chunked = True
+    length = 0
+    if cl is not None:
+        if not cl.isdigit():
+            raise _bad("bad Content-Length")
+        length = int(cl)
+    if policy.denied(path):
+        raise Refused(403, "Forbidden", f"{path} is not served on the public port", "forbidden_route")
+    if path not in policy.public_paths and not policy.key_ok(auth):
+        raise Refused(401, "Unauthorized", "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                      if auth is None else "invalid API key", "invalid_api_key",
+                      b'WWW-Authenticate: Bearer realm="warmctl"\r\n')
+    return Request(method, path, length, chunked, upgrade)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -61,67 +278,389 @@ def _port_holder(port: int) -> str:
     return ""
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def _end(writer: asyncio.StreamWriter) -> None:
+    """Half-close ``writer`` where the transport can (plain TCP), else close it (TLS)."""
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+        else:
+            writer.close()
+    except (OSError, RuntimeError):
+        pass
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tracker=None) -> None:
+    """Relay bytes from ``reader`` to ``writer`` until EOF, then half-close ``writer``;
+    ``tracker`` (a :class:`ResponseTracker`) is shown each block after it was passed on."""
     try:
         while data := await reader.read(BUF):
             writer.write(data)
+            if tracker is not None:
+                tracker.feed(data)
             await writer.drain()
-    except (ConnectionError, asyncio.CancelledError):
+    except OSError:  # ConnectionError included; a cancellation leaves ``writer`` as it is
         pass
-    finally:
+    _end(writer)
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+    while n > 0:
+        data = await reader.read(min(n, BUF))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", n)
+        writer.write(data)
+        n -= len(data)
+        await writer.drain()
+
+
+async def _copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Relay one chunked body (chunks, last chunk, trailers) as it arrives."""
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        size_s = line[:-2].split(b";", 1)[0].strip()
         try:
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (OSError, RuntimeError):
+            size = int(size_s, 16)
+        except ValueError:
+            raise _bad("bad chunk size") from None
+        writer.write(line)
+        if size == 0:
+            while (t := await reader.readuntil(b"\r\n")) != b"\r\n":
+                writer.write(t)
+            writer.write(b"\r\n")
+            await writer.drain()
+            return
+        await _copy(reader, writer, size)
+        crlf = await reader.readexactly(2)
+        if crlf != b"\r\n":
+            raise _bad("chunk not followed by CRLF")
+        writer.write(crlf)
+
+
+class ResponseTracker:
+    """Where the engine's responses on one connection end, read from the bytes as they are
+    relayed (never held back): each response's head, then its body by ``Content-Length``,
+    chunked framing, or until close. ``methods``: the methods of the requests forwarded and
+    not yet answered in full (responses to HEAD, and 204/304, have no body). :attr:`idle`:
+    every forwarded request has had its whole response -- a draining gate may close then."""
+
+    HEAD, LENGTH, CHUNK_LINE, CHUNK_DATA, CHUNK_CRLF, TRAILER, CLOSE = range(7)
+
+    def __init__(self) -> None:
+        self.methods: list[bytes] = []
+        self.state = self.HEAD
+        self.left = 0
+        self.buf = b""
+
+    @property
+    def idle(self) -> bool:
+        return not self.methods and self.state == self.HEAD and not self.buf
+
+    def _done(self) -> None:
+        if self.methods:
+            self.methods.pop(0)
+        self.state = self.HEAD
+
+    def feed(self, data: bytes) -> None:
+        """Account for ``data``, the next bytes the engine sent on this connection."""
+        i, n = 0, len(data)
+        while i < n:
+            st = self.state
+            if st in (self.LENGTH, self.CHUNK_DATA, self.CHUNK_CRLF):
+                take = min(self.left, n - i)
+                self.left -= take
+                i += take
+                if self.left == 0:
+                    if st == self.LENGTH:
+                        self._done()
+                    elif st == self.CHUNK_DATA:
+                        self.state, self.left = self.CHUNK_CRLF, 2
+                    else:
+                        self.state = self.CHUNK_LINE
+                continue
+            if st == self.CLOSE:  # until the engine closes (or framing not understood)
+                return
+            sep = b"\r\n\r\n" if st == self.HEAD else b"\r\n"
+            if self.buf:
+                joined = self.buf + data[i:]
+                j = joined.find(sep)
+                if j < 0:
+                    self.buf = joined
+                    if len(joined) > MAX_HEAD:
+                        self.state, self.buf = self.CLOSE, b""
+                    return
+                i += j + len(sep) - len(self.buf)
+                line, self.buf = joined[:j], b""
+            else:
+                j = data.find(sep, i)
+                if j < 0:
+                    self.buf = data[i:]
+                    return
+                line, i = data[i:j], j + len(sep)
+            if st == self.HEAD:
+                self._head(line)
+            elif st == self.CHUNK_LINE:
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    self.state = self.CLOSE
+                    return
+                self.state, self.left = (self.TRAILER, 0) if size == 0 else (self.CHUNK_DATA, size)
+            elif not line:  # TRAILER: the blank line ends the response
+                self._done()
+
+    def _head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        try:
+            status = int(lines[0].split(b" ", 2)[1])
+        except (IndexError, ValueError):
+            self.state = self.CLOSE
+            return
+        if status == 101:
+            self.state = self.CLOSE  # the connection is no longer HTTP
+            return
+        if 100 <= status < 200:
+            return  # an interim response; the final one follows
+        if (self.methods[0] if self.methods else b"") == b"HEAD" or status in (204, 304):
+            self._done()
+            return
+        length, chunked = None, False
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"content-length" and value.strip().isdigit():
+                length = int(value.strip())
+        if chunked:
+            self.state = self.CHUNK_LINE
+        elif length is not None:
+            if length:
+                self.state, self.left = self.LENGTH, length
+            else:
+                self._done()
+        else:
+            self.state = self.CLOSE
+
+
+class Gate:
+    """One listening gate: its policy (reloadable), TLS context, live connections."""
+
+    def __init__(self, upstream: tuple[str, int], policy: Policy, key_file: Path | None = None,
+                 tls: tuple[Path, Path] | None = None):
+        self.upstream, self.policy, self.key_file, self.tls = upstream, policy, key_file, tls
+        self.ssl = tls_context(*tls) if tls else None
+        #: live connections: handler task -> (tracker, client writer)
+        self.conns: dict[asyncio.Task, tuple[ResponseTracker, asyncio.StreamWriter]] = {}
+        self._stamps = self._file_stamps()
+
+    def _file_stamps(self) -> tuple:
+        out = []
+        for p in [self.key_file, *(self.tls or ())]:
+            try:
+                st = os.stat(p) if p else None
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino) if st else None)
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def reload(self, why: str) -> None:
+        """Re-read the key file and the certificate pair; on an error keep what was loaded
+        (logged), so a half-written file never opens or closes the door by accident."""
+        self._stamps = self._file_stamps()
+        if self.key_file is not None:
+            try:
+                keys = read_keys(self.key_file)
+                self.policy.keys = keys
+                print(f"gate: {why}: {len(keys)} API key(s) loaded from {self.key_file}", flush=True)
+            except GateConfigError as e:
+                print(f"gate: {why}: keeping the previous keys: {e}", flush=True)
+        if self.tls and self.ssl is not None:
+            try:
+                tls_context(*self.tls, into=self.ssl)
+                print(f"gate: {why}: TLS certificate reloaded from {self.tls[0]}", flush=True)
+            except GateConfigError as e:
+                print(f"gate: {why}: keeping the previous certificate: {e}", flush=True)
+
+    def check_files(self) -> None:
+        if self._file_stamps() != self._stamps:
+            self.reload("file changed")
+
+    async def handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        tracker = ResponseTracker()
+        self.conns[task] = (tracker, c_writer)  # type: ignore[index]
+        u_writer = None
+        responses = None
+        try:
+            sock = c_writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                try:
+                    head = await c_reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break  # the client closed (between requests, or mid-head)
+                except asyncio.LimitOverrunError:
+                    raise Refused(431, "Request Header Fields Too Large",
+                                  f"request head longer than {MAX_HEAD} bytes", "header_too_large") from None
+                req = parse_head(head, self.policy)
+                if u_writer is None:
+                    try:
+                        u_reader, u_writer = await asyncio.open_connection(*self.upstream)
+                    except OSError:
+                        raise Refused(502, "Bad Gateway", "the engine is not answering", "bad_gateway") from None
+                    u_writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    responses = asyncio.create_task(_pipe(u_reader, c_writer, tracker))
+                elif responses.done():  # type: ignore[union-attr]
+                    break  # the engine closed this connection
+                tracker.methods.append(req.method)
+                u_writer.write(head)
+                if req.chunked:
+                    await _copy_chunked(c_reader, u_writer)
+                elif req.content_length:
+                    await _copy(c_reader, u_writer, req.content_length)
+                else:
+                    await u_writer.drain()
+                if req.upgrade:  # e.g. a WebSocket: the rest of the connection is opaque
+                    await _pipe(c_reader, u_writer)
+                    break
+        except Refused as r:
+            await self._refuse(r, c_reader, c_writer, responses)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ssl.SSLError):
+            pass
+        finally:
+            if u_writer is not None:
+                _end(u_writer)
+                await asyncio.wait({responses}, timeout=5)  # type: ignore[arg-type]
+                responses.cancel()  # type: ignore[union-attr]
+                u_writer.close()
+            c_writer.close()
+            self.conns.pop(task, None)  # type: ignore[arg-type]
+
+    async def _refuse(self, r: Refused, c_reader, c_writer, responses) -> None:
+        """Send ``r``'s response and close: half-close, then read and drop what the client
+        still sends for up to 2 s (at most 1 MiB), so closing does not reset the connection
+        before the client has read the response."""
+        if responses is not None and not responses.done():
+            responses.cancel()
+        try:
+            c_writer.write(r.response())
+            await c_writer.drain()
+            _end(c_writer)
+            deadline = time.monotonic() + 2.0
+            dropped = 0
+            while dropped < (1 << 20) and (left := deadline - time.monotonic()) > 0:
+                data = await asyncio.wait_for(c_reader.read(65536), left)
+                if not data:
+                    break
+                dropped += len(data)
+        except (ConnectionError, asyncio.TimeoutError, ssl.SSLError, OSError):
             pass
 
 
-async def _serve(listen: tuple[str, int], upstream: tuple[str, int], engine_pid: int | None,
-                 ready_fd: int | None = None) -> None:
-    async def handle(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
-        try:
-            u_reader, u_writer = await asyncio.open_connection(*upstream)
-        except OSError:
-            c_writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            c_writer.close()
-            return
-        for w in (c_writer, u_writer):
-            sock = w.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.gather(_pipe(c_reader, u_writer), _pipe(u_reader, c_writer))
-        for w in (c_writer, u_writer):
-            w.close()
-
-    server = await asyncio.start_server(handle, listen[0], listen[1], reuse_address=True, backlog=1024)
+async def _serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, ready_fd: int | None = None,
+                 drain_s: float = 30.0) -> None:
+    server = await asyncio.start_server(gate.handle, listen[0], listen[1], reuse_address=True, backlog=1024,
+                                        limit=MAX_HEAD, ssl=gate.ssl)
     print("ready", flush=True)
     if ready_fd is not None:  # the parent waits on this pipe (no polling of the log)
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
     stop = asyncio.Event()
+    now = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_term() -> None:
+        (now if stop.is_set() else stop).set()  # a second SIGTERM/SIGINT: no more waiting
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_term)
+    loop.add_signal_handler(signal.SIGHUP, gate.reload, "SIGHUP")
 
     engine_started = create_time(engine_pid) if engine_pid else None
 
-    async def watch_engine() -> None:
-        # gone, or its PID reused by another process (creation time differs): close
-        while engine_pid and not stop.is_set():
-            if create_time(engine_pid) != engine_started:
+    async def watch() -> None:
+        # engine gone, or its PID reused by another process (creation time differs): close;
+        # key/certificate files changed: reload
+        while not stop.is_set():
+            if engine_pid and create_time(engine_pid) != engine_started:
                 print(f"engine pid {engine_pid} is gone; closing the gate", flush=True)
+                now.set()
                 stop.set()
+            gate.check_files()
             await asyncio.sleep(1.0)
 
-    watcher = asyncio.create_task(watch_engine())
-    async with server:
-        await stop.wait()
+    watcher = asyncio.create_task(watch())
+    await stop.wait()
     watcher.cancel()
+    server.close()  # the listener first: no new connections from here on
+    if gate.conns and not now.is_set():
+        print(f"gate: draining {len(gate.conns)} connection(s) for up to {drain_s:g} s", flush=True)
+        deadline = time.monotonic() + drain_s
+        while gate.conns and time.monotonic() < deadline and not now.is_set():
+            for tracker, c_writer in list(gate.conns.values()):
+                if tracker.idle:  # between requests (keep-alive): nothing in flight to wait for
+                    c_writer.close()
+            await asyncio.sleep(0.05)
+    for t in list(gate.conns):
+        t.cancel()
+    print("gate: closed", flush=True)
 
 
 def _hostport(s: str) -> tuple[str, int]:
     host, _, port = s.rpartition(":")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def policy_args(api_key_file: Path | None = None, tls_cert: Path | None = None, tls_key: Path | None = None,
+                public_paths: list[str] | None = None, deny_paths: list[str] | None = None,
+                drain_s: float | None = None) -> list[str]:
+    """The gate's command-line options for these settings (file paths only: a key never
+    appears on a command line). Raises :class:`GateConfigError` naming the file if the key
+    file or the certificate pair cannot be loaded, so ``up`` fails before it restores."""
+    args: list[str] = []
+    if api_key_file is not None:
+        read_keys(api_key_file)
+        args += ["--api-key-file", str(Path(api_key_file).absolute())]
+    if (tls_cert is None) != (tls_key is None):
+        raise GateConfigError("TLS needs both a certificate file and a private-key file (gate_tls_cert, gate_tls_key)")
+    if tls_cert is not None:
+        tls_context(tls_cert, tls_key)  # type: ignore[arg-type]
+        args += ["--tls-cert", str(Path(tls_cert).absolute()), "--tls-key", str(Path(tls_key).absolute())]  # type: ignore[arg-type]
+    for p in public_paths if public_paths is not None else ():
+        args += ["--public-path", p]
+    if public_paths is not None and not public_paths:
+        args += ["--no-public-paths"]
+    for p in deny_paths or ():
+        args += ["--deny-path", p]
+    if drain_s is not None:
+        args += ["--drain-s", f"{drain_s:g}"]
+    return args
+
+
+def settings_args(settings) -> list[str]:
+    """:func:`policy_args` of a :class:`warmctl.config.Settings` (``gate_*`` fields)."""
+    return policy_args(settings.gate_api_key_file, settings.gate_tls_cert, settings.gate_tls_key,
+                       list(settings.gate_public_paths), list(settings.gate_deny_paths), settings.gate_drain_s)
+
+
+def drain(gate_proc, timeout_s: float) -> bool:
+    """Ask the gate ``gate_proc`` (a :class:`warmctl.proc.ProcessId`, or None) to drain:
+    SIGTERM closes its listener at once, open connections may finish for up to its own
+    ``--drain-s``; wait up to ``timeout_s`` + 2 s for it to exit. True if it is gone."""
+    if gate_proc is None or not gate_proc.alive():
+        return True
+    try:
+        os.kill(gate_proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout_s + 2
+    while time.monotonic() < deadline:
+        if not gate_proc.alive():
+            return True
+        time.sleep(0.05)
+    return not gate_proc.alive()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +671,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-open", action="store_true",
                     help="start, but listen only once stdin says 'open PID' (PID: the engine); exit at EOF")
     ap.add_argument("--ready-fd", type=int, default=None, help="also write 'ready' to this inherited pipe")
+    ap.add_argument("--api-key-file", type=Path, default=None, help="API keys, one per line (none: no key needed)")
+    ap.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain (TLS on the public port)")
+    ap.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    ap.add_argument("--public-path", action="append", default=None,
+                    help=f"path answered without a key (repeatable; default {' '.join(DEFAULT_PUBLIC_PATHS)})")
+    ap.add_argument("--no-public-paths", action="store_true", help="every path needs a key")
+    ap.add_argument("--deny-path", action="append", default=[], help="refuse this path too (repeatable)")
+    ap.add_argument("--drain-s", type=float, default=30.0,
+                    help="on SIGTERM: seconds open connections may take to finish (a second SIGTERM: none)")
     a = ap.parse_args(argv)
+    try:
+        public = () if a.no_public_paths else (a.public_path if a.public_path is not None else DEFAULT_PUBLIC_PATHS)
+        policy = Policy(read_keys(a.api_key_file) if a.api_key_file else None, frozenset(public),
+                        CONTROL_PATHS + tuple(a.deny_path))
+        if (a.tls_cert is None) != (a.tls_key is None):
+            raise GateConfigError("--tls-cert and --tls-key go together")
+        g = Gate(_hostport(a.upstream), policy, a.api_key_file, (a.tls_cert, a.tls_key) if a.tls_cert else None)
+    except GateConfigError as e:
+        print(f"gate: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     engine_pid = a.engine_pid
     if a.wait_open:
         line = sys.stdin.readline().split()
@@ -140,15 +698,21 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         engine_pid = int(line[1])
     try:
-        asyncio.run(_serve(_hostport(a.listen), _hostport(a.upstream), engine_pid, a.ready_fd))
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] ships it
+        uvloop = None
+    run = uvloop.run if uvloop is not None else asyncio.run
+    try:
+        run(_serve(_hostport(a.listen), g, engine_pid, a.ready_fd, a.drain_s))
     except OSError as e:
         print(f"gate: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr, flush=True)
         sys.exit(2 if e.errno == errno.EADDRINUSE else 1)
 
 
 def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: int, log_path: Path,
-          timeout_s: float = 15.0) -> int:
+          timeout_s: float = 15.0, args: list[str] | tuple[str, ...] = ()) -> int:
     """Start the gate as a detached process; return its PID once it accepts connections.
+    ``args``: further gate options (:func:`policy_args`).
 
     Raises :class:`HostError` (with the gate's own message) if it cannot listen.
     """
@@ -157,7 +721,7 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(
             [sys.executable, "-m", "warmctl.gate", "--listen", f"{listen_host}:{listen_port}",
-             "--upstream", f"127.0.0.1:{upstream_port}", "--engine-pid", str(engine_pid)],
+             "--upstream", f"127.0.0.1:{upstream_port}", "--engine-pid", str(engine_pid), *args],
             stdin=devnull, stdout=log, stderr=log, start_new_session=True)
 
     def output() -> str:
@@ -242,9 +806,11 @@ class PendingGate:
             self._ready_r = None
 
 
-def prestart(listen_host: str, listen_port: int, upstream_port: int, log_path: Path) -> PendingGate:
+def prestart(listen_host: str, listen_port: int, upstream_port: int, log_path: Path,
+             args: list[str] | tuple[str, ...] = ()) -> PendingGate:
     """Start a gate for ``listen_host:listen_port`` -> ``127.0.0.1:upstream_port`` that waits,
-    not listening, for :meth:`PendingGate.open` (see :class:`PendingGate`)."""
+    not listening, for :meth:`PendingGate.open` (see :class:`PendingGate`). ``args``: further
+    gate options (:func:`policy_args`)."""
     log_path = Path(log_path)
     offset = log_path.stat().st_size if log_path.exists() else 0
     ready_r, ready_w = os.pipe()
@@ -252,7 +818,7 @@ def prestart(listen_host: str, listen_port: int, upstream_port: int, log_path: P
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "warmctl.gate", "--listen", f"{listen_host}:{listen_port}",
-                 "--upstream", f"127.0.0.1:{upstream_port}", "--wait-open", "--ready-fd", str(ready_w)],
+                 "--upstream", f"127.0.0.1:{upstream_port}", "--wait-open", "--ready-fd", str(ready_w), *args],
                 stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True, pass_fds=(ready_w,))
     except BaseException:
         os.close(ready_r)

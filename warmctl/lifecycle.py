@@ -47,7 +47,8 @@ from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
-from warmctl.gate import require_port_free
+from warmctl.gate import drain as drain_gate
+from warmctl.gate import require_port_free, settings_args
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
@@ -253,6 +254,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     plan = CheckpointPlan.of(prof)
     host_, port = _public(prof, settings, public_port, public_host)
     require_port_free(host_, port, "public port")
+    gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
     criu.check(settings.criu)
 
@@ -272,7 +274,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
         run.save(phase="canary")
         with reporter.phase("canary", "replaying the canary, bit for bit"):
             canary.verify(m.canary, run.base_url, prof.canary, prof.engine.served_model_name)
-        _open_gate(run, prof, host_, port, reporter)
+        _open_gate(run, prof, host_, port, reporter, gate_args)
     except BaseException:
         run.teardown()
         raise
@@ -319,10 +321,12 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, set
             run.set_root(criu.restore(run.images, run.pidfile, log_file=run.restore_log, binary=settings.criu)[0])
 
 
-def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter) -> None:
-    """The "gate" phase: the public port opens in front of ``run`` (:mod:`warmctl.gate`)."""
+def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,
+               gate_args: list[str]) -> None:
+    """The "gate" phase: the public port opens in front of ``run`` (:mod:`warmctl.gate`;
+    ``gate_args``: its key/TLS/route options, :func:`warmctl.gate.settings_args`)."""
     with reporter.phase("gate", f"opening {host_}:{port}"):
-        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log))
+        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log, args=gate_args))
 
 
 def _timings(reporter: Reporter) -> dict[str, float]:
@@ -346,6 +350,7 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
     (``snapshot_after``), then open the gate."""
     host_, port = _public(profile, settings, public_port, public_host)
     require_port_free(host_, port, "public port")
+    gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the start
     cold.preflight(profile, settings.run_dir)
     reporter.info(f"[yellow]cold start:[/] {reason}")
     if snapshot_after:
@@ -363,7 +368,7 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
             digest = snap.snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
             reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
-        _open_gate(run, profile, host_, port, reporter)
+        _open_gate(run, profile, host_, port, reporter, gate_args)
     except BaseException:
         run.teardown()
         raise
@@ -372,13 +377,16 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
     return UpResult(run.state, "cold", timings, reason=reason, snapshot_digest=digest)  # type: ignore[arg-type]
 
 
-def down(name: str, settings: Settings) -> EngineState | None:
-    """Stop ``name``: close the gate, kill the engine tree, remove its ``/dev/shm`` files and
-    state. Returns the state it stopped, or None if nothing of that name was recorded."""
+def down(name: str, settings: Settings, now: bool = False) -> EngineState | None:
+    """Stop ``name``: close the gate's listener and let in-flight requests finish (up to
+    ``settings.gate_drain_s``; ``now``: no wait), kill the engine tree, remove its ``/dev/shm``
+    files and state. Returns the state it stopped, or None if nothing of that name was recorded."""
     run = EngineRun.load(settings.run_dir, name)
     if run is None:
         return None
     st = run.state
+    if not now:
+        drain_gate(run.gate, settings.gate_drain_s)
     run.teardown()
     return st
 

@@ -458,14 +458,16 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
 
     @app.post("/v1/engines/{name}/down", status_code=202, response_model=Job, tags=["engines"],
               responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])
-    def engine_down(name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
-        """Start a job that takes ``name`` down (gate closed, processes killed, /dev/shm files
-        removed). Its result says ``was_up``: false when nothing was recorded. 409 while
-        another job works on this engine."""
+    def engine_down(name: str = Path(..., pattern=NAME_PATTERN),
+                    now: bool = Query(False, description="skip the drain: do not wait for in-flight requests")) -> Any:
+        """Start a job that takes ``name`` down (public listener closed, in-flight requests
+        given up to ``gate_drain_s`` unless ``now``, processes killed, /dev/shm files removed).
+        Its result says ``was_up``: false when nothing was recorded. 409 while another job
+        works on this engine."""
 
         def run(rep: JobReporter, job: Job) -> dict:
             with rep.phase("down", f"stopping {name}"):
-                st = lifecycle.down(name, s)
+                st = lifecycle.down(name, s, now=now)
             return {"was_up": st is not None, "state": st.model_dump(mode="json") if st else None}
 
         return _submit("down", name, [f"engine:{name}"], run, {})

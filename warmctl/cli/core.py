@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -81,6 +82,10 @@ def register(app: typer.Typer) -> None:
                                       help="INSECURE: restore an unsigned or untrusted snapshot (a snapshot is executable state)."),
         cold_start: Optional[str] = typer.Option(None, "--cold-start", metavar="fallback|never",
                                                  help="No usable snapshot: cold-start from the profile (fallback) or fail naming why (never). Default: the cold_start setting."),
+        api_key_file: Optional[Path] = typer.Option(None, "--api-key-file",
+                                                    help="API keys the public port requires, one per line (config: gate_api_key_file)."),
+        tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate chain: TLS on the public port (config: gate_tls_cert)."),
+        tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (config: gate_tls_key)."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
 
@@ -102,7 +107,11 @@ def register(app: typer.Typer) -> None:
             if cold_start not in ("fallback", "never"):
                 raise typer.BadParameter(f"{cold_start!r}: use fallback or never", param_hint="--cold-start")
             overrides["cold_start"] = cold_start
-        settings = load_settings(None, overrides)
+        gate_flags = {"gate_api_key_file": api_key_file, "gate_tls_cert": tls_cert, "gate_tls_key": tls_key}
+        settings = load_settings(None, {**overrides, **gate_flags})
+        if settings.agent_url and any(gate_flags.values()):
+            raise typer.BadParameter("with an agent, the gate's key and TLS files are the agent's settings "
+                                     "(gate_api_key_file, gate_tls_cert, gate_tls_key in its config)")
         r = Ref.parse(name)
         ref, tag = r.name, r.tag
         try:
@@ -137,8 +146,11 @@ def register(app: typer.Typer) -> None:
         out.print(f"serving {st.served_model_name} on http://{st.public_host}:{st.public_port}/v1")
 
     @app.command()
-    def down(name: str = typer.Argument(..., help="Engine NAME.")) -> None:
-        """Stop engine NAME: close its port, kill its processes, remove its shared-memory files.
+    def down(name: str = typer.Argument(..., help="Engine NAME."),
+             now: bool = typer.Option(False, "--now", help="Do not wait for in-flight requests (no drain).")) -> None:
+        """Stop engine NAME: close its public port, let in-flight requests finish (up to
+        gate_drain_s, default 30 s; --now: no wait), kill its processes, remove its
+        shared-memory files.
 
         Safe to repeat: an engine that is not up is reported as such.
         """
@@ -147,9 +159,9 @@ def register(app: typer.Typer) -> None:
         settings = load_settings()
         if settings.agent_url:  # a configured agent does the work (issue 5); same output
             from warmctl.client import AgentClient
-            st = AgentClient.from_settings(settings).down(name)
+            st = AgentClient.from_settings(settings).down(name, now=now)
         else:
-            st = run_down(name, settings)
+            st = run_down(name, settings, now=now)
         out.print(f"{name} is down" if st else f"{name} is not up; nothing to do")
 
     @app.command()
