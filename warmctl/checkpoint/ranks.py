@@ -32,7 +32,9 @@ rank); a phase has a wall-clock bound, after which its unfinished calls are repo
 timed out (a driver call cannot be cancelled, so its thread is abandoned).
 
 Rank discovery (:func:`gpu_rank_pids`): a process of the tree is a rank when NVML lists it as a
-compute process, or when its memory maps or open files include a ``/dev/nvidia*`` device.
+compute process, or when its memory maps include a ``/dev/nvidia*`` device (a CUDA context);
+a process that only has such a file open (an NVML client) is not. Before the dump every rank
+must have released its ``/dev/nvidia*`` maps and files (CRIU cannot dump them).
 After a CUDA checkpoint neither holds (the driver released the GPU), so at restore time the
 ranks are found again by their PID inside the engine's PID namespace, recorded at snapshot time
 (:attr:`CheckpointReport.nspids`, :func:`restored_ranks`).
