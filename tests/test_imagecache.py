@@ -27,7 +27,8 @@ def snap(tmp_path):
     }
     m = make_manifest(store, "tiny", files)
     w = write_payload(src / "rank0.safetensors", [("random", 200_000)], seed=2)
-    s = write_payload(src / "psm_x", [("zero", MiB)], seed=3)
+    # chunk 0 has data, chunks 1-2 are zero (holes once written), chunk 3 has a little text
+    s = write_payload(src / "psm_x", [("random", 10_000), ("zero", 12 * MiB - 10_000), ("text", 5000)], seed=3)
     m.files.append(FileEntry(path="ranks/rank0.safetensors", role="weights", size=w.stat().st_size,
                              chunks=store.add_file(w)))
     m.files.append(FileEntry(path="psm_x", role="shm", size=s.stat().st_size, chunks=store.add_file(s)))
@@ -44,8 +45,8 @@ def test_first_get_writes_verified_entry_then_reuses_it(tmp_path, snap):
     assert (img.images / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
     assert (img.images / "core-1.img").read_bytes() == (src / "core-1.img").read_bytes()
     assert (img.weights / "rank0.safetensors").read_bytes() == (src / "rank0.safetensors").read_bytes()
-    assert not (img.path / "images" / "psm_x").exists()  # /dev/shm files are put back each time, not cached
-    assert sum(seen) == sum(f.size for f in m.files if f.role in ("image", "weights"))
+    assert not (img.images / "psm_x").exists() and (img.path / "shm" / "psm_x").is_file()
+    assert sum(seen) == sum(f.size for f in m.files if f.role in ("image", "weights", "shm"))
     assert os.stat(cache.root).st_mode & 0o777 == 0o700
     assert json.loads((img.path / MARKER).read_text())["manifest"] == digest
     ino = (img.images / "pages-1.img").stat().st_ino
@@ -176,3 +177,22 @@ def test_store_gc_and_du_know_the_image_cache(tmp_path, monkeypatch):
     res = r.invoke(app, ["gc", "--grace", "0"])
     assert res.exit_code == 0 and "removed 1 kept restore image" in res.output, res.output
     assert [e.digest for e in cache.entries()] == [d1]
+
+
+def test_put_back_shm_copies_data_keeps_holes_and_links(tmp_path, snap):
+    store, m, digest, src = snap
+    m.files.append(FileEntry(path="link_remap.7", role="shm", size=m.files[-1].size, hardlink_to="psm_x"))
+    digest = store.put_manifest(m)
+    cache = ImageCache(tmp_path / "cache")
+    img = cache.get(store, m, digest)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    written = cache.put_back_shm(img, m, shm)
+    assert sorted(p.name for p in written) == ["link_remap.7", "psm_x"]
+    assert (shm / "psm_x").read_bytes() == (src / "psm_x").read_bytes()
+    assert os.path.samefile(shm / "psm_x", shm / "link_remap.7")
+    assert (shm / "psm_x").stat().st_blocks * 512 < 6 * MiB  # of 12 MiB: the zero chunks stayed holes
+    (shm / "link_remap.7").unlink()
+    with pytest.raises(HostError, match="another restore"):  # psm_x exists: nothing is overwritten
+        cache.put_back_shm(img, m, shm)
+    assert (shm / "psm_x").read_bytes() == (src / "psm_x").read_bytes() and not (shm / "link_remap.7").exists()

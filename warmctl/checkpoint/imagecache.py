@@ -11,6 +11,7 @@ Layout (``<home>/cache/images``, created mode 0700, owned by the user running wa
     <root>/<algorithm>-<hex>/      one entry per manifest digest (``sha256:ab..`` -> ``sha256-ab..``)
         images/                    the manifest's ``image`` files (CRIU's image directory)
         weights/                   its ``weights`` files (loaded into the engine after restore)
+        shm/                       its ``/dev/shm`` files, copied to /dev/shm at every restore
         verified.json              written last: digest, and (size, mtime_ns, inode) per file
     <root>/.partial-*              an entry being written (removed on failure, swept after 1 h)
 
@@ -22,8 +23,11 @@ still has the size, mtime and inode recorded at write time, and neither the root
 is writable by anyone but its owner (then nobody but root changed it, and not through a normal
 write); anything else removes the entry and the image is written again.
 
-``/dev/shm`` files and bundled files are *not* kept here: the restored tree consumes and changes
-them, so ``up`` puts them back from the store every time.
+``/dev/shm`` files are put back for every ``up`` (the restored tree changes them), but from a
+verified copy in the entry (``shm/``), copied region by region so their holes stay holes
+(:meth:`ImageCache.put_back_shm`: 400 MiB with 80 MiB of data for ``tiny`` in ~80 ms, where
+decompressing and verifying them from the store took 200-500 ms). Bundled files are written
+back from the store when missing or changed, as before.
 
 The cache keeps the :data:`DEFAULT_KEEP` most recently used entries (``up`` prunes after
 writing one); ``warmctl store gc`` removes entries whose manifest the local store no longer
@@ -52,7 +56,7 @@ MARKER = "verified.json"
 #: A ``.partial-*`` directory older than this is left over from a crash and is removed.
 PARTIAL_STALE_S = 3600.0
 #: Roles kept in an entry, and the subdirectory each goes to.
-CACHED_ROLES = {"image": "images", "weights": "weights"}
+CACHED_ROLES = {"image": "images", "weights": "weights", "shm": "shm"}
 
 
 def entry_name(digest: str) -> str:
@@ -229,6 +233,32 @@ class ImageCache:
         self.prune(protect={digest})
         return CachedImage(digest, final, written=True)
 
+    def put_back_shm(self, img: CachedImage, m: Manifest, shm_dir: Path = Path("/dev/shm")) -> list[Path]:
+        """Copy the snapshot's ``/dev/shm`` files from ``img`` into ``shm_dir`` (data regions
+        only: holes stay holes; ``hardlink_to`` entries as hard links, as CRIU's link_remap
+        files must be). Returns the paths written. Raises :class:`HostError` if one exists
+        already (another restore of this snapshot is running); on any failure the files
+        written so far are removed."""
+        written: list[Path] = []
+        try:
+            for f in sorted((f for f in m.files if f.role == "shm"), key=lambda f: f.hardlink_to is not None):
+                dest = shm_dir / f.path
+                if f.hardlink_to is not None:
+                    os.link(shm_dir / f.hardlink_to, dest)
+                else:
+                    _sparse_copy(img.path / _rel(f), dest, f.mode)
+                written.append(dest)
+        except FileExistsError as e:
+            for p in written:
+                p.unlink(missing_ok=True)
+            raise HostError(f"{e.filename} exists already: another restore of this snapshot is running on this "
+                            "host; `warmctl down` it first") from None
+        except BaseException:
+            for p in written:
+                p.unlink(missing_ok=True)
+            raise
+        return written
+
     def release(self, img: CachedImage) -> None:
         """Done restoring from ``img``: with ``keep == 0`` the entry is removed."""
         if self.keep <= 0:
@@ -291,6 +321,43 @@ class ImageCache:
     def du(self) -> int:
         """Bytes the cache takes on disk (allocated blocks)."""
         return sum(e.bytes for e in self.entries())
+
+
+def _sparse_copy(src: Path, dest: Path, mode: int) -> None:
+    """Copy ``src`` to a new file ``dest`` (``O_EXCL``), only its data regions
+    (``SEEK_DATA``/``SEEK_HOLE``, ``sendfile``); the rest stays a hole of the same size."""
+    fi = os.open(src, os.O_RDONLY)
+    created = False
+    try:
+        fo = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode & 0o777)
+        created = True
+        try:
+            size = os.fstat(fi).st_size
+            os.ftruncate(fo, size)
+            off = 0
+            while off < size:
+                try:
+                    data = os.lseek(fi, off, os.SEEK_DATA)
+                except OSError:  # ENXIO: only a hole is left
+                    break
+                end = os.lseek(fi, data, os.SEEK_HOLE)
+                os.lseek(fo, data, os.SEEK_SET)
+                pos = data
+                while pos < end:
+                    n = os.sendfile(fo, fi, pos, end - pos)
+                    if n == 0:
+                        raise OSError(f"{src} shrank while being copied")
+                    pos += n
+                off = end
+            os.fchmod(fo, mode & 0o777)
+        finally:
+            os.close(fo)
+    except BaseException:
+        if created:  # never a file that was there before
+            dest.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fi)
 
 
 def _disk_bytes(path: Path) -> int:
