@@ -20,7 +20,7 @@ included). Each is the median of ``--micro`` repeats.
 
 Usage::
 
-    python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] \\
+    python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] [--first-up] [--cold] \\
         [--engine-port 18600 --gate-port 18680] [--json FILE]
 
 Leaves nothing behind: every engine is brought down (``warmctl down`` / the raw tree killed and
@@ -101,6 +101,12 @@ def kill_raw(root_pid: int | None, inodes) -> None:
     capture.remove_by_inode(live | {tuple(x) for x in inodes})
 
 
+def drop_caches() -> None:
+    """Empty the page cache (root): the next read of the image comes from the disk."""
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def micro(n: int, fn) -> float:
     """Median seconds of ``n`` calls of ``fn``."""
     out = []
@@ -133,6 +139,10 @@ def main() -> None:
     ap.add_argument("--gate-port", type=int, default=18680)
     ap.add_argument("--micro", type=int, default=5, help="repeats of each fixed-cost measurement")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    ap.add_argument("--first-up", action="store_true",
+                    help="remove the kept restore images first, so run 0's up is the first on this host after a pull")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches) before each run of each side")
     a = ap.parse_args()
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-upraw-"))
     try:
@@ -193,6 +203,8 @@ def run_all(a, root: Path) -> None:
     image_bytes = sum(p.stat().st_size for p in images.iterdir())
     subprocess.run(["sync"], check=False)
 
+    if a.first_up:
+        shutil.rmtree(Path(settings.home) / "cache" / "images", ignore_errors=True)
     raw, up, raw_criu, up_phases, up_outside = [], [], [], [], []
     try:
         for i in range(a.runs):
@@ -201,6 +213,8 @@ def run_all(a, root: Path) -> None:
             try:
                 with criu.host_lock():
                     inodes = put_back_shm(store, manifest)
+                    if a.cold:
+                        drop_caches()
                     t0 = time.monotonic()
                     root_pid, secs = criu.restore(images, raw_dir / "engine.pid", log_file=raw_dir / "restore.log",
                                                   binary=settings.criu)
@@ -214,6 +228,8 @@ def run_all(a, root: Path) -> None:
                   flush=True)
             time.sleep(a.gap)
 
+            if a.cold:
+                drop_caches()
             t0 = time.monotonic()
             try:
                 r = wc(env, "up", "tiny", "--json")
@@ -223,6 +239,8 @@ def run_all(a, root: Path) -> None:
                 wc(env, "down", "tiny", check=False)
             assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
             res = json.loads(r.stdout)
+            if res["path"] != "restore":  # e.g. the venv changed since the snapshot (environment digest)
+                raise RuntimeError(f"warmctl up took the {res['path']} path, not a restore: {res['reason']}")
             phases = {k: v for k, v in res["timings_s"].items() if k != "total"}
             up.append(t1 - t0)
             up_phases.append(phases)

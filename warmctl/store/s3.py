@@ -32,10 +32,6 @@ import socket
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
-import boto3
-import botocore.config
-import botocore.exceptions as bx
-import urllib3.exceptions
 
 from warmctl.errors import HostError
 from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError
@@ -96,6 +92,17 @@ def s3_endpoint_from_env() -> str | None:
     return os.environ.get("WARMCTL_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def _load_sdk() -> None:
+    """Import boto3, botocore and urllib3 into this module on first use, not at import: they
+    cost ~130 ms, and every CLI command imports the store package (issue 12: ``warmctl up``
+    from a local store never needs them)."""
+    global boto3, botocore, bx, urllib3
+    import boto3
+    import botocore.config
+    import botocore.exceptions as bx
+    import urllib3.exceptions
+
+
 class S3Backend(Backend):
     """Objects in ``bucket`` under ``prefix`` (no leading/trailing slash needed).
 
@@ -128,6 +135,7 @@ class S3Backend(Backend):
         self.part_size = part_size
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        _load_sdk()
         cfg = botocore.config.Config(
             max_pool_connections=max_connections,
             retries={"total_max_attempts": 1, "mode": "standard"},
