@@ -19,6 +19,7 @@ Prints one line per run and a summary with medians and the ratio cold/restore.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -36,11 +37,11 @@ sys.path.insert(0, str(REPO))
 ENGINE_PORT, GATE_PORT = 18600, 18680
 
 
-def setup(home_root: Path) -> dict[str, str]:
+def setup(home_root: Path, engine_port: int = ENGINE_PORT, gate_port: int = GATE_PORT) -> dict[str, str]:
     # the test suite's isolated config, on this script's ports
     from tests.conftest import isolated_env
 
-    return isolated_env(home_root, ENGINE_PORT, GATE_PORT)
+    return isolated_env(home_root, engine_port, gate_port)
 
 
 def wc(env, *args, check=True):
@@ -83,6 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="runs of each side (default 3)")
     ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep this work dir (its snapshot)")
+    ap.add_argument("--engine-port", type=int, default=ENGINE_PORT)
+    ap.add_argument("--gate-port", type=int, default=GATE_PORT)
     a = ap.parse_args()
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-bench-"))
     try:
@@ -93,7 +96,7 @@ def main() -> None:
 
 
 def run(a, root: Path) -> None:
-    env = setup(root)
+    env = setup(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
 
     from warmctl.config import load_settings
@@ -141,13 +144,13 @@ def measure(a, env, root, prof, model, prompt, expected, cold, restore) -> None:
 
         t0 = time.monotonic()
         wc(env, "up", "tiny")
-        tok, t1 = first_token(GATE_PORT, prompt)
+        tok, t1 = first_token(a.gate_port, prompt)
         assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
         restore.append(t1 - t0)
-        timings = wc(env, "status", "tiny", "--json").stdout
+        status = json.loads(wc(env, "status", "tiny", "--json").stdout)[0]
         wc(env, "down", "tiny")
-        print(f"run {i}: warmctl up  -> first correct token {restore[-1]:7.2f} s; status: {timings.strip()[:300]}",
-              flush=True)
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in (status.get("timings") or {}).items())
+        print(f"run {i}: warmctl up  -> first correct token {restore[-1]:7.2f} s ({phases})", flush=True)
         time.sleep(2)
 
 
