@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import warmctl
+from warmctl.checkpoint.imagecache import ImageCache, entry_name
 from warmctl.catalog import Catalog
 from warmctl.config import load_settings
 from warmctl.manifest import Manifest
@@ -129,11 +131,17 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert not ({f.path for f in m.files if f.role == "shm"} & _shm())
     assert _shm() <= shm_before_down
 
-    # a second up from the same snapshot after down works too
+    # a second up from the same snapshot after down works too, from the image the first one
+    # verified and kept (not rewritten: same inodes), and leaves it in place
+    entry = ImageCache.for_settings(_settings(wc_env)).root / entry_name(tiny_snapshot["digest"])
+    kept = {p.name: p.stat().st_ino for p in (entry / "images").iterdir()}
+    assert kept and (entry / "verified.json").is_file()
     res2 = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)
     assert res2["source"] == "restore"
+    assert {p.name: p.stat().st_ino for p in (entry / "images").iterdir()} == kept
     assert [_completion(gate, p) for p in PROMPTS] == cold
     warmctl("down", "tiny", env=wc_env)
+    assert (entry / "verified.json").is_file()
 
 
 def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports):
@@ -149,11 +157,17 @@ def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports)
     flipped[len(flipped) // 2] ^= 0x01
     os.chmod(path, 0o644)
     path.write_bytes(bytes(flipped))
+    # the first up after a pull: no verified image kept yet, so every chunk is read (a kept
+    # image, verified when it was written, would not read the store at all)
+    cache = ImageCache.for_settings(s)
+    for e in cache.entries():
+        shutil.rmtree(e.path)
     try:
         shm0 = _shm()
         r = warmctl("up", "tiny", env=wc_env, check=False)
         assert r.returncode != 0
         assert chunk.digest.split(":")[1][:16] in (r.stderr + r.stdout)
+        assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))  # nothing half-written kept
         assert not _listening(engine_ports[1])
         assert _shm() <= shm0
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []

@@ -10,17 +10,20 @@
    (:mod:`warmctl.engine.cold`), unless the ``cold_start`` setting is ``never``: then ``up``
    fails, naming every candidate and why it was rejected;
 3. :func:`_restore_up`: pre-flight (public and internal ports free, CRIU usable) before
-   anything is written; then, under the host's CRIU lock, "materialize" (every chunk fetched
-   and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk --;
-   from a remote store each chunk streams into the local store, its cache, and into place --,
-   the image directory written, ``/dev/shm`` files and bundled files put back, required files
+   anything is written, and the gate's process started (it listens only at step 6); then,
+   under the host's CRIU lock, "materialize" (the verified image this host keeps for the
+   snapshot's digest reused, :mod:`warmctl.checkpoint.imagecache`; or else every chunk fetched
+   and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk; from
+   a remote store each chunk streams into the local store, its cache, and into place -- and the
+   image written into that cache; ``/dev/shm`` files and bundled files put back, required files
    checked) and "restore" (CRIU restores the tree: new host PIDs, its own PID namespace);
 4. the checkpoint plan's ``after_restore`` ("gpu_restore" on CUDA profiles: every rank's CUDA
    state restored and unlocked), "health", the plan's ``wake`` ("weights" when the snapshot kept
    weights outside the image: woken from sleep and copied back in place, GB/s reported);
 5. "canary": the canary replayed and compared bit for bit with the record; on any mismatch
    :class:`CanaryMismatch` is raised -- the public port never opens;
-6. "gate": the public port opens (:mod:`warmctl.gate`); a snapshot restored from a remote store
+6. "gate": the public port opens (:mod:`warmctl.gate`: the process started at step 3 is told to
+   listen); a snapshot restored from a remote store
    is then named in the local store's catalog too (:func:`_keep_locally`), so the next ``up``
    finds it without the remote.
 
@@ -42,6 +45,7 @@ from warmctl import snapshot as snap
 from warmctl import fleet
 from warmctl.catalog import Catalog, CatalogEntry
 from warmctl.checkpoint import capture, criu
+from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
@@ -49,6 +53,7 @@ from warmctl.engine.run import EngineRun
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.gate import drain as drain_gate
 from warmctl.gate import require_port_free, settings_args
+from warmctl.gate import prestart as prestart_gate
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
@@ -91,10 +96,13 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
             port or settings.gate_port or profile.gate.port)
 
 
-def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=None, fetched: Fetched | None = None) -> None:
-    """Write the manifest's files back: images into ``run.images``, weights into
-    ``run.weights``, ``/dev/shm`` files (recorded on the run with their (st_dev, st_ino), so a
-    teardown removes exactly them) and bundled files at their absolute paths.
+def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCache, reporter: Reporter,
+                 cache=None, fetched: Fetched | None = None) -> CachedImage:
+    """Write the manifest's files back: the CRIU image through the image cache (reused when
+    this host already holds the verified image of ``digest``, :mod:`warmctl.checkpoint.imagecache`),
+    weights linked from it into ``run.weights``, ``/dev/shm`` files copied from it (recorded on
+    the run with their (st_dev, st_ino), so a teardown removes exactly them) and bundled files
+    from the store at their absolute paths. Returns the cached image to restore from.
 
     ``cache``: a local store that keeps chunks read from a remote ``store``; ``fetched``:
     counts the stored bytes loaded from each.
@@ -112,27 +120,24 @@ def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=N
     if clash:
         raise HostError(f"shared-memory files of this snapshot already exist ({', '.join(clash[:3])}): "
                         "another restore of it is running on this host; `warmctl down` it first")
-    if run.images.exists():
-        shutil.rmtree(run.images)
-    run.images.mkdir(parents=True)
-    total = m.total_size()
-    advance = reporter.bytes_progress("materialize", total)
+    advance = reporter.bytes_progress("materialize", m.total_size())
+    img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched)
+    if not img.written:
+        reporter.info(f"image: reusing the verified image of {digest[:19]} ({img.path})")
     written_shm: list[str] = []
     try:
-        for f in sorted(m.files, key=lambda f: f.hardlink_to is not None):
-            if f.role == "image":
-                dest = run.images / f.path
-            elif f.role == "shm":
-                dest = capture.SHM / f.path
-                written_shm.append(str(dest))
-            elif f.role == "file":
-                dest = Path("/") / f.path
-                if dest.is_file() and dest.stat().st_size == f.size:
-                    advance(f.size)
-                    continue
-            else:  # "weights": loaded into the restored engine (warmctl.engine.worker_ext)
+        written_shm = [str(p) for p in images.put_back_shm(img, m, capture.SHM)]
+        for f in m.files:
+            if f.role == "weights":  # loaded into the restored engine (warmctl.engine.worker_ext)
                 run.weights.mkdir(parents=True, exist_ok=True)
-                dest = run.weights / Path(f.path).name
+                _link_or_copy(img.weights / Path(f.path).name, run.weights / Path(f.path).name)
+                continue
+            if f.role != "file":  # image and shm: from the image cache
+                continue
+            dest = Path("/") / f.path
+            if dest.is_file() and dest.stat().st_size == f.size:
+                advance(f.size)
+                continue
             if f.hardlink_to is not None:
                 os.link(dest.parent / f.hardlink_to, dest)
                 continue
@@ -142,8 +147,20 @@ def _materialize(store, m: Manifest, run: EngineRun, reporter: Reporter, cache=N
     except BaseException:
         for p in written_shm:
             Path(p).unlink(missing_ok=True)
+        images.release(img)
         raise
     run.shm_files, run.shm_inodes = written_shm, inodes
+    return img
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    """``dest`` as a hard link of ``src`` (a copy across file systems): the run's scratch
+    directory is removed after ``up``, the cached file stays."""
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
 
 
 def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest", digest: str | None = None,
@@ -259,27 +276,36 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     criu.check(settings.criu)
 
     run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd)
+    run.dir.mkdir(parents=True, exist_ok=True)
+    # the gate's interpreter starts now, beside the restore; it listens only once opened
+    pending_gate = prestart_gate(host_, port, prof.engine.port, run.gate_log, args=gate_args)
     st = EngineState(name=found.name, phase="restoring", source="restore", manifest_digest=digest,
                      started_at=run.started_at, profile_digest=m.profile_digest, internal_port=prof.engine.port,
                      public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
                      log_path=str(run.log_path))
+    images = ImageCache.for_settings(settings)
+    img = None
     try:
-        _materialize_and_restore(run, st, found, settings, reporter)
+        img = _materialize_and_restore(run, st, found, images, settings, reporter)
         run.save(phase="health")
         plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
                            [x.uuid for x in found.fp.gpus], reporter)
         with reporter.phase("health", "waiting for /health"):
-            vllm.wait_healthy(run, 120)
+            vllm.wait_healthy(run, 120, interval_s=0.01)
         plan.wake(run, m.restore, reporter)
         run.save(phase="canary")
         with reporter.phase("canary", "replaying the canary, bit for bit"):
             canary.verify(m.canary, run.base_url, prof.canary, prof.engine.served_model_name)
-        _open_gate(run, prof, host_, port, reporter, gate_args)
+        with reporter.phase("gate", f"opening {host_}:{port}"):
+            run.set_gate(pending_gate.open(run.root_pid))
     except BaseException:
+        pending_gate.cancel()
         run.teardown()
         raise
     finally:
         run.remove_scratch()
+        if img is not None:
+            images.release(img)
     timings = _timings(reporter)
     _serving(run, timings)
     fetched = found.fetched.as_dict()
@@ -303,8 +329,8 @@ def _keep_locally(found: _Found, reporter: Reporter) -> None:
         reporter.info(f"[yellow]the restored snapshot is not named in the local store: {e}[/]")
 
 
-def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, settings: Settings,
-                             reporter: Reporter) -> None:
+def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
+                             settings: Settings, reporter: Reporter) -> CachedImage:
     """The "materialize" and "restore" phases, under the host's CRIU lock: one CRIU operation
     per host from the first ``/dev/shm`` file written until CRIU has consumed its link_remap
     files (see :func:`warmctl.checkpoint.criu.host_lock`). The run is recorded before CRIU
@@ -313,12 +339,15 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, set
     assert m is not None
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
-            _materialize(found.store, m, run, reporter, cache=found.cache, fetched=found.fetched)
+            img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
+                               fetched=found.fetched)
             run.prepare()
             run.log_path.touch()
         run.record(st)
         with reporter.phase("restore", "CRIU restore of the process tree"):
-            run.set_root(criu.restore(run.images, run.pidfile, log_file=run.restore_log, binary=settings.criu)[0])
+            run.set_root(criu.restore(img.images, run.pidfile, log_file=run.restore_log, binary=settings.criu,
+                                      work_dir=run.dir)[0])
+    return img
 
 
 def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,

@@ -188,9 +188,10 @@ class ImageCache:
     # -- writing -------------------------------------------------------------------------
 
     def get(self, store, m: Manifest, digest: str, progress: Callable[[int], None] | None = None,
-            cache=None) -> CachedImage:
+            cache=None, fetched=None) -> CachedImage:
         """The entry of ``digest``: reused if intact, else written from ``store`` (every chunk
-        verified; ``cache``: the local store that keeps chunks read from a remote ``store``).
+        verified; ``cache``: the local store that keeps chunks read from a remote ``store``;
+        ``fetched``: counts the stored bytes loaded from each, as in ``read_file``).
         ``progress(n)``: bytes written (or, for a reused entry, skipped) since the last call.
 
         The caller holds the host's CRIU lock (two writers of one entry never race). Raises
@@ -215,7 +216,7 @@ class ImageCache:
                 if f.hardlink_to is not None:
                     os.link(dest.parent / f.hardlink_to, dest)
                     continue
-                store.read_file(f.chunks, dest, progress=progress, cache=cache)
+                store.read_file(f.chunks, dest, progress=progress, cache=cache, fetched=fetched)
                 os.chmod(dest, f.mode & 0o555)  # read-only: CRIU and the weights loader only read
             files = {}
             for f in _cached_files(m):
