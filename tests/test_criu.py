@@ -170,16 +170,21 @@ def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
 
     # Control: CRIU itself loads the plugin from $CRIU_LIBS_DIR (so this test can fail).
     launcher, root = _tree(tmp_path)
-    (tmp_path / "plain").mkdir()
-    r = subprocess.run([criu.check(), "dump", "-t", str(root), "-D", str(tmp_path / "plain"), "--leave-running",
-                        "-o", "dump.log", *criu.DUMP_FLAGS], capture_output=True, text=True)
-    assert r.returncode == 0, (tmp_path / "plain" / "dump.log").read_text()[-2000:]
-    assert list(tmp_path.glob("loaded.*")), "control: CRIU did not load the plugin"
-    for m in tmp_path.glob("loaded.*"):
-        m.unlink()
-
-    criu.dump(root, tmp_path / "img")
-    launcher.wait(10)
+    try:
+        (tmp_path / "plain").mkdir()
+        r = subprocess.run([criu.check(), "dump", "-t", str(root), "-D", str(tmp_path / "plain"), "--leave-running",
+                            "-o", "dump.log", *criu.DUMP_FLAGS], capture_output=True, text=True)
+        assert r.returncode == 0, (tmp_path / "plain" / "dump.log").read_text()[-2000:]
+        assert list(tmp_path.glob("loaded.*")), "control: CRIU did not load the plugin"
+        for m in tmp_path.glob("loaded.*"):
+            m.unlink()
+        criu.dump(root, tmp_path / "img")
+        launcher.wait(10)
+    finally:
+        if launcher.poll() is None:  # a failure above: leave no tree behind
+            kill_tree(root)
+            launcher.kill()
+            launcher.wait()
     new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
     try:
         assert psutil.Process(new_root).is_running()
