@@ -20,7 +20,7 @@ included). Each is the median of ``--micro`` repeats.
 
 Usage::
 
-    python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] [--first-up] [--cold] \\
+    python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] [--first-up] [--cold] [--via-agent PORT] \\
         [--engine-port 18600 --gate-port 18680] [--json FILE]
 
 Leaves nothing behind: every engine is brought down (``warmctl down`` / the raw tree killed and
@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     ap.add_argument("--first-up", action="store_true",
                     help="remove the kept restore images first, so run 0's up is the first on this host after a pull")
+    ap.add_argument("--via-agent", type=int, default=None, metavar="PORT",
+                    help="run `warmctl agent` on this loopback port and send up/down through it (WARMCTL_AGENT_URL)")
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches) before each run of each side")
     a = ap.parse_args()
@@ -206,6 +208,16 @@ def run_all(a, root: Path) -> None:
     if a.first_up:
         shutil.rmtree(Path(settings.home) / "cache" / "images", ignore_errors=True)
     raw, up, raw_criu, up_phases, up_outside = [], [], [], [], []
+    up_env, agent = env, None
+    if a.via_agent:  # the long-running agent has its imports done; the CLI only sends the request
+        up_env = {**env, "WARMCTL_AGENT_URL": f"http://127.0.0.1:{a.via_agent}"}
+        agent = subprocess.Popen([sys.executable, "-m", "warmctl", "agent", "--port", str(a.via_agent)], env=env,
+                                 stdout=open(root / "agent.log", "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while wc(up_env, "status", check=False).returncode != 0:
+            if agent.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"warmctl agent did not start: {(root / 'agent.log').read_text()[-2000:]}")
+            time.sleep(0.2)
     try:
         for i in range(a.runs):
             wc(env, "down", "tiny")
@@ -232,11 +244,11 @@ def run_all(a, root: Path) -> None:
                 drop_caches()
             t0 = time.monotonic()
             try:
-                r = wc(env, "up", "tiny", "--json")
+                r = wc(up_env, "up", "tiny", "--json")
                 t_up = time.monotonic()
                 tok, t1 = first_token(a.gate_port, prompt, model)
             finally:
-                wc(env, "down", "tiny", check=False)
+                wc(up_env, "down", "tiny", check=False)
             assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
             res = json.loads(r.stdout)
             if res["path"] != "restore":  # e.g. the venv changed since the snapshot (environment digest)
@@ -250,7 +262,10 @@ def run_all(a, root: Path) -> None:
                   + f", outside phases {up_outside[-1]:.2f}, after up {t1 - t_up:.2f})", flush=True)
             time.sleep(a.gap)
     finally:
-        wc(env, "down", "tiny", check=False)
+        wc(up_env, "down", "tiny", check=False)
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=30)
         shutil.rmtree(raw_dir, ignore_errors=True)
 
     mr, mu = statistics.median(raw), statistics.median(up)
