@@ -32,8 +32,10 @@ apt_install() {  # install the packages not installed yet, in one apt run
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# libnuma1: vLLM's CPU build links libnuma.so.1 (a minimal Debian 12 lacks it; the engine then
+# dies at start-up with "libnuma.so.1: cannot open shared object file")
 apt_install util-linux procps iproute2 ca-certificates curl xz-utils build-essential pkg-config \
-  python3-venv python3-dev
+  python3-venv python3-dev libnuma1
 
 # --- CRIU ------------------------------------------------------------------------------------
 criu_ok() {  # $1 = binary; true if version >= 4.2 and `criu check` passes
