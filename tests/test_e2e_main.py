@@ -237,3 +237,56 @@ def test_public_port_taken_fails_before_restore(tiny_snapshot, wc_env, engine_po
     assert f"public port 127.0.0.1:{engine_ports[1]} is already in use" in out.replace("\n", " ")
     assert "materialize" not in out and "restore" not in out.split("error")[0]
     assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
+
+
+def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot, wc_env, engine_ports, tmp_path):
+    """Seed 003's ``--api-key`` as warmctl expresses it: the profile plus a key file. Through
+    the public port the key is required, the control routes are refused; ``status`` says so;
+    ``down`` during a streaming completion lets it finish before the engine stops."""
+    engine, gate = engine_ports
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-e2e-one\nsk-e2e-two\n")
+    keys.chmod(0o600)
+    res = json.loads(warmctl("up", "tiny", "--json", "--api-key-file", str(keys), env=wc_env).stdout)
+    assert res["source"] == "restore"
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"http://127.0.0.1:{gate}/v1/completions", json=body, timeout=60).status_code == 401
+    for k in ("sk-e2e-one", "sk-e2e-two"):
+        r = httpx.post(f"http://127.0.0.1:{gate}/v1/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {k}"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    for path in ("/collective_rpc", "/sleep", "/reset_prefix_cache"):
+        assert httpx.post(f"http://127.0.0.1:{gate}{path}", json={}, timeout=10,
+                          headers={"Authorization": "Bearer sk-e2e-one"}).status_code == 403
+    assert httpx.get(f"http://127.0.0.1:{gate}/health", timeout=10).status_code == 200
+    assert "sk-e2e" not in json.dumps(json.loads(open(_settings(wc_env).run_dir / "tiny" / "state.json").read()))
+    st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
+    assert st["gate_api_key"] is True and st["gate_tls"] is False
+
+    streams: list[list[str]] = [[] for _ in range(6)]
+    errors: list[BaseException] = []
+    first = threading.Event()
+
+    def stream(out: list[str]) -> None:
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{gate}/v1/completions", timeout=300,
+                              headers={"Authorization": "Bearer sk-e2e-two"},
+                              json={**body, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        out.append(line)
+                        first.set()
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(out,)) for out in streams]
+    for t in threads:
+        t.start()
+    assert first.wait(60), errors
+    gate_log = _settings(wc_env).run_dir / "tiny" / "gate.log"
+    warmctl("down", "tiny", env=wc_env)  # returns once the streams ended and the engine stopped
+    for t in threads:
+        t.join(60)
+    assert not errors and all(out and out[-1] == "data: [DONE]" for out in streams), errors
+    assert "draining" in gate_log.read_text()  # streams were in flight when the listener closed
+    assert not _listening(gate) and not _listening(engine)

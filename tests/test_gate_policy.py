@@ -80,7 +80,8 @@ def upstream():
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=1))  # closes idle connections after 1 s
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     while not server.started:
@@ -231,6 +232,17 @@ def test_every_request_of_a_keep_alive_connection_is_checked(start_gate, key_fil
     s.close()
 
 
+def test_engine_closing_an_idle_connection_does_not_close_the_clients(start_gate, key_file):
+    g = start_gate(api_key_file=key_file)
+    s = _raw(g.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode() + b"\r\n\r\n")
+    f = s.makefile("rb")
+    assert _read_response(f)[0] == 200
+    time.sleep(2.5)  # the upstream's keep-alive timeout (1 s) closed its side meanwhile
+    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode() + b"\r\n\r\n")
+    assert _read_response(f)[0] == 200  # over a new engine connection, same client connection
+    s.close()
+
+
 @pytest.mark.parametrize("head,status", [
     (b"POST /echo HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
     (b"GET /v1/models HTTP/1.1\nHost: x\r\n\r\n", 400),
@@ -317,7 +329,15 @@ def test_rotating_the_key_file_keeps_open_streams(start_gate, key_file):
             with c.stream("POST", "/v1/completions", json={"max_tokens": 30, "gap": 0.1}) as r:
                 got.extend(line for line in r.iter_lines() if line.startswith("data: "))
 
-    t = threading.Thread(target=stream)
+    errors = []
+
+    def run():
+        try:
+            stream()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=run)
     t.start()
     time.sleep(0.3)
     key_file.write_text(f"{KEY_C}\n")  # A and B revoked, C added: no restart
@@ -327,7 +347,7 @@ def test_rotating_the_key_file_keeps_open_streams(start_gate, key_file):
     assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_A)).status_code == 401
     assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_C)).status_code == 200
     t.join(30)
-    assert len(got) == 31 and got[-1] == "data: [DONE]"  # the stream opened with A finished
+    assert not errors and len(got) == 31 and got[-1] == "data: [DONE]"  # the stream opened with A finished
     # SIGHUP reloads at once; a file that no longer parses keeps the keys loaded before
     key_file.write_text(f"{KEY_B}\n")
     os.kill(g.pid, signal.SIGHUP)

@@ -47,6 +47,8 @@ from warmctl.proc import create_time
 BUF = 256 * 1024
 #: Longest request head (request line + headers) accepted, bytes; longer gets 431.
 MAX_HEAD = 64 * 1024
+#: Seconds a client's keep-alive connection may stay idle (no request, nothing in flight).
+KEEP_ALIVE_S = 75.0
 
 #: vLLM's development and control routes (vLLM 0.32, ``vllm/entrypoints``: dev mode,
 #: profiler, sleep, weight transfer, LoRA loading, elastic EP, pause/resume); a path equal
@@ -289,18 +291,34 @@ def _end(writer: asyncio.StreamWriter) -> None:
         pass
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tracker=None) -> None:
-    """Relay bytes from ``reader`` to ``writer`` until EOF, then half-close ``writer``;
-    ``tracker`` (a :class:`ResponseTracker`) is shown each block after it was passed on."""
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Relay bytes from ``reader`` to ``writer`` until EOF, then half-close ``writer``."""
     try:
         while data := await reader.read(BUF):
             writer.write(data)
-            if tracker is not None:
-                tracker.feed(data)
             await writer.drain()
     except OSError:  # ConnectionError included; a cancellation leaves ``writer`` as it is
         pass
     _end(writer)
+
+
+async def _responses(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tracker) -> bool:
+    """Relay the engine's bytes on one connection to the client until the engine closes it,
+    showing each block to ``tracker`` (a :class:`ResponseTracker`) after it was passed on.
+    True if the engine closed between responses (its keep-alive timeout): the client's
+    connection stays open and its next request goes over a new engine connection. Otherwise
+    the client's side is half-closed (closed under TLS) too, and False."""
+    try:
+        while data := await reader.read(BUF):
+            writer.write(data)
+            tracker.feed(data)
+            await writer.drain()
+    except OSError:  # ConnectionError included; a cancellation leaves ``writer`` as it is
+        pass
+    if tracker.idle:
+        return True
+    _end(writer)
+    return False
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
@@ -497,22 +515,28 @@ class Gate:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
                 try:
-                    head = await c_reader.readuntil(b"\r\n\r\n")
+                    head = await asyncio.wait_for(c_reader.readuntil(b"\r\n\r\n"), KEEP_ALIVE_S)
                 except asyncio.IncompleteReadError:
                     break  # the client closed (between requests, or mid-head)
+                except asyncio.TimeoutError:
+                    if tracker.idle:
+                        break  # idle for KEEP_ALIVE_S: close
+                    continue  # a response is still streaming
                 except asyncio.LimitOverrunError:
                     raise Refused(431, "Request Header Fields Too Large",
                                   f"request head longer than {MAX_HEAD} bytes", "header_too_large") from None
                 req = parse_head(head, self.policy)
-                if u_writer is None:
+                if u_writer is None or responses.done():  # type: ignore[union-attr]
+                    if u_writer is not None:
+                        if not responses.result():  # type: ignore[union-attr]
+                            break  # the engine closed mid-response; the client was told
+                        u_writer.close()  # it closed between responses: open a new one
                     try:
                         u_reader, u_writer = await asyncio.open_connection(*self.upstream)
                     except OSError:
                         raise Refused(502, "Bad Gateway", "the engine is not answering", "bad_gateway") from None
                     u_writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    responses = asyncio.create_task(_pipe(u_reader, c_writer, tracker))
-                elif responses.done():  # type: ignore[union-attr]
-                    break  # the engine closed this connection
+                    responses = asyncio.create_task(_responses(u_reader, c_writer, tracker))
                 tracker.methods.append(req.method)
                 u_writer.write(head)
                 if req.chunked:
@@ -643,6 +667,12 @@ def settings_args(settings) -> list[str]:
     """:func:`policy_args` of a :class:`warmctl.config.Settings` (``gate_*`` fields)."""
     return policy_args(settings.gate_api_key_file, settings.gate_tls_cert, settings.gate_tls_key,
                        list(settings.gate_public_paths), list(settings.gate_deny_paths), settings.gate_drain_s)
+
+
+def gate_enforces(args: list[str]) -> dict[str, bool]:
+    """What a gate started with ``args`` (:func:`policy_args`) enforces, as
+    :class:`warmctl.state.EngineState` fields: ``gate_api_key``, ``gate_tls``."""
+    return {"gate_api_key": "--api-key-file" in args, "gate_tls": "--tls-cert" in args}
 
 
 def drain(gate_proc, timeout_s: float) -> bool:

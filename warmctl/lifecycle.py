@@ -52,7 +52,7 @@ from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.gate import drain as drain_gate
-from warmctl.gate import require_port_free, settings_args
+from warmctl.gate import gate_enforces, require_port_free, settings_args
 from warmctl.gate import prestart as prestart_gate
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
@@ -282,6 +282,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     st = EngineState(name=found.name, phase="restoring", source="restore", manifest_digest=digest,
                      started_at=run.started_at, profile_digest=m.profile_digest, internal_port=prof.engine.port,
                      public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
+                     **gate_enforces(gate_args),
                      log_path=str(run.log_path))
     images = ImageCache.for_settings(settings)
     img = None
@@ -391,6 +392,7 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
         run.record(EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(),
                                started_at=run.started_at, internal_port=profile.engine.port, public_host=host_,
                                public_port=port, served_model_name=profile.engine.served_model_name,
+                               **gate_enforces(gate_args),
                                log_path=str(run.log_path)))
         record = cold.warm_and_record(run, profile, reporter)
         if snapshot_after:

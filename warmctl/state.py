@@ -38,6 +38,9 @@ class EngineState(BaseModel):
     internal_port: int
     public_host: str
     public_port: int
+    #: What the gate enforces on the public port: an API key (``gate_api_key_file``) and TLS.
+    gate_api_key: bool = False
+    gate_tls: bool = False
     served_model_name: str
     shm_files: list[str] = []
     #: (st_dev, st_ino) of the /dev/shm files restore wrote: CRIU re-links a ``link_remap.N``

@@ -191,7 +191,9 @@ def register(app: typer.Typer) -> None:
         for r in rows:
             s = r.state
             phase = s.phase if r.engine_alive else f"{s.phase} (engine dead)"
-            t.add_row(s.name, phase, s.source, str(s.root_pid), f"{s.public_host}:{s.public_port}" if r.gate_alive else "closed",
+            public = (f"{'https' if s.gate_tls else 'http'}://{s.public_host}:{s.public_port}"
+                      f" ({'key' if s.gate_api_key else 'no key'})") if r.gate_alive else "closed"
+            t.add_row(s.name, phase, s.source, str(s.root_pid), public,
                       "yes" if r.healthy else "no", (s.manifest_digest or "")[:19])
         out.print(t)
 
