@@ -546,10 +546,7 @@ class Catalog:
                 raise SnapshotNotFound(f"no snapshot {ref} in the catalog at {self.location()}")
             chosen, rejections = select(entries, fp, driver=driver)
             if chosen is None:
-                lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
-                raise SnapshotNotFound(
-                    f"none of the {len(entries)} snapshot(s) of {ref} fits this host ({fp.summary()}):\n{lines}"
-                )
+                raise nothing_fits(ref, len(entries), fp, rejections)
             chosen_digest = chosen.manifest
         v = verify_manifest(self.store, chosen_digest, keys_dir, insecure=insecure)
         if v.manifest.name != name:
@@ -560,6 +557,14 @@ class Catalog:
                 raise SnapshotNotFound(f"snapshot {ref} does not fit this host ({fp.summary()}): {why[0].reason}")
             raise TrustError(f"catalog entry {ref} -> {chosen_digest}: the signed manifest's host does not fit: {why[0].reason}")
         return Resolution(digest=chosen_digest, entry=None if digest else chosen, verification=v, rejections=rejections)
+
+
+def nothing_fits(ref: str, candidates: int, fp: HostFingerprint, rejections: list[Rejection], where: str = "") -> SnapshotNotFound:
+    """The error when none of ``candidates`` snapshots of ``ref`` fits host ``fp``: one line per
+    rejected candidate with its rule and reason (``where``: the catalog, for messages)."""
+    lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
+    return SnapshotNotFound(f"none of the {candidates} snapshot(s) of {ref}{' in ' + where if where else ''} "
+                            f"fits this host ({fp.summary()}):\n{lines}")
 
 
 def entry_for(manifest: Manifest, digest: str, tag: str, signed_by: list[str] | None = None) -> CatalogEntry:

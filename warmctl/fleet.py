@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from warmctl.catalog import Catalog, CatalogEntry, DriverPolicy, Ref, select
+from warmctl.catalog import Catalog, CatalogEntry, DriverPolicy, Ref, nothing_fits, select
 from warmctl.config import Settings
 from warmctl.errors import SnapshotNotFound, WarmctlError
 from warmctl.host import HostFingerprint
@@ -70,9 +70,7 @@ def entries_to_copy(src: Store, ref: Ref, fp: HostFingerprint | None = None, *,
         return entries
     chosen, rejections = select(entries, fp, driver=driver)
     if chosen is None:
-        lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
-        raise SnapshotNotFound(f"none of the {len(entries)} snapshot(s) of {ref} in {cat.location()} fits this host "
-                               f"({fp.summary()}):\n{lines}")
+        raise nothing_fits(str(ref), len(entries), fp, rejections, cat.location())
     return [chosen]
 
 
