@@ -47,6 +47,7 @@ from typing import Callable, Iterable
 
 from warmctl.errors import HostError
 from warmctl.manifest import Manifest
+from warmctl.proc import pid_alive
 
 #: Entries kept after a new one is written (most recently used first).
 DEFAULT_KEEP = 2
@@ -271,7 +272,7 @@ class ImageCache:
         now = time.time()
         for p in self.root.glob(".partial-*"):
             try:
-                if now - p.stat().st_mtime > PARTIAL_STALE_S or not _pid_alive(int(p.name.rsplit("-", 1)[1])):
+                if now - p.stat().st_mtime > PARTIAL_STALE_S or not pid_alive(int(p.name.rsplit("-", 1)[1])):
                     shutil.rmtree(p, ignore_errors=True)
             except (OSError, ValueError):
                 continue
@@ -370,13 +371,3 @@ def _disk_bytes(path: Path) -> int:
             except OSError:
                 continue
     return total
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -21,6 +21,7 @@ import time
 import uuid
 
 from warmctl.errors import WarmctlError
+from warmctl.proc import pid_alive
 from warmctl.store.backend import Backend, ObjectNotFound
 
 LOCK_PREFIX = "locks/"
@@ -30,16 +31,6 @@ class StoreLocked(WarmctlError):
     """Another process holds a conflicting lock on the store."""
 
     exit_code = 6
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Lock:
@@ -108,7 +99,7 @@ def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tu
         except ValueError:
             d = {"kind": "exclusive", "time": info.mtime, "purpose": "unreadable lock"}
         t = max(float(d.get("time", 0)), info.mtime)
-        dead = d.get("host") == host and isinstance(d.get("pid"), int) and not _pid_alive(d["pid"])
+        dead = d.get("host") == host and isinstance(d.get("pid"), int) and not pid_alive(d["pid"])
         if dead or now - t > stale_after:
             stale.append(info.key)
         else:
