@@ -55,18 +55,25 @@ class Reporter:
 
 
 class ConsoleReporter(Reporter):
-    """Draws phases, messages and byte progress bars with rich on stderr."""
+    """Shows phases and messages on stderr.
+
+    On a terminal: a spinner while a phase runs (with a byte count where the phase reports one),
+    then ``  ok NAME  SECONDS s``. Not on a terminal (the journal, CI, a pipe): no spinner and no
+    byte progress, one line per phase when it ends, ``ok|failed NAME SECONDS s``, and
+    messages as they come; nothing is wrapped (:mod:`warmctl.cli.output`).
+    """
 
     def __init__(self, quiet: bool = False) -> None:
         super().__init__()
-        from rich.console import Console
+        from warmctl.cli.output import err
 
-        self.console = Console(stderr=True)
+        self.console = err()
         self.quiet = quiet
+        self.live = self.console.is_terminal
         self._status = None
 
     def started(self, name: str, desc: str) -> None:
-        if not self.quiet:
+        if not self.quiet and self.live:
             self._status = self.console.status(f"[bold]{name}[/] {desc}")
             self._status.start()
 
@@ -74,9 +81,13 @@ class ConsoleReporter(Reporter):
         if self._status:
             self._status.stop()
             self._status = None
-        if not self.quiet:
+        if self.quiet:
+            return
+        if self.live:
             mark = "[green]ok[/]" if ok else "[red]failed[/]"
             self.console.print(f"  {mark} {name:<18} {seconds:8.2f} s")
+        else:
+            self.console.print(f"{'ok' if ok else 'failed'} {name} {seconds:.2f} s", markup=False, highlight=False)
 
     def info(self, msg: str) -> None:
         if not self.quiet:

@@ -3,7 +3,8 @@
 Each area registers its commands from its own module (``core``: snapshot/up/down/status/ls;
 ``store``: push/pull/verify/gc/du; ``catalog``: host/catalog/keygen/config; ``bench``;
 ``agent``). Expected failures (:class:`warmctl.errors.WarmctlError`) print one clear message
-to stderr and exit non-zero; nothing else is caught.
+to stderr and exit non-zero; nothing else is caught. How output looks on terminals and in logs
+(no hard wrapping off a terminal, NO_COLOR, ``--json``): :mod:`warmctl.cli.output`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from warmctl.errors import WarmctlError
@@ -27,7 +27,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
-err_console = Console(stderr=True)
 
 
 def _register() -> None:
@@ -39,12 +38,15 @@ def _register() -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    from warmctl.cli.output import err, plain_usage_errors
+
     _register()
+    plain_usage_errors()
     try:
         app()
     except WarmctlError as e:
         # soft_wrap: one line however long (no wrapping at the terminal's or 80 columns)
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        err().print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         _exit(e.exit_code)
     except SystemExit as e:  # how click ends every command, successful or not
         _exit(e.code)

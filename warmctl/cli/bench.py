@@ -13,12 +13,12 @@ from typing import Optional
 
 import httpx
 import typer
-from rich.console import Console
 
+from warmctl.cli import output as _output
 from warmctl.errors import EngineError
 
-out = Console()
-err = Console(stderr=True)
+out = _output.out()
+err = _output.err()
 
 
 def resolve_target(target: str) -> str:

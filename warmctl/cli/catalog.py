@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
+
+from warmctl.cli.output import JsonOpt, emit_json, table
+from warmctl.cli.output import out as _out
 
 ConfigOpt = typer.Option(None, "--config", help="Config file (default: $WARMCTL_CONFIG or /etc/warmctl/config.toml).")
 CatalogOpt = typer.Option(None, "--catalog", help="Store URL holding the catalog (default: the `catalog` setting).")
@@ -42,11 +43,11 @@ def _size(n: int) -> str:
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to ``app``."""
-    out = Console(highlight=False, soft_wrap=True, markup=False)
+    out = _out(highlight=False, soft_wrap=True, markup=False)
 
     @app.command()
     def host(
-        as_json: bool = typer.Option(False, "--json", help="Print the fingerprint as JSON (what snapshots record)."),
+        as_json: bool = typer.Option(False, "--json", help="Print the fingerprint as JSON (what snapshots record; docs/cli-json.md)."),
         config: Optional[Path] = ConfigOpt,
     ) -> None:
         """Show what restore compatibility depends on: GPUs, driver, CPU, kernel, CRIU, engine."""
@@ -55,7 +56,7 @@ def register(app: typer.Typer) -> None:
         s = _settings(config)
         fp = fingerprint(criu=s.criu)
         if as_json:
-            typer.echo(json.dumps(fp.model_dump(mode="json"), indent=2, sort_keys=True))
+            emit_json(fp.model_dump(mode="json"))
             return
         out.print(f"host         {fp.hostname} ({fp.arch}, kernel {fp.kernel})")
         if fp.gpus:
@@ -78,7 +79,7 @@ def register(app: typer.Typer) -> None:
     @cat.command("ls")
     def catalog_ls(
         catalog: Optional[str] = CatalogOpt,
-        as_json: bool = typer.Option(False, "--json"),
+        as_json: bool = JsonOpt,
         config: Optional[Path] = ConfigOpt,
     ) -> None:
         """List names, their tags and for which hosts snapshots exist."""
@@ -90,21 +91,21 @@ def register(app: typer.Typer) -> None:
                 for e in c.entries(name, tag):
                     rows.append((name, tag, e))
         if as_json:
-            typer.echo(json.dumps([e.model_dump(mode="json") for _, _, e in rows], indent=2))
+            emit_json([e.model_dump(mode="json") for _, _, e in rows])
             return
         if not rows:
             out.print(f"no snapshots published in the catalog at {c.location()}")
             return
-        t = Table("name", "tag", "manifest", "created", "size", "host")
         from warmctl.host import HostFingerprint
 
+        lines = []
         for name, tag, e in rows:
             try:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
-            t.add_row(name, tag, e.manifest[:19], e.created.strftime("%Y-%m-%d %H:%M"), _size(e.size), hs)
-        out.print(t)
+            lines.append((name, tag, e.manifest[:19], e.created.strftime("%Y-%m-%d %H:%M"), _size(e.size), hs))
+        table(("name", "tag", "manifest", "created", "size", "host"), lines, console_=out)
 
     @cat.command("show")
     def catalog_show(
@@ -197,7 +198,6 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps({f: {"value": v, "source": src} for f, v, src in rows}, indent=2))
             return
-        t = Table("setting", "value", "source")
-        for f, v, src in rows:
-            t.add_row(f, "-" if v is None else (", ".join(v) if isinstance(v, list) else str(v)), src)
-        out.print(t)
+        table(("setting", "value", "source"),
+              [(f, "-" if v is None else (", ".join(v) if isinstance(v, list) else str(v)), src) for f, v, src in rows],
+              console_=out)

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 import warmctl
+from warmctl.cli.output import JsonOpt, emit_json, table
+from warmctl.cli.output import out as _out
 from warmctl.config import load_settings
 from warmctl.errors import WarmctlError
 from warmctl.profile import ProfileError, load_profile
 from warmctl.progress import ConsoleReporter
-
-out = Console()
 
 
 def _human(n: float) -> str:
@@ -42,6 +39,7 @@ def register(app: typer.Typer) -> None:
         push: Optional[bool] = typer.Option(None, "--push/--no-push",
                                             help="Publish to the remote store after the local one (default: when remote_store is set)."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress, only the result."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Cold-start the engine of PROFILE, warm it up, record the canary, and checkpoint it
         into the local store as NAME:TAG; then, with a remote store configured, publish it
@@ -69,7 +67,12 @@ def register(app: typer.Typer) -> None:
                    if (p.name in PHASE_NAMES and p.seconds > 0) or p.name in ("other", "cold_start")}
         if startup:
             rep.info("engine start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in startup.items()))
-        out.print(f"{prof.name}:{tag} {res.digest} ({_human(res.size)})")
+        if json_out:
+            emit_json({"name": prof.name, "tag": tag, "digest": res.digest, "size": res.size,
+                       "profile_digest": prof.digest(), "pushed_to": push_to,
+                       "timings_s": {p.name: p.seconds for p in res.manifest.phases}})
+            return
+        _out().print(f"{prof.name}:{tag} {res.digest} ({_human(res.size)})", highlight=False)
 
     @app.command()
     def up(
@@ -77,7 +80,7 @@ def register(app: typer.Typer) -> None:
         port: Optional[int] = typer.Option(None, help="Public port (default: the profile's, 8000)."),
         host: Optional[str] = typer.Option(None, help="Public address to listen on (default: the profile's)."),
         snapshot_after: bool = typer.Option(False, "--snapshot-after", help="On the cold path, snapshot the warmed engine (it keeps serving)."),
-        json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+        json_out: bool = JsonOpt,
         insecure: bool = typer.Option(False, "--insecure-skip-signature-check",
                                       help="INSECURE: restore an unsigned or untrusted snapshot (a snapshot is executable state)."),
         cold_start: Optional[str] = typer.Option(None, "--cold-start", metavar="fallback|never",
@@ -129,21 +132,18 @@ def register(app: typer.Typer) -> None:
                          snapshot_after=snapshot_after, insecure=insecure)
         st = res.state
         if json_out:
-            out.print_json(json.dumps({"name": st.name, "source": res.source, "already_up": res.already_up,
-                                       "path": res.outcome, "reason": res.reason,
-                                       "snapshot": res.snapshot_digest, "public": f"{st.public_host}:{st.public_port}",
-                                       "fetched": res.fetched, "timings_s": res.timings}))
+            emit_json({"name": st.name, "source": res.source, "already_up": res.already_up,
+                       "path": res.outcome, "reason": res.reason,
+                       "snapshot": res.snapshot_digest, "public": f"{st.public_host}:{st.public_port}",
+                       "pid": st.root_pid, "fetched": res.fetched, "timings_s": res.timings})
             return
+        o = _out(highlight=False)
         if res.already_up:
-            out.print(f"{st.name} is already up on {st.public_host}:{st.public_port} (pid {st.root_pid}); nothing changed")
+            o.print(f"{st.name} is already up on {st.public_host}:{st.public_port} (pid {st.root_pid}); nothing changed")
             return
-        t = Table(title=f"{st.name} up ({res.source})", show_header=True)
-        t.add_column("phase")
-        t.add_column("seconds", justify="right")
-        for k, v in res.timings.items():
-            t.add_row(k, f"{v:.2f}")
-        out.print(t)
-        out.print(f"serving {st.served_model_name} on http://{st.public_host}:{st.public_port}/v1")
+        table(("phase", "seconds"), [(k, f"{v:.2f}") for k, v in res.timings.items()],
+              title=f"{st.name} up ({res.source})", console_=o)
+        o.print(f"serving {st.served_model_name} on http://{st.public_host}:{st.public_port}/v1")
 
     @app.command()
     def down(name: str = typer.Argument(..., help="Engine NAME."),
@@ -162,12 +162,12 @@ def register(app: typer.Typer) -> None:
             st = AgentClient.from_settings(settings).down(name, now=now)
         else:
             st = run_down(name, settings, now=now)
-        out.print(f"{name} is down" if st else f"{name} is not up; nothing to do")
+        _out(highlight=False).print(f"{name} is down" if st else f"{name} is not up; nothing to do")
 
     @app.command()
     def status(
         name: Optional[str] = typer.Argument(None, help="Only this engine."),
-        json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Engines on this host: phase, processes, health, public port, restore timings."""
         from warmctl.lifecycle import status as run_status
@@ -179,27 +179,27 @@ def register(app: typer.Typer) -> None:
         else:
             rows = run_status(settings, name)
         if json_out:
-            out.print_json(json.dumps([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
-                                        "gate_alive": r.gate_alive, "healthy": r.healthy} for r in rows]))
+            emit_json([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
+                        "gate_alive": r.gate_alive, "healthy": r.healthy} for r in rows])
+            if name and not rows:
+                raise typer.Exit(1)
             return
         if not rows:
-            out.print("no engines" + (f" named {name}" if name else ""))
+            _out().print("no engines" + (f" named {name}" if name else ""))
             raise typer.Exit(1 if name else 0)
-        t = Table()
-        for c in ("name", "phase", "source", "pid", "public", "healthy", "snapshot"):
-            t.add_column(c)
+        lines = []
         for r in rows:
             s = r.state
             phase = s.phase if r.engine_alive else f"{s.phase} (engine dead)"
             public = (f"{'https' if s.gate_tls else 'http'}://{s.public_host}:{s.public_port}"
                       f" ({'key' if s.gate_api_key else 'no key'})") if r.gate_alive else "closed"
-            t.add_row(s.name, phase, s.source, str(s.root_pid), public,
-                      "yes" if r.healthy else "no", (s.manifest_digest or "")[:19])
-        out.print(t)
+            lines.append((s.name, phase, s.source, str(s.root_pid), public,
+                          "yes" if r.healthy else "no", (s.manifest_digest or "")[:19]))
+        table(("name", "phase", "source", "pid", "public", "healthy", "snapshot"), lines)
 
     @app.command("ls")
     def ls(
-        json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
+        json_out: bool = JsonOpt,
         remote: bool = typer.Option(False, "--remote", help="List the remote store's catalog instead of the local one."),
     ) -> None:
         """Snapshots named in the local store's catalog (or the remote's): NAME:TAG, digest, size,
@@ -211,14 +211,12 @@ def register(app: typer.Typer) -> None:
             raise WarmctlError("--remote: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
         rows = snapshots(settings, settings.remote_store if remote else None)
         if json_out:
-            out.print_json(json.dumps([{"name": e.name, "tag": e.tag, "digest": e.manifest, "size": e.size,
-                                        "created": e.created.isoformat(), "host": e.host} for e, _ in rows]))
+            emit_json([{"name": e.name, "tag": e.tag, "digest": e.manifest, "size": e.size,
+                        "created": e.created.isoformat(), "host": e.host} for e, _ in rows])
             return
-        t = Table()
-        for c in ("snapshot", "digest", "size", "created", "cold start", "host"):
-            t.add_column(c)
         from warmctl.host import HostFingerprint
 
+        lines = []
         for e, m in rows:
             # launch to healthy: the cold_start phase (manifests before it was the only one also
             # carry the same figure as "total")
@@ -227,9 +225,9 @@ def register(app: typer.Typer) -> None:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
-            t.add_row(f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
-                      f"{total:.0f} s" if total else "", hs)
-        out.print(t)
+            lines.append((f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
+                          f"{total:.0f} s" if total else "", hs))
+        table(("snapshot", "digest", "size", "created", "cold start", "host"), lines)
 
     @app.command("rm")
     def rm(
@@ -250,7 +248,7 @@ def register(app: typer.Typer) -> None:
         r = Ref.parse(ref)
         removed = remove_snapshot(settings, r.name, r.tag, remote=remote)
         for where, digests in removed.items():
-            out.print(f"{r}: removed {len(digests)} entr{'y' if len(digests) == 1 else 'ies'} from {where}"
+            _out().print(f"{r}: removed {len(digests)} entr{'y' if len(digests) == 1 else 'ies'} from {where}"
                       + (f" ({', '.join(d[:19] for d in digests)})" if digests else " (nothing there)"), highlight=False)
 
     model_app = typer.Typer(help="Models warmctl builds itself.", no_args_is_help=True)
@@ -261,4 +259,4 @@ def register(app: typer.Typer) -> None:
         """Build the `tiny` model (2-layer Llama, fixed seed, local tokenizer) if missing; print its path."""
         from warmctl import tinymodel
 
-        out.print(str(tinymodel.build(tinymodel.model_dir(load_settings().models_dir))))
+        _out().print(str(tinymodel.build(tinymodel.model_dir(load_settings().models_dir))))

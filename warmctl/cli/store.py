@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Optional
 
+import dataclasses
+
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -21,21 +22,20 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
 
+from warmctl.cli.output import JsonOpt, emit_json, table
+from warmctl.cli.output import err as _console
+from warmctl.cli.output import out as _out
 from warmctl.errors import IntegrityError, WarmctlError
-
-def _console() -> Console:  # created per use, so COLUMNS and redirections made later apply
-    return Console(stderr=True)
-
-
-def _out() -> Console:
-    return Console()
 
 
 @contextmanager
 def byte_progress(desc: str, total: int | None) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar (bytes, bytes/s, ETA) on stderr; yields ``advance(n_bytes)``."""
+    """A rich progress bar (bytes, bytes/s, ETA) on stderr when stderr is a terminal, else
+    nothing (the result line says what was moved); yields ``advance(n_bytes)``."""
+    if not _console().is_terminal:
+        yield lambda n: None
+        return
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -77,9 +77,10 @@ def _remote(url: Optional[str], flag: str):
         raise WarmctlError(str(e)) from None
 
 
-def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False) -> None:
+def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: bool = False) -> None:
     """Copy the catalog entries of ``ref`` with their data (:mod:`warmctl.fleet`), one progress
-    bar, one summary line per entry."""
+    bar, one summary line per entry (``json_out``: a JSON list on stdout instead, one object
+    per entry, docs/cli-json.md)."""
     from warmctl.catalog import Ref
     from warmctl.config import load_settings
     from warmctl.fleet import copy_entry, entries_to_copy
@@ -98,6 +99,12 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False) -> None:
     finally:  # locks released now, also on failure (not at interpreter exit)
         src.close()
         dst.close()
+    if json_out:
+        emit_json([{"name": c.entry.name, "tag": c.entry.tag, "digest": c.report.digest,
+                    "from": src.location, "to": dst.location, "chunks_total": c.report.chunks_total,
+                    "chunks_copied": c.report.chunks_copied, "bytes_copied": c.report.bytes_copied,
+                    "logical": c.report.logical, "seconds": c.report.seconds} for c in done])
+        return
     for c in done:
         rep = c.report
         rate = rep.bytes_copied / rep.seconds if rep.seconds else 0
@@ -136,6 +143,7 @@ def register(app: typer.Typer) -> None:
         ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="Snapshot in the local store (tag defaults to 'latest')."),
         to: Optional[str] = typer.Option(None, "--to", help="Destination store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Publish NAME:TAG to a remote store: for each of its catalog entries (one per kind of
         host), the chunks the remote lacks (verified), the manifest, its signatures, then the
@@ -145,7 +153,7 @@ def register(app: typer.Typer) -> None:
         Safe to interrupt and rerun: only what is missing is sent. Example:
         `warmctl push tiny:latest --to s3://my-bucket/warmctl`
         """
-        _copy(_local(store), _remote(to, "--to"), ref, "push")
+        _copy(_local(store), _remote(to, "--to"), ref, "push", json_out=json_out)
 
     @app.command()
     def pull(
@@ -153,6 +161,7 @@ def register(app: typer.Typer) -> None:
         from_: Optional[str] = typer.Option(None, "--from", help="Source store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
         all_hosts: bool = typer.Option(False, "--all", help="Every kind of host's snapshot of NAME:TAG, not only this host's."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Fetch NAME:TAG into the local store: the snapshot this host would restore (by the
         catalog's rules; `--all` for every kind of host), each chunk verified against its digest,
@@ -163,12 +172,13 @@ def register(app: typer.Typer) -> None:
         only once every chunk and the manifest are in place. Example:
         `warmctl pull tiny --from s3://my-bucket/warmctl`
         """
-        _copy(_remote(from_, "--from"), _local(store), ref, "pull", for_this_host=not all_hosts)
+        _copy(_remote(from_, "--from"), _local(store), ref, "pull", for_this_host=not all_hosts, json_out=json_out)
 
     @app.command()
     def verify(
         refs: Optional[list[str]] = typer.Argument(None, metavar="[NAME[:TAG]|NAME@DIGEST]...", help="Snapshots to check (default: every manifest)."),
         store: Optional[str] = typer.Option(None, "--store", help="Store to check: directory or s3://bucket/prefix (default: local store)."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Re-hash every chunk of the store's snapshots; name each missing or corrupt chunk.
 
@@ -178,7 +188,10 @@ def register(app: typer.Typer) -> None:
         digests = _digests(s, refs)
         with byte_progress("verify", None) as advance:
             rep = s.verify(digests, progress=advance)
-        _out().print(str(rep), highlight=False)
+        if json_out:
+            emit_json({"store": s.location, "ok": rep.ok, **dataclasses.asdict(rep)})
+        else:
+            _out().print(str(rep), highlight=False)
         if not rep.ok:
             raise IntegrityError(f"store {s.location}: {len(rep.missing)} missing, {len(rep.corrupt)} corrupt chunk(s), {len(rep.bad_manifests)} bad manifest(s)")
 
@@ -187,6 +200,7 @@ def register(app: typer.Typer) -> None:
         grace: float = typer.Option(300.0, "--grace", help="Keep unreferenced objects younger than this many seconds."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be removed."),
         store: Optional[str] = typer.Option(None, "--store", help="Store to clean: directory or s3://bucket/prefix (default: local store)."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Remove snapshots that no catalog entry names any more, and chunks no kept manifest uses.
 
@@ -204,25 +218,31 @@ def register(app: typer.Typer) -> None:
             cat.migrate()
         rep = s.gc(keep=cat.referenced_manifests(), grace=grace, dry_run=dry_run)
         verb = "would remove" if dry_run else "removed"
-        _out().print(
-            f"{verb} {rep.chunks_removed} chunks ({_human(rep.bytes_removed)}), {len(rep.manifests_removed)} manifests, "
-            f"{rep.tmp_removed} temp files, {rep.locks_removed} stale locks; kept {rep.chunks_kept} chunks of "
-            f"{rep.manifests_kept} manifests ({rep.chunks_too_new} unreferenced but younger than {grace:g} s)",
-            highlight=False,
-        )
+        gone = None
         if store is None:  # the local store's gc also drops kept images of snapshots it no longer holds
             from warmctl.checkpoint.imagecache import ImageCache
             from warmctl.config import load_settings
 
             cache = ImageCache.for_settings(load_settings())
             gone = cache.prune(keep_digests=set(s.list_manifests()), unused_for=grace, dry_run=dry_run)
-            if gone:
-                _out().print(f"{verb} {len(gone)} kept restore image(s) ({_human(sum(e.bytes for e in gone))}) "
-                             f"from {cache.root}", highlight=False)
+        if json_out:
+            emit_json({"store": s.location, "grace_s": grace, **dataclasses.asdict(rep),
+                       "images_removed": None if gone is None else [{"digest": e.digest, "bytes": e.bytes} for e in gone]})
+            return
+        _out().print(
+            f"{verb} {rep.chunks_removed} chunks ({_human(rep.bytes_removed)}), {len(rep.manifests_removed)} manifests, "
+            f"{rep.tmp_removed} temp files, {rep.locks_removed} stale locks; kept {rep.chunks_kept} chunks of "
+            f"{rep.manifests_kept} manifests ({rep.chunks_too_new} unreferenced but younger than {grace:g} s)",
+            highlight=False,
+        )
+        if gone:
+            _out().print(f"{verb} {len(gone)} kept restore image(s) ({_human(sum(e.bytes for e in gone))}) "
+                         f"from {cache.root}", highlight=False)
 
     @app.command()
     def du(
         store: Optional[str] = typer.Option(None, "--store", help="Store to measure: directory or s3://bucket/prefix (default: local store)."),
+        json_out: bool = JsonOpt,
     ) -> None:
         """Space used per snapshot: file bytes, stored bytes, and how much is shared with others.
 
@@ -232,28 +252,24 @@ def register(app: typer.Typer) -> None:
 
         s = _remote(store, "--store") if store else _local(None)
         rep = s.du(names=Catalog(s).names_of())
-        t = Table(title=f"store {s.location}")
-        for col in ("manifest", "tags", "files", "stored", "unique", "shared", "zero"):
-            t.add_column(col, justify="left" if col in ("manifest", "tags") else "right", overflow="fold")
-        for r in rep.rows:
-            t.add_row(
-                r.digest[:19] + ("" if not r.missing_chunks else f" ({r.missing_chunks} missing)"),
-                ", ".join(r.tags) or f"({r.name}, unnamed: gc removes it)",
-                _human(r.logical),
-                _human(r.stored),
-                _human(r.unique),
-                _human(r.shared),
-                _human(r.zero),
-            )
-        _out().print(t)
-        _out().print(f"total stored {_human(rep.total_stored)} in {rep.chunk_count} chunks; unreferenced {_human(rep.unreferenced)}", highlight=False)
+        entries = None
         if store is None:
             from warmctl.checkpoint.imagecache import ImageCache
             from warmctl.config import load_settings
 
             cache = ImageCache.for_settings(load_settings())
             entries = cache.entries()
-            if entries:
-                _out().print(f"kept restore images ({cache.root}): {len(entries)}, {_human(sum(e.bytes for e in entries))} "
-                             "on disk: " + ", ".join(e.digest[:19] for e in entries), highlight=False)
-
+        if json_out:
+            emit_json({"store": s.location, **dataclasses.asdict(rep),
+                       "images": None if entries is None else [{"digest": e.digest, "bytes": e.bytes} for e in entries]})
+            return
+        table(("manifest", "tags", "files", "stored", "unique", "shared", "zero"),
+              [(r.digest[:19] + ("" if not r.missing_chunks else f" ({r.missing_chunks} missing)"),
+                ", ".join(r.tags) or f"({r.name}, unnamed: gc removes it)",
+                _human(r.logical), _human(r.stored), _human(r.unique), _human(r.shared), _human(r.zero))
+               for r in rep.rows],
+              title=f"store {s.location}")
+        _out().print(f"total stored {_human(rep.total_stored)} in {rep.chunk_count} chunks; unreferenced {_human(rep.unreferenced)}", highlight=False)
+        if entries:
+            _out().print(f"kept restore images ({cache.root}): {len(entries)}, {_human(sum(e.bytes for e in entries))} "
+                         "on disk: " + ", ".join(e.digest[:19] for e in entries), highlight=False)
