@@ -74,14 +74,50 @@ RULES = (
     "arch: same machine architecture (x86_64, aarch64, ...)",
     "gpu: a GPU snapshot needs GPUs, a CPU-only snapshot needs a host without GPUs",
     "gpu model and count: the same multiset of GPU models",
-    "driver: the same NVIDIA driver version (exact; 'major' policy: same major branch)",
+    "driver: the same GPU driver version, NVIDIA or amdgpu (exact; 'major' policy: same major branch)",
+    "gpu memory (AMD): every GPU has at least the VRAM of the one it replaces",
+    "gpu firmware (AMD): MEC and SDMA firmware on the restoring GPUs not older than at snapshot",
     "cpu: the host has every CPU feature recorded at snapshot (IGNORED_CPU_FLAGS excepted)",
     "criu: CRIU installed, same major version, not older than at snapshot",
+    "criu plugin (AMD): CRIU's amdgpu plugin (amdgpu_plugin.so) in CRIU's plugin directory",
+    "known bad: no combination listed in KNOWN_BAD (e.g. CRIU 4.2.x restoring AMD GPU state)",
     "engine: the same engine version",
     "environment: the same environment digest (installed distributions)",
 )
 
 DriverPolicy = Literal["exact", "major"]
+
+#: The CRIU plugin that saves and restores AMD GPU state (KFD ioctls; ``plugins/amdgpu`` in CRIU).
+AMDGPU_PLUGIN = "amdgpu_plugin.so"
+
+
+class KnownBad(BaseModel):
+    """A combination that is reported broken: a snapshot of ``vendor`` GPUs restored by a CRIU
+    whose version starts with ``criu_prefix`` (``(4, 2)``: every 4.2.x). ``reason`` says what
+    breaks and cites where it was reported."""
+
+    vendor: str
+    criu_prefix: tuple[int, ...]
+    reason: str
+
+
+#: Known-bad combinations, checked by the "known bad" rule (see ``catalog/README.md``).
+KNOWN_BAD = (
+    KnownBad(
+        vendor="amd", criu_prefix=(4, 2),
+        reason=("CRIU 4.2's amdgpu plugin restores buffer objects in parallel and has no switch to turn "
+                "that off; reported to crash PyTorch after restore (checkpoint-restore/criu#2812, and "
+                "#2814: 'We currently don't have a way of disabling the parallel restore'). Use a CRIU "
+                "with that fixed, or prove on the target that warmctl's trees are unaffected "
+                "(docs/gpu.md, AMD Instinct)"),
+    ),
+)
+
+
+def _pairwise_at_least(snap: list[int], host: list[int]) -> bool:
+    """True when every value of ``snap`` can be given its own value of ``host`` that is at
+    least as large (sorted pairing; same lengths assumed, as the GPU rule checked)."""
+    return len(snap) == len(host) and all(h >= v for v, h in zip(sorted(snap), sorted(host)))
 
 
 class CatalogError(WarmctlError):
@@ -220,7 +256,12 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
         sd, hd = snap.driver_version or "?", host.driver_version or "?"
         same = sd == hd if driver == "exact" else sd.split(".")[0] == hd.split(".")[0]
         if not same:
-            return "driver", f"driver {sd} != host {hd}" + (" (major)" if driver == "major" else "")
+            kind = "amdgpu driver" if snap.gpu_vendor == "amd" else "driver"
+            return "driver", f"{kind} {sd} != host {hd}" + (" (major)" if driver == "major" else "")
+    if snap.gpu_vendor == "amd":
+        failed = _check_amd_gpus(snap, host)
+        if failed:
+            return failed
     missing = sorted(compatible_flags(snap.cpu.flags) - set(host.cpu.flags))
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
@@ -231,6 +272,10 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
         sv, hv = _version_tuple(snap.criu_version), _version_tuple(host.criu_version)
         if not sv or not hv or sv[0] != hv[0] or hv < sv:
             return "criu", f"criu {snap.criu_version} at snapshot; host has {host.criu_version} (need same major, not older)"
+    if snap.gpu_vendor == "amd":
+        failed = _check_amd_criu(snap, host)
+        if failed:
+            return failed
     if snap.engine_version != host.engine_version:
         return "engine", f"{snap.engine} {snap.engine_version or 'absent'} != host {host.engine_version or 'absent'}"
     if snap.env_digest != host.env_digest:
@@ -238,6 +283,42 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
             f"environment digest {snap.env_digest[:19]}... != host {host.env_digest[:19]}... "
             "(installed Python distributions differ)"
         )
+    return None
+
+
+def _check_amd_gpus(snap: HostFingerprint, host: HostFingerprint) -> tuple[str, str] | None:
+    """The AMD GPU rules CRIU's amdgpu plugin would otherwise fail late on, at restore
+    (``amdgpu_plugin_topology.c``, ``device_properties_match``: ``vram_size``, ``fw_version`` and
+    ``sdma_fw_version`` of the restoring GPU >= the dumped one's). GPUs may be matched in any
+    order, as the plugin maps them; each number is compared by sorted pairing."""
+    sm, hm = [g.memory_bytes for g in snap.gpus], [g.memory_bytes for g in host.gpus]
+    if not _pairwise_at_least(sm, hm):
+        return "gpu memory", (f"GPU memory at snapshot {_gib(sm)} GiB; host has {_gib(hm)} GiB "
+                              "(each restoring GPU needs at least the VRAM of the one dumped)")
+    for key, what in (("fw_version", "MEC firmware"), ("sdma_fw_version", "SDMA firmware")):
+        sv = [getattr(g, key) or 0 for g in snap.gpus]
+        hv = [getattr(g, key) or 0 for g in host.gpus]
+        if not _pairwise_at_least(sv, hv):
+            return "gpu firmware", (f"{what} ({key}) at snapshot {sorted(set(sv))}, host {sorted(set(hv))}: "
+                                    "older firmware on the restoring GPUs (CRIU's amdgpu plugin refuses that at restore)")
+    return None
+
+
+def _gib(values: list[int]) -> list[float]:
+    return sorted({round(v / 2**30, 1) for v in values})
+
+
+def _check_amd_criu(snap: HostFingerprint, host: HostFingerprint) -> tuple[str, str] | None:
+    """AMD snapshots need CRIU's amdgpu plugin on the host, and no :data:`KNOWN_BAD` CRIU."""
+    if AMDGPU_PLUGIN not in (host.criu_plugins or []):
+        where = host.criu_plugin_dir or "CRIU's plugin directory"
+        return "criu plugin", (f"snapshot holds AMD GPU state, restored by CRIU's {AMDGPU_PLUGIN}; not in {where} "
+                               f"(found: {', '.join(host.criu_plugins or []) or 'nothing'}; install CRIU's amdgpu "
+                               "plugin or set CRIU_LIBS_DIR)")
+    hv = _version_tuple(host.criu_version or "")
+    for bad in KNOWN_BAD:
+        if bad.vendor == snap.gpu_vendor and hv[: len(bad.criu_prefix)] == bad.criu_prefix:
+            return "known bad", f"criu {host.criu_version} with {bad.vendor.upper()} GPUs: {bad.reason}"
     return None
 
 
@@ -296,6 +377,9 @@ def compat_key(host: dict[str, Any]) -> str:
             "engine": fp.engine_version,
             "env": fp.env_digest,
         }
+        if fp.gpu_vendor == "amd":  # what the AMD rules compare besides (NVIDIA keys unchanged)
+            crit["amd"] = {"memory": sorted(g.memory_bytes for g in fp.gpus),
+                           "fw": sorted((g.fw_version or 0, g.sdma_fw_version or 0) for g in fp.gpus)}
     except ValidationError:
         crit = {"raw": host}
     return "sha256:" + hashlib.sha256(json.dumps(crit, sort_keys=True).encode()).hexdigest()

@@ -10,6 +10,13 @@ Sources, per field:
   a clean "no GPU": ``gpus == []`` and ``gpu_reason`` says why. *Only that branch is exercised
   by the test suite (the development machines have no GPU); the NVML branch follows NVIDIA's
   documented API and is not mocked.*
+- AMD GPUs (when NVML finds none): the kernel's KFD topology in sysfs, with ``amdsmi`` for the
+  market name, UUID and driver version where it is importable (:mod:`warmctl.checkpoint.kfd`;
+  ``$WARMCTL_SYSFS_ROOT`` moves the sysfs root, which is how the tests run it). ``driver_version``
+  is then the amdgpu driver's (``/sys/module/amdgpu/version``, or ``<kernel release>
+  (in-kernel)``), ``cuda_driver_version`` is ``None``, ``gpu_source`` says which path answered,
+  and ``criu_plugins`` lists the plugins in CRIU's plugin directory (the amdgpu plugin does the
+  GPU part of a dump and restore there). Not run on AMD hardware.
 - CPU model and feature flags: ``/proc/cpuinfo`` (the flags present on *every* listed processor,
   i.e. the intersection, sorted). CRIU's ``--cpu-cap`` check at restore compares these features;
   a restored process may also have chosen code paths (AVX-512 kernels, say) from them at start.
@@ -35,9 +42,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from warmctl.checkpoint.kfd import gfx_name
 
 #: Version of the fingerprint document; :func:`warmctl.catalog.select` rejects unknown ones.
 FINGERPRINT_FORMAT = 1
@@ -53,13 +62,26 @@ class _M(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GpuInfo(_M):
-    """One GPU as NVML reports it.
+#: GpuInfo keys written only for AMD GPUs (left out of the JSON when unset, so NVIDIA and
+#: CPU fingerprints are what they were before AMD support).
+_AMD_KEYS = ("vendor", "kfd_node", "kfd_gpu_id", "gfx_target_version", "device_id", "simd_count",
+             "num_xcc", "fw_version", "sdma_fw_version", "drm_render_minor")
 
-    ``index``: NVML device index; ``name``: model string (e.g. ``NVIDIA H200``);
-    ``memory_bytes``: total framebuffer memory in bytes; ``uuid``: ``GPU-...``;
-    ``persistence_mode``: whether the driver's persistence mode is on (``None`` if unknown);
-    ``compute_capability``: ``"9.0"`` style, ``None`` if unknown.
+
+class GpuInfo(_M):
+    """One GPU as NVML (or, for AMD, KFD and amdsmi) reports it.
+
+    ``index``: NVML device index (AMD: position among the KFD topology's GPU nodes); ``name``:
+    model string (e.g. ``NVIDIA H200``; AMD: amdsmi's market name, else ``AMD gfx950``);
+    ``memory_bytes``: total framebuffer memory in bytes; ``uuid``: ``GPU-...`` (AMD: amdsmi's
+    UUID, else ``KFD-<unique_id hex>``); ``persistence_mode``: whether the driver's persistence
+    mode is on (``None`` if unknown); ``compute_capability``: ``"9.0"`` style, ``None`` if unknown.
+
+    AMD only (from the node's KFD ``properties``; see :mod:`warmctl.checkpoint.kfd`): ``vendor``
+    ``"amd"``, ``kfd_node``, ``kfd_gpu_id``, ``gfx_target_version`` (90500 = gfx950),
+    ``device_id`` (PCI), ``simd_count``, ``num_xcc``, ``fw_version`` (MEC firmware),
+    ``sdma_fw_version``, ``drm_render_minor``. CRIU's amdgpu plugin refuses a restore onto a GPU
+    whose device properties differ or whose firmware is older than at dump.
     """
 
     index: int
@@ -68,6 +90,37 @@ class GpuInfo(_M):
     uuid: str
     persistence_mode: bool | None = None
     compute_capability: str | None = None
+    vendor: Literal["nvidia", "amd"] = "nvidia"
+    kfd_node: int | None = None
+    kfd_gpu_id: int | None = None
+    gfx_target_version: int | None = None
+    device_id: int | None = None
+    simd_count: int | None = None
+    num_xcc: int | None = None
+    fw_version: int | None = None
+    sdma_fw_version: int | None = None
+    drm_render_minor: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _amd_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("vendor") == "nvidia":
+            del data["vendor"]
+        for k in _AMD_KEYS[1:]:
+            if data.get(k) is None:
+                data.pop(k, None)
+        return data
+
+    def model_key(self) -> str:
+        """What the catalog compares as "the same GPU model": NVML's name for NVIDIA; for AMD the
+        chip as KFD describes it, ``AMD gfx950 (device 0x75a3, 1024 SIMDs)`` (the properties
+        CRIU's amdgpu plugin requires to be equal, in short; the market name depends on the
+        amdsmi version and is not compared)."""
+        if self.vendor != "amd":
+            return self.name
+        gfx = gfx_name(self.gfx_target_version) if self.gfx_target_version else "gfx?"
+        dev = f"{self.device_id:#06x}" if self.device_id is not None else "?"
+        return f"AMD {gfx} (device {dev}, {self.simd_count if self.simd_count is not None else '?'} SIMDs)"
 
 
 class CpuInfo(_M):
@@ -104,14 +157,31 @@ class HostFingerprint(_M):
     engine_version: str | None = None
     python_version: str = ""
     env_digest: str = ""
+    gpu_source: str | None = None
+    criu_plugin_dir: str | None = None
+    criu_plugins: list[str] | None = None
+
+    @model_serializer(mode="wrap")
+    def _amd_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for k in ("gpu_source", "criu_plugin_dir", "criu_plugins"):
+            if data.get(k) is None:
+                data.pop(k, None)
+        return data
 
     @property
     def gpu_count(self) -> int:
         return len(self.gpus)
 
+    @property
+    def gpu_vendor(self) -> str | None:
+        """``"nvidia"`` or ``"amd"`` (that of the first GPU), ``None`` without GPUs."""
+        return self.gpus[0].vendor if self.gpus else None
+
     def gpu_models(self) -> list[str]:
-        """Sorted GPU model names, one per GPU (a multiset: ``["NVIDIA H200", "NVIDIA H200"]``)."""
-        return sorted(g.name for g in self.gpus)
+        """Sorted GPU models, one per GPU (a multiset: ``["NVIDIA H200", "NVIDIA H200"]``);
+        each is :meth:`GpuInfo.model_key`."""
+        return sorted(g.model_key() for g in self.gpus)
 
     def gpu_summary(self) -> str:
         """``2 x NVIDIA H200`` / ``no GPU``; mixed models are joined with ``+``."""
@@ -125,7 +195,9 @@ class HostFingerprint(_M):
     def summary(self) -> str:
         """One line for humans: GPUs, driver, CPU, kernel, criu, engine."""
         gpu = self.gpu_summary()
-        if self.gpus:
+        if self.gpus and self.gpu_vendor == "amd":
+            gpu += f", amdgpu {self.driver_version}"
+        elif self.gpus:
             gpu += f", driver {self.driver_version} (CUDA {self.cuda_driver_version})"
         return (
             f"{gpu}; {self.arch} {self.cpu.model or '?'}; kernel {self.kernel}; "
@@ -226,7 +298,81 @@ def read_gpus() -> tuple[list[GpuInfo], str | None, str | None, str | None]:
     return gpus, driver, cuda, None
 
 
+def read_amd_gpus(root: str | Path | None = None) -> tuple[list[GpuInfo], str | None, str | None, str | None]:
+    """AMD GPUs: ``(gpus, driver_version, source, reason)``.
+
+    The GPU nodes of the KFD topology under the sysfs ``root`` (default ``$WARMCTL_SYSFS_ROOT``
+    or ``/sys``), each with its KFD properties; names, UUIDs and the driver version from
+    ``amdsmi`` when it is importable and answers (``source = "amdsmi+kfd"``), else from sysfs
+    alone (``source = "kfd"``: name ``AMD gfx950``, UUID ``KFD-<unique_id>``, driver from
+    ``module/amdgpu/version``, else ``<kernel release> (in-kernel)``). ``reason`` is ``None``
+    when at least one GPU was found, else why not. Never raises: an unreadable topology is a
+    reason.
+    """
+    from warmctl.checkpoint import kfd
+
+    try:
+        nodes = kfd.read_topology(root)
+    except kfd.KfdError as e:
+        return [], None, None, f"KFD topology unreadable: {e}"
+    if not nodes:
+        where = kfd.sysfs_root(root) / kfd.TOPOLOGY_NODES
+        return [], None, None, f"no AMD GPU in the KFD topology ({where})"
+    smi, _why_not = kfd.amdsmi_facts()
+    gpus: list[GpuInfo] = []
+    for i, n in enumerate(nodes):
+        extra = smi.get(n.gpu_id, {})
+        uid = n.prop("unique_id")
+        gpus.append(GpuInfo(
+            index=i, vendor="amd",
+            name=extra.get("market_name") or f"AMD {n.gfx}",
+            memory_bytes=n.vram_bytes,
+            uuid=extra.get("uuid") or (f"KFD-{uid:016x}" if uid else f"KFD-gpu_id-{n.gpu_id}"),
+            kfd_node=n.node, kfd_gpu_id=n.gpu_id,
+            gfx_target_version=n.prop("gfx_target_version"), device_id=n.prop("device_id"),
+            simd_count=n.prop("simd_count"), num_xcc=n.prop("num_xcc"),
+            fw_version=n.prop("fw_version"), sdma_fw_version=n.prop("sdma_fw_version"),
+            drm_render_minor=n.prop("drm_render_minor"),
+        ))
+    drivers = {x["driver_version"] for x in smi.values() if x.get("driver_version")}
+    driver = (sorted(drivers)[0] if drivers else None) or kfd.driver_version(root) or f"{os.uname().release} (in-kernel)"
+    return gpus, driver, ("amdsmi+kfd" if smi else "kfd"), None
+
+
 # --------------------------------------------------------------------------- CRIU
+
+#: Where CRIU looks for plugins when neither ``--libdir`` nor ``$CRIU_LIBS_DIR`` names a
+#: directory: its build-time ``CR_PLUGIN_DEFAULT`` (``criu/include/plugin.h``), which
+#: ``criu --help`` prints; this is the fallback when the help text does not say.
+CRIU_PLUGIN_DEFAULT = "/usr/lib/criu/"
+_CRIU_LIBDIR_HELP = re.compile(r"--libdir\s+path to a plugin directory \(by default ([^)\s]+)\)")
+
+
+def criu_plugin_dir(criu: str = "criu") -> Path:
+    """CRIU's plugin directory, as CRIU itself picks it (``criu/plugin.c``): ``$CRIU_LIBS_DIR``,
+    else the default its ``--help`` prints for ``--libdir``, else :data:`CRIU_PLUGIN_DEFAULT`."""
+    env = os.environ.get("CRIU_LIBS_DIR")
+    if env:
+        return Path(env)
+    exe = shutil.which(criu) or shutil.which(criu, path=os.pathsep.join(["/usr/local/sbin", "/usr/sbin", "/sbin"]))
+    if exe:
+        try:
+            out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10)
+            m = _CRIU_LIBDIR_HELP.search(out.stdout + out.stderr)
+            if m:
+                return Path(m.group(1))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return Path(CRIU_PLUGIN_DEFAULT)
+
+
+def criu_plugins(directory: Path) -> list[str]:
+    """Sorted names of the ``*.so`` files in ``directory`` (``[]`` when it does not exist)."""
+    try:
+        return sorted(p.name for p in Path(directory).iterdir() if p.name.endswith(".so"))
+    except OSError:
+        return []
+
 
 _CRIU_VERSION = re.compile(r"Version:\s*(\S+)")
 
@@ -321,9 +467,19 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> Host
     only if ``python`` is given and cannot be run; a missing GPU or CRIU is reported, not raised.
     """
     gpus, driver, cuda, reason = read_gpus()
+    amd: dict[str, Any] = {}
+    if not gpus:
+        agpus, adriver, source, areason = read_amd_gpus()
+        if agpus:
+            plugin_dir = criu_plugin_dir(criu)
+            gpus, driver, cuda, reason = agpus, adriver, None, None
+            amd = {"gpu_source": source, "criu_plugin_dir": str(plugin_dir), "criu_plugins": criu_plugins(plugin_dir)}
+        elif not areason.startswith("no AMD GPU in the KFD topology"):
+            reason = f"{reason}; {areason}"
     dists, pyver = _env_facts(python)
     u = os.uname()
     return HostFingerprint(
+        **amd,
         hostname=socket.gethostname(),
         arch=u.machine or platform.machine(),
         kernel=u.release,

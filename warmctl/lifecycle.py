@@ -9,7 +9,8 @@
    another profile), :func:`_cold_up` says why and cold-starts instead
    (:mod:`warmctl.engine.cold`), unless the ``cold_start`` setting is ``never``: then ``up``
    fails, naming every candidate and why it was rejected;
-3. :func:`_restore_up`: pre-flight (public and internal ports free, CRIU usable) before
+3. :func:`_restore_up`: pre-flight (public and internal ports free, CRIU usable; on AMD
+   profiles the plan's "vram_preflight": free VRAM per GPU) before
    anything is written, and the gate's process started (it listens only at step 6); then,
    under the host's CRIU lock, "materialize" (the verified image this host keeps for the
    snapshot's digest reused, :mod:`warmctl.checkpoint.imagecache`; or else every chunk fetched
@@ -274,6 +275,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
     criu.check(settings.criu)
+    plan.before_restore(m.restore, reporter)  # AMD: free VRAM per GPU (the amdgpu plugin allocates it in CRIU)
 
     run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd)
     run.dir.mkdir(parents=True, exist_ok=True)
@@ -287,7 +289,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     images = ImageCache.for_settings(settings)
     img = None
     try:
-        img = _materialize_and_restore(run, st, found, images, settings, reporter)
+        img = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins)
         run.save(phase="health")
         plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
                            [x.uuid for x in found.fp.gpus], reporter)
@@ -331,11 +333,12 @@ def _keep_locally(found: _Found, reporter: Reporter) -> None:
 
 
 def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
-                             settings: Settings, reporter: Reporter) -> CachedImage:
+                             settings: Settings, reporter: Reporter, plugins: tuple[str, ...] = ()) -> CachedImage:
     """The "materialize" and "restore" phases, under the host's CRIU lock: one CRIU operation
     per host from the first ``/dev/shm`` file written until CRIU has consumed its link_remap
     files (see :func:`warmctl.checkpoint.criu.host_lock`). The run is recorded before CRIU
-    starts, with the ``/dev/shm`` files written; its root once CRIU returns it."""
+    starts, with the ``/dev/shm`` files written; its root once CRIU returns it. ``plugins``:
+    the CRIU plugins the restore loads (the plan's ``criu_plugins``)."""
     m = found.manifest
     assert m is not None
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
@@ -347,7 +350,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
         run.record(st)
         with reporter.phase("restore", "CRIU restore of the process tree"):
             run.set_root(criu.restore(img.images, run.pidfile, log_file=run.restore_log, binary=settings.criu,
-                                      work_dir=run.dir)[0])
+                                      work_dir=run.dir, plugins=plugins)[0])
     return img
 
 

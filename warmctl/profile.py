@@ -12,9 +12,10 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 from warmctl.errors import WarmctlError
 
@@ -91,9 +92,23 @@ class CanarySpec(_Strict):
     match: Literal["tokens+logprobs", "tokens"] = "tokens+logprobs"
 
 
-class HardwareSpec(_Strict):
-    """What the host must have. ``gpu_count = 0`` means a CPU engine."""
+#: GPU makers a profile can name in ``hardware.vendor``.
+GpuVendor = Literal["nvidia", "amd"]
 
+
+class HardwareSpec(_Strict):
+    """What the host must have. ``gpu_count = 0`` means a CPU engine.
+
+    ``vendor``: who makes the GPUs, ``"nvidia"`` (the default; CUDA, NVML) or ``"amd"``
+    (ROCm: the kernel's KFD driver, CRIU's amdgpu plugin, see docs/gpu.md "AMD Instinct").
+    ``gpu_model``: the model as the host reports it (NVML's name, e.g. ``NVIDIA B200``; for AMD
+    amdsmi's market name, e.g. ``AMD Instinct MI355X``). ``min_driver``: the vendor's kernel
+    driver (NVIDIA: ``580``; AMD: the amdgpu module version). ``min_gpu_memory_gib``: GiB per
+    GPU. A default ``vendor`` is left out of the profile's JSON, so profiles written before the
+    field existed keep their digest.
+    """
+
+    vendor: GpuVendor = "nvidia"
     gpu_model: str | None = None
     gpu_count: int = Field(0, ge=0)
     min_driver: str | None = None
@@ -103,7 +118,16 @@ class HardwareSpec(_Strict):
     def _consistent(self) -> "HardwareSpec":
         if self.gpu_count and not self.gpu_model:
             raise ValueError("gpu_model is required when gpu_count > 0")
+        if self.vendor != "nvidia" and not self.gpu_count:
+            raise ValueError(f"vendor = {self.vendor!r} names a GPU maker, but gpu_count is 0 (a CPU engine)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _default_vendor_unwritten(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("vendor") == "nvidia":
+            del data["vendor"]
+        return data
 
 
 class CheckpointSpec(_Strict):
@@ -143,6 +167,13 @@ class Profile(_Strict):
     canary: CanarySpec
     hardware: HardwareSpec = HardwareSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+
+    @model_validator(mode="after")
+    def _checkpoint_fits_vendor(self) -> "Profile":
+        if self.checkpoint.cuda and self.hardware.vendor != "nvidia":
+            raise ValueError(f"checkpoint.cuda = true needs NVIDIA GPUs, but hardware.vendor = {self.hardware.vendor!r}: "
+                             "AMD GPU state is saved by CRIU's amdgpu plugin, with no separate GPU step (docs/gpu.md)")
+        return self
 
     def digest(self) -> str:
         """``sha256:<hex>`` of the canonical JSON of the profile's content.

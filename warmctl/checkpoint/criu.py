@@ -7,8 +7,11 @@ Flags (verified with CRIU 4.2.1 on kernel 6.18 against a running ``vllm serve`` 
 - restore: the same minus ``--link-remap``, plus ``--restore-detached --pidfile``.
 
 CRIU's plugins are kept out of the way: every dump and restore runs with ``--libdir`` set to
-a fresh empty directory (:func:`_no_plugins`), so a host's CRIU plugins (``/usr/lib/criu``,
-``$CRIU_LIBS_DIR``) are never loaded. Why: CRIU 4.x's ``cuda_plugin`` records itself in the
+a fresh directory (:func:`_plugin_libdir`), empty unless the caller names plugins, so a host's
+CRIU plugins (``/usr/lib/criu``, ``$CRIU_LIBS_DIR``) are never loaded unasked. An AMD profile
+names ``amdgpu_plugin.so`` (the plan's ``criu_plugins``): the directory then holds a link to
+that one plugin in the host's plugin directory (:func:`warmctl.host.criu_plugin_dir`), and
+nothing else. Why: CRIU 4.x's ``cuda_plugin`` records itself in the
 image and, at restore, restores and unlocks every CUDA process inside ``criu restore``, before
 warmctl's free-GPU-memory check and GPU remapping (:mod:`warmctl.checkpoint.ranks`); warmctl
 would then meet RUNNING ranks. warmctl does the CUDA checkpoint itself, around CRIU. An image
@@ -34,7 +37,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from warmctl.errors import CheckpointError, HostError
 
@@ -140,14 +143,27 @@ def host_lock(timeout_s: float = 900.0, on_wait=None) -> Iterator[None]:
 
 
 @contextmanager
-def _no_plugins() -> Iterator[list[str]]:
-    """CRIU options that load no plugin: ``["--libdir", <empty directory>]``. The directory is
-    made fresh (CRIU fails on a missing one) and removed afterwards."""
-    d = tempfile.mkdtemp(prefix="warmctl-criu-noplugins-")
+def _plugin_libdir(plugins: Sequence[str] = (), binary: str | None = None) -> Iterator[list[str]]:
+    """CRIU options that load exactly ``plugins`` (file names such as ``amdgpu_plugin.so``):
+    ``["--libdir", <fresh directory>]`` holding a symbolic link to each, in the host's CRIU
+    plugin directory (:func:`warmctl.host.criu_plugin_dir`); no plugins: an empty directory, so
+    none loads. The directory is removed afterwards. Raises :class:`HostError` naming the
+    plugin directory when a plugin is not there."""
+    d = tempfile.mkdtemp(prefix="warmctl-criu-plugins-" if plugins else "warmctl-criu-noplugins-")
     try:
+        if plugins:
+            from warmctl.host import criu_plugin_dir
+
+            src = criu_plugin_dir(binary or "criu")
+            for name in plugins:
+                if not (src / name).is_file():
+                    raise HostError(f"CRIU plugin {name} not found in {src} (CRIU's plugin directory; "
+                                    "install CRIU's plugin or set CRIU_LIBS_DIR)")
+                os.symlink(src / name, os.path.join(d, name))
         yield ["--libdir", d]
     finally:
-        os.rmdir(d)
+        shutil.rmtree(d, ignore_errors=True)
+
 
 
 def _log_tail(path: Path, n: int = 15) -> str:
@@ -159,13 +175,14 @@ def _log_tail(path: Path, n: int = 15) -> str:
     return "\n".join((errs or lines)[-n:])
 
 
-def _run(cmd: list[str], what: str, log: Path, timeout_s: float) -> float:
-    """Run a CRIU command (with :func:`_no_plugins` appended); seconds it took. Raises :class:`CheckpointError` naming ``what``
-    with the relevant lines of ``log`` on failure or after ``timeout_s``."""
+def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequence[str] = ()) -> float:
+    """Run a CRIU command (with :func:`_plugin_libdir` of ``plugins`` appended); seconds it took.
+    Raises :class:`CheckpointError` naming ``what`` with the relevant lines of ``log`` on failure
+    or after ``timeout_s``."""
     t0 = time.monotonic()
     try:
-        with _no_plugins() as no_plugins:
-            r = subprocess.run([*cmd, *no_plugins], capture_output=True, text=True, timeout=timeout_s)
+        with _plugin_libdir(plugins, cmd[0]) as libdir:
+            r = subprocess.run([*cmd, *libdir], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise CheckpointError(f"{what} did not finish in {timeout_s:.0f} s") from None
     if r.returncode != 0:
@@ -174,7 +191,7 @@ def _run(cmd: list[str], what: str, log: Path, timeout_s: float) -> float:
 
 
 def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600,
-         binary: str | None = None) -> float:
+         binary: str | None = None, plugins: Sequence[str] = ()) -> float:
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
 
     Returns the seconds it took. The tree is killed after a successful dump unless
@@ -184,20 +201,21 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     ``delete_link_remaps`` after the post-dump action script), so a post-dump action script
     hard-links them aside first and they are put back under their names here. Raises
     :class:`CheckpointError` with the relevant lines of CRIU's log (``images_dir/dump.log``) on
-    failure; the tree then keeps running (CRIU resumes it).
+    failure; the tree then keeps running (CRIU resumes it). ``plugins``: CRIU plugins to load
+    (:func:`_plugin_libdir`; ``amdgpu_plugin.so`` for AMD GPU state), none by default.
     """
     images_dir = Path(images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
     cmd = [check(binary), "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
            *DUMP_FLAGS]
     if not leave_running:
-        return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s)
+        return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s, plugins)
     script = images_dir.parent / f".warmctl-post-dump-{os.getpid()}.sh"
     script.write_text(KEEP_REMAPS_SCRIPT)
     script.chmod(0o700)
     try:
         return _run([*cmd, "--leave-running", "--action-script", str(script)], f"criu dump of pid {root_pid}",
-                    images_dir / "dump.log", timeout_s)
+                    images_dir / "dump.log", timeout_s, plugins)
     finally:
         script.unlink(missing_ok=True)
         for kept in SHM.glob(KEPT_PREFIX + "link_remap.*"):
@@ -209,13 +227,15 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
 
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
-            binary: str | None = None, work_dir: Path | None = None) -> tuple[int, float]:
+            binary: str | None = None, work_dir: Path | None = None,
+            plugins: Sequence[str] = ()) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
     ``log_file`` defaults to ``images_dir/restore.log``. ``work_dir``: where CRIU writes what
     else it writes (its ``stats-restore`` file; CRIU's default is the image directory), so a
     read-only, reused image directory stays unchanged. Raises :class:`CheckpointError` with
     the relevant lines of CRIU's log on failure (CRIU kills what it partly restored).
+    ``plugins``: as for :func:`dump` (an image dumped with a plugin needs it at restore).
     """
     images_dir = Path(images_dir)
     log_file = Path(log_file or images_dir / "restore.log")
@@ -225,5 +245,5 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
     if work_dir is not None:
         cmd += ["-W", str(work_dir)]
-    secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s)
+    secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s, plugins)
     return int(pidfile.read_text().strip()), secs

@@ -59,7 +59,17 @@ def register(app: typer.Typer) -> None:
             emit_json(fp.model_dump(mode="json"))
             return
         out.print(f"host         {fp.hostname} ({fp.arch}, kernel {fp.kernel})")
-        if fp.gpus:
+        if fp.gpus and fp.gpu_vendor == "amd":
+            out.print(f"gpus         {len(fp.gpus)} x AMD, amdgpu driver {fp.driver_version} (from {fp.gpu_source})")
+            for g in fp.gpus:
+                out.print(
+                    f"  [{g.index}] {g.name}  {_size(g.memory_bytes)}  {g.uuid}  {g.model_key()}  "
+                    f"kfd node {g.kfd_node} gpu_id {g.kfd_gpu_id}  fw {g.fw_version} sdma fw {g.sdma_fw_version}  "
+                    f"renderD{g.drm_render_minor}"
+                )
+            plugins = ", ".join(fp.criu_plugins or []) or "none"
+            out.print(f"criu plugins {fp.criu_plugin_dir}: {plugins}")
+        elif fp.gpus:
             out.print(f"gpus         {fp.gpu_summary()}, driver {fp.driver_version}, CUDA {fp.cuda_driver_version}")
             for g in fp.gpus:
                 out.print(

@@ -8,10 +8,16 @@ A profile's ``[checkpoint]`` table picks the flavour (see :class:`warmctl.profil
   level 2 drops them); after a restore they are loaded back in place;
 - ``sleep_level``: vLLM sleep mode around the checkpoint (GPU engines; woken after);
 - ``cuda``: every GPU rank locked and checkpointed through the CUDA driver around the CRIU dump
-  (:mod:`warmctl.checkpoint.ranks`), restored and unlocked after the CRIU restore.
+  (:mod:`warmctl.checkpoint.ranks`), restored and unlocked after the CRIU restore;
+- ``hardware.vendor = "amd"``: no GPU step of its own. CRIU's amdgpu plugin saves and restores
+  the GPU state inside ``criu dump`` / ``criu restore`` (:attr:`CheckpointPlan.criu_plugins`);
+  the dump records the VRAM each GPU held (KFD's per-process counters), and
+  :meth:`CheckpointPlan.before_restore` checks free VRAM per GPU before CRIU starts, since the
+  plugin allocates it during the restore. Not run on AMD hardware (docs/gpu.md).
 
 The snapshot pipeline calls :meth:`CheckpointPlan.before_dump`, :meth:`~CheckpointPlan.dump`
 and (leave-running only) :meth:`~CheckpointPlan.after_dump` (:func:`warmctl.snapshot.snapshot_engine`); ``up`` calls
+:meth:`~CheckpointPlan.before_restore` (pre-flight, before anything is written),
 :meth:`~CheckpointPlan.after_restore` (before ``/health``) and :meth:`~CheckpointPlan.wake`
 (after it). A plain CPU profile makes each of them a CRIU dump or nothing.
 """
@@ -40,12 +46,38 @@ class CheckpointPlan:
     sleep_level: int = 0
     weights_outside_image: bool = False
     lock_timeout_s: float = 30.0
+    vendor: str = "nvidia"
 
     @classmethod
     def of(cls, profile: Profile) -> "CheckpointPlan":
-        """The plan of ``profile``'s ``[checkpoint]`` table."""
+        """The plan of ``profile``'s ``[checkpoint]`` table (and ``hardware.vendor``)."""
         c = profile.checkpoint
-        return cls(profile.name, c.cuda, c.sleep_level, c.weights_outside_image, c.lock_timeout_s)
+        return cls(profile.name, c.cuda, c.sleep_level, c.weights_outside_image, c.lock_timeout_s,
+                   profile.hardware.vendor)
+
+    @property
+    def criu_plugins(self) -> tuple[str, ...]:
+        """CRIU plugins the dump and restore load: ``("amdgpu_plugin.so",)`` for AMD GPUs, else
+        none (the CUDA checkpoint runs around CRIU, not inside it)."""
+        return ("amdgpu_plugin.so",) if self.vendor == "amd" else ()
+
+    def steps(self) -> list[str]:
+        """The checkpoint's steps in order, by name (for ``snapshot --dry-run``-style listings
+        and tests): snapshot side, then restore side."""
+        out = ["weights_save"] if self.weights_outside_image else []
+        if self.sleep_level and (self.cuda or self.vendor == "amd"):
+            out.append(f"sleep({self.sleep_level})")
+        if self.cuda:
+            out += ["checkpoint_prepare", "cuda_lock", "cuda_checkpoint"]
+        out.append("criu_dump" + (f"[{','.join(self.criu_plugins)}]" if self.criu_plugins else ""))
+        if self.vendor == "amd":
+            out.append("vram_preflight")
+        out.append("criu_restore" + (f"[{','.join(self.criu_plugins)}]" if self.criu_plugins else ""))
+        if self.cuda:
+            out += ["gpu_memory_preflight", "cuda_restore", "cuda_unlock", "checkpoint_restore"]
+        if self.wakes:
+            out.append("wake" + ("+weights_load" if self.weights_outside_image else ""))
+        return out
 
     @property
     def wakes(self) -> bool:
@@ -81,6 +113,8 @@ class CheckpointPlan:
         (rolled back if anything fails). Returns what the GPU restore needs (``cuda``) or None.
         Raises :class:`CheckpointError`. The GPU part is not run on CPU-only hosts (no GPU was
         available to this project's CI; ``scripts/gpu-check.sh`` exercises the parts)."""
+        if self.vendor == "amd":
+            return self._dump_amd(run, leave_running, criu_bin)
         if not self.cuda:
             criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
             return None
@@ -98,6 +132,25 @@ class CheckpointPlan:
             criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
         return GpuRestore(nspids=list(rep.nspids.values()), gpu_bytes=rep.gpu_bytes, ranks=rep.to_dict())
 
+    def _dump_amd(self, run: EngineRun, leave_running: bool, criu_bin: str | None) -> GpuRestore:
+        """AMD: optional vLLM sleep, the VRAM every GPU holds for the tree recorded (KFD's
+        ``proc/<pid>/vram_<gpu_id>``, by the GPU's UUID), then CRIU with the amdgpu plugin."""
+        from warmctl import host
+        from warmctl.checkpoint import kfd
+        from warmctl.proc import tree_pids
+
+        if self.sleep_level:
+            with SleepClient(run.base_url) as sc:
+                sc.sleep(self.sleep_level)
+        gpus, _, _, reason = host.read_amd_gpus()
+        if not gpus:
+            raise CheckpointError(f"profile {self.name} is for AMD GPUs, but none is visible: {reason}")
+        held = kfd.process_vram(tree_pids(run.root_pid))
+        by_id = {g.kfd_gpu_id: g.uuid for g in gpus}
+        gpu_bytes = {by_id[gid]: n for gid, n in sorted(held.items()) if gid in by_id}
+        criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin, plugins=self.criu_plugins)
+        return GpuRestore(nspids=[], gpu_bytes=gpu_bytes, ranks={"vendor": "amd", "vram_source": "kfd proc"})
+
     def after_dump(self, run: EngineRun, reporter: Reporter) -> None:
         """After a dump that left the source engine running: bring it back to serving (rebuild
         the CUDA communicators, wake it, load its weights back). Nothing for a plain profile."""
@@ -110,6 +163,36 @@ class CheckpointPlan:
             wake(sc, self.sleep_level, run.weights if self.weights_outside_image else None)
 
     # --- restore side ---------------------------------------------------------------------
+
+    def before_restore(self, restore: RestoreInfo, reporter: Reporter, sysfs: str | Path | None = None) -> None:
+        """Pre-flight before CRIU restores anything (AMD only): every GPU the snapshot used
+        needs its recorded VRAM (``restore.gpu.gpu_bytes``) free on a GPU of its own here (free =
+        ``mem_info_vram_total - mem_info_vram_used``, :func:`warmctl.checkpoint.kfd.vram_usage`;
+        GPUs are paired largest need with most free, as the plugin may map them in any order).
+        Raises :class:`CheckpointError` naming the GPUs and bytes; nothing has been written."""
+        if self.vendor != "amd":
+            return
+        from warmctl.checkpoint import kfd
+
+        g = restore.gpu
+        need = sorted((g.gpu_bytes if g else {}).values(), reverse=True)
+        if not need:
+            return
+        with reporter.phase("vram_preflight", "free VRAM per GPU"):
+            nodes = kfd.read_topology(sysfs)
+            free: list[tuple[int, str]] = []
+            for n in nodes:
+                u = kfd.vram_usage(n, sysfs)
+                if u is None:
+                    raise CheckpointError(f"cannot read the free VRAM of AMD GPU node {n.node} (gpu_id {n.gpu_id}) "
+                                          f"from {kfd.sysfs_root(sysfs)}/class/drm/renderD{n.prop('drm_render_minor')}/device")
+                free.append((u[0] - u[1], f"node {n.node}"))
+            free.sort(reverse=True)
+            if len(free) < len(need) or any(f < b for b, (f, _) in zip(need, free)):
+                have = ", ".join(f"{w}: {f / 2**30:.1f} GiB" for f, w in free) or "no GPU"
+                raise CheckpointError(
+                    f"not enough free VRAM to restore {self.name}: the snapshot's GPUs held "
+                    f"{', '.join(f'{b / 2**30:.1f}' for b in need)} GiB; free here: {have}")
 
     def after_restore(self, run: EngineRun, restore: RestoreInfo, snapshot_gpus: list[str],
                       host_gpus: list[str], reporter: Reporter) -> None:
