@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import threading
 import time
 
@@ -17,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import warmctl
+from tests.conftest import WARMCTL, warmctl
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
 from warmctl.catalog import Catalog
 from warmctl.config import load_settings
@@ -247,7 +248,8 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
     keys = tmp_path / "api-keys"
     keys.write_text("sk-e2e-one\nsk-e2e-two\n")
     keys.chmod(0o600)
-    res = json.loads(warmctl("up", "tiny", "--json", "--api-key-file", str(keys), env=wc_env).stdout)
+    env = {**wc_env, "WARMCTL_GATE_DRAIN_S": "300"}  # the drain below waits for ~6.6 MB per stream
+    res = json.loads(warmctl("up", "tiny", "--json", "--api-key-file", str(keys), env=env).stdout)
     assert res["source"] == "restore"
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"http://127.0.0.1:{gate}/v1/completions", json=body, timeout=60).status_code == 401
@@ -263,30 +265,65 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
     st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
     assert st["gate_api_key"] is True and st["gate_tls"] is False
 
-    streams: list[list[str]] = [[] for _ in range(6)]
+    # The streams stay provably in flight while `down` runs: each client stops reading after its
+    # first chunk until the gate has begun draining. The gate counts a response finished once it
+    # has read it from the engine, and it reads on only as fast as it can write to the client,
+    # so it can be ahead of the client by at most the client's receive buffer (fixed here, which
+    # stops its autotuning; the kernel doubles it), its own send buffer (autotuned up to
+    # tcp_wmem's maximum), its write buffer and one read: each stream (8 choices x 1000 tokens
+    # with 20 logprobs, ~6.6 MB) is longer than that, and the test checks it was. Only then do
+    # the clients read on, to [DONE].
+    n, rcvbuf = 3, 64 * 1024
+    ahead = int(open("/proc/sys/net/ipv4/tcp_wmem").read().split()[2]) + 2 * rcvbuf + 2**20  # bytes, an upper bound
+    streams: list[list[str]] = [[] for _ in range(n)]
+    after = [0] * n  # bytes read once `down` had begun draining
     errors: list[BaseException] = []
-    first = threading.Event()
+    started = [threading.Event() for _ in range(n)]
+    release = threading.Event()
 
-    def stream(out: list[str]) -> None:
+    def stream(i: int) -> None:
+        transport = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)])
         try:
-            with httpx.stream("POST", f"http://127.0.0.1:{gate}/v1/completions", timeout=300,
-                              headers={"Authorization": "Bearer sk-e2e-two"},
-                              json={**body, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+            with httpx.Client(transport=transport, timeout=300) as client, client.stream(
+                    "POST", f"http://127.0.0.1:{gate}/v1/completions", headers={"Authorization": "Bearer sk-e2e-two"},
+                    json={**body, "max_tokens": 1000, "stream": True, "ignore_eos": True, "logprobs": 20, "n": 8,
+                          "temperature": 1.0, "seed": i}) as r:
                 for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        out.append(line)
-                        first.set()
+                    if not line.startswith("data: "):
+                        continue
+                    streams[i].append(line)
+                    if release.is_set():
+                        after[i] += len(line) + 2
+                    else:
+                        started[i].set()
+                        release.wait(120)
         except BaseException as e:  # noqa: BLE001 - asserted below
             errors.append(e)
 
-    threads = [threading.Thread(target=stream, args=(out,)) for out in streams]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    assert first.wait(60), errors
+    assert all(e.wait(120) for e in started), errors
     gate_log = _settings(wc_env).run_dir / "tiny" / "gate.log"
-    warmctl("down", "tiny", env=wc_env)  # returns once the streams ended and the engine stopped
-    for t in threads:
-        t.join(60)
-    assert not errors and all(out and out[-1] == "data: [DONE]" for out in streams), errors
-    assert "draining" in gate_log.read_text()  # streams were in flight when the listener closed
+    down = subprocess.Popen([*WARMCTL, "down", "tiny"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "draining" not in gate_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"draining {n} connection(s)" in gate_log.read_text(), gate_log.read_text()
+        assert not _listening(gate)  # the listener is closed while the streams are open
+        time.sleep(1.0)  # a gate holding only finished responses closes them within 50 ms
+        assert "gate: closed" not in gate_log.read_text() and down.poll() is None
+    finally:
+        release.set()
+        for t in threads:
+            t.join(300)
+        out, _ = down.communicate(timeout=300)
+    assert down.returncode == 0, out
+    assert not errors and all(s and s[-1] == "data: [DONE]" for s in streams), errors
+    # every stream was still unfinished at the gate when the drain began, and ended with [DONE]
+    assert all(a > ahead for a in after), (after, ahead)
+    assert "gate: closed" in gate_log.read_text()
     assert not _listening(gate) and not _listening(engine)
+
