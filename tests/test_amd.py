@@ -94,6 +94,16 @@ def test_amdsmi_that_fails_to_init_falls_back_to_sysfs(fake_amdsmi):
     assert reason is None and source == "kfd" and gpus[0].name == "AMD gfx950"
 
 
+def test_amdsmi_whose_library_fails_to_load_falls_back_to_sysfs(tree, tmp_path, monkeypatch):
+    pkg = tmp_path / "broken" / "amdsmi"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise OSError('libamd_smi.so: cannot open shared object file')\n")
+    monkeypatch.delitem(sys.modules, "amdsmi")
+    monkeypatch.syspath_prepend(str(tmp_path / "broken"))
+    gpus, _, source, reason = read_amd_gpus()
+    assert reason is None and source == "kfd" and len(gpus) == 8
+
+
 def test_in_kernel_driver_is_named_by_the_kernel(tmp_path, monkeypatch):
     root = make_tree(tmp_path / "sys", amdgpu_version=None)
     monkeypatch.setitem(sys.modules, "amdsmi", None)

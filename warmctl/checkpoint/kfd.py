@@ -157,8 +157,8 @@ def amdsmi_facts() -> tuple[dict[int, dict[str, Any]], str | None]:
     ``amdsmi_init`` / ``amdsmi_shut_down`` per call."""
     try:
         import amdsmi  # type: ignore[import-not-found]
-    except ImportError as e:
-        return {}, f"amdsmi not importable ({e})"
+    except Exception as e:  # ImportError, or the package present without its libamd_smi.so (OSError)
+        return {}, f"amdsmi not importable ({type(e).__name__}: {e})"
     try:
         amdsmi.amdsmi_init()
     except Exception as e:  # AmdSmiException and whatever the C library raises through ctypes
