@@ -91,13 +91,14 @@ def put_back_shm(store, manifest) -> list[tuple[int, int]]:
 def kill_raw(root_pid: int | None, inodes) -> None:
     """Kill a raw-restored tree and remove every /dev/shm file it maps or we wrote (by inode)."""
     from warmctl.checkpoint import capture
-    from warmctl.proc import kill_tree, pid_alive
+    from warmctl.proc import ProcessId, kill_tree
 
     live: set = set()
-    if root_pid and pid_alive(root_pid):
+    root = ProcessId.of(root_pid) if root_pid else None  # read right after criu restore returned it
+    if root is not None and root.alive():
         live = capture.shm_inodes_of(root_pid) | {(p.stat().st_dev, p.stat().st_ino)
                                                   for p in capture.referenced_files(root_pid).shm if p.exists()}
-        kill_tree(root_pid)
+        kill_tree(root)
     capture.remove_by_inode(live | {tuple(x) for x in inodes})
 
 

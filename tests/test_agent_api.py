@@ -1,4 +1,4 @@
-"""The agent's API on a real uvicorn on loopback (ports 19500-19599), no engine: auth, 409,
+"""The agent's API on a real uvicorn on loopback (ports the kernel picks), no engine: auth, 409,
 jobs and their SSE stream, metrics, the OpenAPI document, token files, TLS, sd_notify,
 job persistence and start-up recovery of left-overs, and the client's error mapping."""
 
@@ -24,22 +24,19 @@ from warmctl.agent.jobs import JobManager
 from warmctl.client import AgentClient, AgentError
 from warmctl.config import Settings
 from warmctl.errors import HostError, SnapshotNotFound
+from warmctl.proc import ProcessId
 from warmctl.state import EngineState, save as save_state
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
 
 
-def free_port(start: int = 19500, end: int = 19600) -> int:
-    """A free loopback port in [start, end)."""
-    for p in range(start, end):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 19500-19599")
+def free_port(start: int = 0, end: int = 0) -> int:
+    """A free loopback port the kernel picks (port 0; ``start``/``end`` are ignored, kept for
+    callers written against the old range)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LiveAgent:
@@ -49,11 +46,14 @@ class LiveAgent:
         self.settings = Settings(home=home, keys_dir=home / "keys", profile_dirs=[home / "profiles"])
         self.app = create_app(self.settings, token)
         self.agent = self.app.state.agent
-        self.port = free_port()
+        sock = socket.socket()  # port 0: the kernel picks a free one (no race with other suites)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
@@ -375,31 +375,49 @@ def test_jobs_survive_a_restart_as_interrupted(tmp_path):
 
 
 def test_recovery_cleans_what_a_dead_up_left(tmp_path):
-    """A state file short of `serving` whose engine process still runs in the engine's
-    directory, plus a half-written image directory: the agent kills and removes them at start."""
+    """A state file short of `serving` whose engine process still runs (its identity recorded),
+    a tree CRIU restored after the record whose PID only reached `restore.pid`, plus a
+    half-written image directory: the agent kills and removes them at start. An operator's
+    shell whose working directory is the run directory is left alone (issue 19)."""
     home = tmp_path / "home"
     run = home / "run" / "tiny"
     (run / "images").mkdir(parents=True)
     (run / "images" / "pages-1.img").write_bytes(b"x" * 10)
-    stray = subprocess.Popen(["sleep", "300"], cwd=run, start_new_session=True)
-    orphan = subprocess.Popen(["sleep", "300"], cwd=run, start_new_session=True)
-    (run / "engine.pid").write_text(str(orphan.pid))
-    save_state(home / "run", EngineState(
-        name="tiny", phase="health", source="restore", root_pid=stray.pid, internal_port=1, public_host="127.0.0.1",
-        public_port=2, served_model_name="tiny", log_path=str(run / "engine.log")))
+    shell = subprocess.Popen(["sleep", "300"], cwd=run, start_new_session=True)
+    st = EngineState(name="tiny", phase="health", source="restore", internal_port=1, public_host="127.0.0.1",
+                     public_port=2, served_model_name="tiny", log_path=str(run / "engine.log"), started_at=time.time())
+    save_state(home / "run", st)
+    recorded = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    orphan = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    (run / "restore.pid").write_text(str(orphan.pid))  # CRIU wrote it; the record never got it
+    _wait_exec(recorded, "sleep")
+    st.set_root(ProcessId.of(recorded.pid))
+    save_state(home / "run", st)
     a = LiveAgent(home)
     try:
         rep = a.http.get("/v1/agent").json()["recovery"]
         acts = {x["engine"]: x for x in rep["actions"]}
         assert acts["tiny"]["action"] == "cleaned" and "left in phase health" in acts["tiny"]["detail"]
         assert "half-written image directory" in acts["tiny"]["detail"]
-        assert stray.wait(10) is not None and orphan.wait(10) is not None
+        assert recorded.wait(10) is not None and orphan.wait(10) is not None
+        assert shell.poll() is None  # its working directory makes nothing ours
         assert not (run / "state.json").exists() and not (run / "images").exists()
+        assert not (run / "restore.pid").exists()
         assert a.http.get("/v1/engines/tiny").json()["phase"] == "down"
         assert 'warmctl_agent_recovered_total{action="cleaned"} 1.0' in a.http.get("/metrics").text
     finally:
         a.stop()
-        for p in (stray, orphan):
+        for p in (recorded, orphan, shell):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _wait_exec(p: subprocess.Popen, name: str) -> None:
+    """Until ``p`` runs ``name`` (Popen returns after exec, but be explicit for the identity)."""
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while Path(psutil.Process(p.pid).exe()).name != name:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from warmctl.checkpoint import capture
-from warmctl.proc import kill_tree
+from warmctl.proc import ProcessId, kill_tree
 
 
 def test_semaphore_mapped_under_a_removed_name_is_found_and_removed_by_inode():
@@ -28,7 +28,7 @@ def test_semaphore_mapped_under_a_removed_name_is_found_and_removed_by_inode():
         st = os.stat(named)
         assert found == {(st.st_dev, st.st_ino)}
         assert not [x for x in capture.referenced_files(p.pid).shm if str(x) == named]  # not by name
-        kill_tree(p.pid)
+        kill_tree(ProcessId.of(p.pid))
         p.wait(10)
         assert capture.remove_by_inode(found) == [capture.SHM / f"sem.{tag}"]
         assert not os.path.exists(named) and os.path.exists(other)

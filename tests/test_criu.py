@@ -9,7 +9,7 @@ import pytest
 
 from warmctl.checkpoint import capture, criu
 from warmctl.errors import CheckpointError
-from warmctl.proc import kill_tree
+from warmctl.proc import ProcessId, kill_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 
@@ -39,7 +39,7 @@ def test_dump_then_restore_with_new_pids(tmp_path):
         time.sleep(0.5)
         assert (tmp_path / "out.log").stat().st_size > size  # the restored loop keeps writing
     finally:
-        kill_tree(new_root)
+        kill_tree(ProcessId.of(new_root))
 
 
 def test_dump_of_missing_pid_names_it_and_the_log(tmp_path):
@@ -107,7 +107,7 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
             assert [r for r in remaps if r.startswith("link_remap.")] == remaps and len(remaps) == 1, remaps
             assert not [n for n in os.listdir("/dev/shm") if n.startswith(criu.KEPT_PREFIX)]
             assert psutil.Process(root).is_running()  # the source keeps running
-            kill_tree(root)
+            kill_tree(ProcessId.of(root))
             launcher.wait(10)
             new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
         sh = psutil.Process(new_root)
@@ -117,9 +117,9 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
             assert f.read(7) == b"payload"
     finally:
         if new_root:
-            kill_tree(new_root)
+            kill_tree(ProcessId.of(new_root))
         if source.is_running():  # should an assertion stop the test before it killed the source
-            kill_tree(source.pid)
+            kill_tree(ProcessId.of(source.pid))
         launcher.kill()
         launcher.wait(10)
         capture.remove_by_inode([(mine.st_dev, mine.st_ino)])
@@ -182,14 +182,14 @@ def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
         launcher.wait(10)
     finally:
         if launcher.poll() is None:  # a failure above: leave no tree behind
-            kill_tree(root)
+            kill_tree(ProcessId.of(root))
             launcher.kill()
             launcher.wait()
     new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
     try:
         assert psutil.Process(new_root).is_running()
     finally:
-        kill_tree(new_root)
+        kill_tree(ProcessId.of(new_root))
     assert list(tmp_path.glob("loaded.*")) == []
     # The empty plugin directories were removed.
     assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("warmctl-criu-noplugins-")]

@@ -18,7 +18,7 @@ from warmctl.engine.run import EngineRun
 from warmctl.errors import CheckpointError
 from warmctl.manifest import CanaryRecord, Manifest, RestoreInfo
 from warmctl.profile import load_profile
-from warmctl.proc import ProcessId, kill_tree, pid_alive, tree_pids
+from warmctl.proc import CTIME_TOLERANCE_S, ProcessId, kill_child, kill_tree, pid_alive, signal_process, tree_pids
 from warmctl.progress import Reporter
 from warmctl.state import EngineState
 
@@ -38,7 +38,7 @@ def _tree(cwd: Path | None = None) -> subprocess.Popen:
 def _reap(*procs: subprocess.Popen) -> None:
     for p in procs:
         if p.poll() is None:
-            kill_tree(p.pid, timeout_s=1)
+            kill_child(p, timeout_s=1)
         p.wait(5)
 
 
@@ -50,6 +50,11 @@ def test_process_identity_survives_only_as_the_same_process():
         imposter = ProcessId(p.pid, me.ctime + 100)  # the same PID, reused by another process
         assert not imposter.alive()
         assert kill_tree(imposter) is False and pid_alive(p.pid)  # never signalled
+        other_exe = ProcessId(p.pid, me.ctime, "/usr/bin/not-" + Path(me.exe).name)  # same PID and time, exec'd since
+        assert not other_exe.alive() and "runs" in other_exe.mismatch()
+        assert kill_tree(other_exe) is False and signal_process(other_exe) is False and pid_alive(p.pid)
+        with pytest.raises(TypeError):
+            kill_tree(p.pid)  # a bare PID is refused: no identity, no signal
         child = [x for x in tree_pids(p.pid) if x != p.pid]
         assert kill_tree(me, timeout_s=5) is True
         assert p.wait(5) is not None and not any(pid_alive(c) for c in child)
@@ -111,18 +116,58 @@ def test_teardown_by_name_when_no_inodes_are_recorded(tmp_path):
         f.unlink(missing_ok=True)
 
 
-def test_teardown_strays_kills_what_the_record_does_not_name(tmp_path):
-    run = EngineRun(tmp_path / "run", "e", 1).prepare()
-    in_dir, restored = _tree(run.dir), _tree()
+def test_teardown_strays_kills_only_recorded_identities(tmp_path):
+    """Issue 14 item 1 / issue 19 item 1: with ``strays`` (agent recovery) the teardown kills
+    the root named by ``engine.pid`` (the identity set_root wrote before any state existed) and
+    a CRIU ``restore.pid`` process created during the recorded restore; never a process for its
+    working directory, a stale ``engine.pid`` whose PID is another process now, nor a
+    ``restore.pid`` naming a process older than the record."""
+    run_dir = tmp_path / "run"
+    cold = EngineRun(run_dir, "cold", 1).prepare()
+    engine, shell = _tree(), _tree(cold.dir)  # shell: an operator's shell in the run directory
     try:
-        run.pidfile.write_text(f"{restored.pid}\n")  # CRIU wrote it; the record never got it
-        assert run.teardown().killed == []  # without strays: nothing is ours by record
-        assert in_dir.poll() is None and restored.poll() is None
-        rep = run.teardown(strays=True)
-        assert set(rep.killed) == {in_dir.pid, restored.pid}
-        assert in_dir.wait(5) is not None and restored.wait(5) is not None
+        cold.set_root(engine.pid)  # the cold start's identity, on disk before any state
+        rec = json.loads(cold.pidfile.read_text())
+        assert rec["pid"] == engine.pid and rec["exe"] and rec["ctime"] and oct(cold.pidfile.stat().st_mode)[-3:] == "600"
+        assert cold.teardown().killed == [engine.pid]  # without strays, from memory
+        assert engine.wait(5) is not None and shell.poll() is None
+        assert not cold.pidfile.exists()  # no stale PID file survives
+
+        again = EngineRun(run_dir, "cold", 1)  # a recovery that only finds the directory
+        stale = ProcessId.of(shell.pid)
+        (again.dir / "engine.pid").write_text(json.dumps({**stale.as_record(), "ctime": stale.ctime - 1000}))
+        rep = again.teardown(strays=True)
+        assert rep.killed == [] and shell.poll() is None
+        assert any("another process now" in r for r in rep.refused), rep.refused
+        (again.dir / "engine.pid").write_text(f"{shell.pid}\n")  # the old format: a bare PID
+        assert again.teardown(strays=True).killed == [] and shell.poll() is None
     finally:
-        _reap(in_dir, restored)
+        _reap(engine, shell)
+
+
+def test_teardown_strays_restore_pidfile_only_within_the_recorded_restore(tmp_path):
+    run_dir = tmp_path / "run"
+    older = _tree()  # created before the restore was recorded: not ours
+    time.sleep(CTIME_TOLERANCE_S + 0.2)
+    run = EngineRun(run_dir, "r", 1).prepare()
+    run.record(EngineState(name="r", phase="restoring", source="restore", internal_port=1, public_host="127.0.0.1",
+                           public_port=2, served_model_name="r", log_path=str(run.log_path)))
+    restored = None
+    try:
+        run.criu_pidfile.write_text(f"{older.pid}\n")
+        rep = EngineRun.load(run_dir, "r").teardown(strays=True)
+        assert rep.killed == [] and older.poll() is None and any("not during the restore" in r for r in rep.refused)
+
+        run.record(run.state or EngineState(name="r", phase="restoring", source="restore", internal_port=1,
+                                            public_host="127.0.0.1", public_port=2, served_model_name="r",
+                                            log_path=str(run.log_path)))
+        restored = _tree()  # what CRIU restored after the record was written, then wrote the pidfile
+        run.criu_pidfile.write_text(f"{restored.pid}\n")
+        rep = EngineRun.load(run_dir, "r").teardown(strays=True)
+        assert rep.killed == [restored.pid] and restored.wait(5) is not None and older.poll() is None
+        assert not run.criu_pidfile.exists() and not (run.dir / "state.json").exists()
+    finally:
+        _reap(older, *([restored] if restored else []))
 
 
 def _manifest(restore) -> Manifest:

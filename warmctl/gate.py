@@ -42,7 +42,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from warmctl.errors import HostError
-from warmctl.proc import create_time
+from warmctl.proc import create_time, kill_child, signal_process
 
 BUF = 256 * 1024
 #: Longest request head (request line + headers) accepted, bytes; longer gets 431.
@@ -681,10 +681,8 @@ def drain(gate_proc, timeout_s: float) -> bool:
     ``--drain-s``; wait up to ``timeout_s`` + 2 s for it to exit. True if it is gone."""
     if gate_proc is None or not gate_proc.alive():
         return True
-    try:
-        os.kill(gate_proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return True
+    if not signal_process(gate_proc, signal.SIGTERM):  # gone, or its PID is another process now
+        return not gate_proc.alive()
     deadline = time.monotonic() + timeout_s + 2
     while time.monotonic() < deadline:
         if not gate_proc.alive():
@@ -767,7 +765,7 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
             msg = output().strip().splitlines()[-1:] or ["(no output)"]
             raise HostError(f"the gate could not open {listen_host}:{listen_port}: {msg[0]}")
         time.sleep(0.05)
-    proc.kill()
+    kill_child(proc)
     raise HostError(f"the gate did not open {listen_host}:{listen_port} within {timeout_s:.0f} s")
 
 
@@ -811,8 +809,7 @@ class PendingGate:
             self._close_pipe()
         if b"ready" in data:
             return self.proc.pid
-        self.proc.kill()
-        self.proc.wait()
+        kill_child(self.proc)
         msg = self._output().strip().splitlines()[-1:] or [f"no answer within {timeout_s:.0f} s"]
         raise HostError(f"the gate could not open {self.listen}: {msg[0]}")
 
@@ -826,8 +823,7 @@ class PendingGate:
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            kill_child(self.proc)
         self._close_pipe()
 
     def _close_pipe(self) -> None:

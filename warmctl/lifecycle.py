@@ -349,8 +349,8 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
             run.log_path.touch()
         run.record(st)
         with reporter.phase("restore", "CRIU restore of the process tree"):
-            run.set_root(criu.restore(img.images, run.pidfile, log_file=run.restore_log, binary=settings.criu,
-                                      work_dir=run.dir, plugins=plugins)[0])
+            run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
+                                            binary=settings.criu, work_dir=run.dir, plugins=plugins)[0])
     return img
 
 

@@ -7,13 +7,13 @@ atomic (temp file + rename).
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel
 
+from warmctl.private import private_dir, write_private
 from warmctl.proc import ProcessId
 
 EnginePhase = Literal["starting", "restoring", "health", "canary", "serving", "failed"]
@@ -35,6 +35,13 @@ class EngineState(BaseModel):
     #: be 32768 and an engine uses ~70 of them), so a PID alone never identifies our process.
     root_ctime: float | None = None
     gate_ctime: float | None = None
+    #: Executables (``/proc/PID/exe``) and command lines of those processes when recorded: a
+    #: signal goes only to a PID that still runs the recorded executable
+    #: (:class:`warmctl.proc.ProcessId`; None in records written before they were kept).
+    root_exe: str | None = None
+    gate_exe: str | None = None
+    root_cmdline: list[str] = []
+    gate_cmdline: list[str] = []
     internal_port: int
     public_host: str
     public_port: int
@@ -50,23 +57,23 @@ class EngineState(BaseModel):
     started_at: float = 0.0
     timings: dict[str, float] = {}
 
-    def set_root(self, pid: int) -> None:
-        """Record the engine tree's root PID and its creation time."""
-        self.root_pid, self.root_ctime = pid, _ctime(pid)
+    def set_root(self, ident: ProcessId | None) -> None:
+        """Record the engine tree's root process (PID, creation time, executable, argv)."""
+        self.root_pid, self.root_ctime, self.root_exe, self.root_cmdline = _fields(ident)
 
-    def set_gate(self, pid: int) -> None:
-        """Record the gate's PID and its creation time."""
-        self.gate_pid, self.gate_ctime = pid, _ctime(pid)
+    def set_gate(self, ident: ProcessId | None) -> None:
+        """Record the gate process (PID, creation time, executable, argv)."""
+        self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline = _fields(ident)
 
     @property
     def root(self) -> ProcessId | None:
         """The engine tree's root process as recorded (None before it started)."""
-        return ProcessId.recorded(self.root_pid, self.root_ctime)
+        return ProcessId.recorded(self.root_pid, self.root_ctime, self.root_exe, self.root_cmdline)
 
     @property
     def gate(self) -> ProcessId | None:
         """The gate process as recorded (None before it opened)."""
-        return ProcessId.recorded(self.gate_pid, self.gate_ctime)
+        return ProcessId.recorded(self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline)
 
     def engine_alive(self) -> bool:
         """True if the recorded root PID still is *our* process (same creation time) and alive."""
@@ -77,9 +84,10 @@ class EngineState(BaseModel):
         return self.gate is not None and self.gate.alive()
 
 
-def _ctime(pid: int) -> float | None:
-    ident = ProcessId.of(pid)
-    return ident.ctime if ident else None
+def _fields(ident: ProcessId | None) -> tuple[int | None, float | None, str | None, list[str]]:
+    if ident is None:
+        return None, None, None, []
+    return ident.pid, ident.ctime, ident.exe, list(ident.cmdline)
 
 
 def state_path(run_dir: Path, name: str) -> Path:
@@ -96,13 +104,14 @@ def load(run_dir: Path, name: str) -> EngineState | None:
 
 
 def save(run_dir: Path, st: EngineState) -> None:
+    """Write ``st`` to ``<run_dir>/NAME/state.json`` atomically, mode 0600 in 0700 directories
+    (:mod:`warmctl.private`: the record says what may be killed and removed)."""
     p = state_path(run_dir, st.name)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)
+    private_dir(p.parent)
     if not st.started_at:
         st.started_at = time.time()
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(st.model_dump_json(indent=2))
-    os.replace(tmp, p)
+    write_private(p, st.model_dump_json(indent=2))
 
 
 def remove(run_dir: Path, name: str) -> None:

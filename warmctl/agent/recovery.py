@@ -8,10 +8,12 @@ For every engine recorded in ``<home>/run/NAME/state.json``:
 - anything else (a phase short of ``serving`` -- the agent died mid-``up`` --, or a dead
   engine or gate), and every engine directory ``<home>/run/NAME`` without a record (an ``up``
   that died before the state file was written): **cleaned** with the run's one teardown
-  (:meth:`warmctl.engine.run.EngineRun.teardown` with ``strays``): gate and engine tree killed,
-  as is a tree that CRIU restored but whose PID never reached the state file (``engine.pid``)
-  and any process whose working directory is that engine directory; ``/dev/shm`` files, a
-  left-over materialized image directory (``images/``) and the state removed.
+  (:meth:`warmctl.engine.run.EngineRun.teardown` with ``strays``): gate and engine tree killed
+  while each still is the recorded process (PID, creation time, executable), as is a root
+  whose identity only reached ``engine.pid`` and a tree CRIU restored during the recorded
+  restore whose PID only reached ``restore.pid``; never a process for its working directory;
+  ``/dev/shm`` files, a left-over materialized image directory (``images/``), the PID files
+  and the state removed.
 
 Then ``/dev/shm`` semaphores created since the interrupted jobs started that no live process
 maps are removed (:func:`warmctl.checkpoint.capture.orphaned_shm`).

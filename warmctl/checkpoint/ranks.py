@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from warmctl.checkpoint import cuda, nvml
 from warmctl.errors import CheckpointError
-from warmctl.proc import pid_alive, tree_pids
+from warmctl.proc import ProcessId, pid_alive, signal_process, tree_pids
 
 #: Device files of the NVIDIA driver; a process mapping or holding one has GPU state.
 DEVICE_PREFIX = "/dev/nvidia"
@@ -313,12 +313,10 @@ def _describe(errors: Mapping[int, BaseException]) -> str:
     return "; ".join(str(e) for _, e in sorted(errors.items()))
 
 
-def _kill(pids: list[int]) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill(idents: list[ProcessId | None]) -> None:
+    """SIGKILL each rank that still is the recorded process (:func:`warmctl.proc.signal_process`)."""
+    for ident in idents:
+        signal_process(ident, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,11 +489,12 @@ def restore_ranks(
     report.timeouts = {"restore": restore_timeout_s, "unlock": unlock_timeout_s}
     if not pids:
         return report
+    idents = [ProcessId.of(p) for p in pids]  # what a failure may kill: these processes, no reused PID
 
     def fail(cls: type[RankCheckpointError], msg: str, errors: Mapping[int, BaseException] | None = None):
         if kill_on_failure:
             t0 = time.monotonic()
-            _kill(pids)
+            _kill(idents)
             report.phases["rollback"] = time.monotonic() - t0
             report.rollback = "killed"
             msg += f"; killed GPU ranks {pids}"

@@ -10,24 +10,29 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/images/       CRIU image directory (dump target; materialized before a restore)
     <run>/weights/      rank weight files kept outside the image (``checkpoint.weights_outside_image``)
     <run>/shm/          copies of CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` at dump
-    <run>/engine.pid    the root PID ``criu restore --pidfile`` writes
+    <run>/engine.pid    the root's identity (JSON: pid, ctime, exe, cmdline), written the moment
+                        the root is known (:meth:`EngineRun.set_root`), removed by the teardown
+    <run>/restore.pid   the bare root PID ``criu restore --pidfile`` writes; removed once
+                        ``engine.pid`` holds the root's identity (:meth:`EngineRun.adopt_restored`)
     <run>/restore.log   CRIU's restore log
     <run>/gate.log      the gate's output
     <run>/state.json    the persisted record (:mod:`warmctl.state`), while the run is recorded
 
-Processes are held as :class:`warmctl.proc.ProcessId` (PID + creation time), so a teardown
-never signals a process that merely reuses a recorded PID.
+Processes are held as :class:`warmctl.proc.ProcessId` (PID, creation time, executable), so a
+teardown never signals a process that merely reuses a recorded PID.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmctl.checkpoint import capture
-from warmctl.proc import ProcessId, kill_tree, pid_alive
+from warmctl.private import private_dir, trusted, untrusted, write_private
+from warmctl.proc import CTIME_TOLERANCE_S, ProcessId, kill_tree
 from warmctl.state import EngineState
 from warmctl.state import load as load_state
 from warmctl.state import remove as remove_state
@@ -43,6 +48,9 @@ class TeardownReport:
     killed: list[int] = field(default_factory=list)
     removed_shm: list[str] = field(default_factory=list)
     removed_scratch: bool = False
+    #: what the teardown found but left alone, and why (an identity that did not match, a
+    #: record it did not write, a recorded path outside ``/dev/shm``)
+    refused: list[str] = field(default_factory=list)
 
 
 class EngineRun:
@@ -69,6 +77,7 @@ class EngineRun:
         self.weights = self.dir / "weights"
         self.shm_copies = self.dir / "shm"
         self.pidfile = self.dir / "engine.pid"
+        self.criu_pidfile = self.dir / "restore.pid"
         self.restore_log = self.dir / "restore.log"
         self.gate_log = self.dir / "gate.log"
         self.root: ProcessId | None = None
@@ -97,8 +106,11 @@ class EngineRun:
         return None if st is None else cls.of_state(run_dir, st)
 
     def prepare(self) -> "EngineRun":
-        """Create the run directory, the log's directory and the working directory; returns self."""
-        for d in (self.dir, self.log_path.parent, self.cwd):
+        """Create the run directory (0700, as ``<home>/run``), the log's directory and the
+        working directory; returns self."""
+        private_dir(self.run_dir)
+        private_dir(self.dir)
+        for d in (self.log_path.parent, self.cwd):
             d.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -117,12 +129,26 @@ class EngineRun:
         return self.root.pid
 
     def set_root(self, pid: int) -> None:
-        """Record ``pid`` (now alive) as the tree's root, with its creation time."""
+        """Record ``pid`` (now alive) as the tree's root with its identity (creation time,
+        executable, argv): at once in ``<run>/engine.pid`` (0600), and in the record when
+        the run is recorded. A PID already gone is recorded with creation time 0 (matches
+        nothing, so it is never signalled)."""
         self.root = ProcessId.of(pid) or ProcessId(pid, 0.0)
+        private_dir(self.dir)
+        write_private(self.pidfile, json.dumps(self.root.as_record()))
+        self.save()
+
+    def adopt_restored(self, pid: int) -> None:
+        """After ``criu restore --pidfile <run>/restore.pid``: record ``pid`` as the root
+        (:meth:`set_root`), then remove CRIU's bare PID file."""
+        self.set_root(pid)
+        self.criu_pidfile.unlink(missing_ok=True)
 
     def set_gate(self, pid: int) -> None:
-        """Record ``pid`` (now alive) as the gate, with its creation time."""
+        """Record ``pid`` (now alive) as the gate, with its identity (and in the record when
+        the run is recorded)."""
         self.gate = ProcessId.of(pid) or ProcessId(pid, 0.0)
+        self.save()
 
     def alive(self) -> bool:
         """True while the recorded root is alive and still the same process."""
@@ -143,8 +169,8 @@ class EngineRun:
             return
         if phase is not None:
             st.phase = phase  # type: ignore[assignment]
-        st.root_pid, st.root_ctime = (self.root.pid, self.root.ctime) if self.root else (None, None)
-        st.gate_pid, st.gate_ctime = (self.gate.pid, self.gate.ctime) if self.gate else (None, None)
+        st.set_root(self.root)
+        st.set_gate(self.gate)
         st.shm_files, st.shm_inodes = list(self.shm_files), [tuple(x) for x in self.shm_inodes]
         st.started_at = self.started_at
         save_state(self.run_dir, st)
@@ -154,8 +180,10 @@ class EngineRun:
     def remove_scratch(self) -> bool:
         """Remove the scratch directories (images, weights, shm copies); True if there was one."""
         found = False
+        if self.dir.is_symlink():  # never through a link: only the run's own directory
+            return False
         for d in (self.images, self.weights, self.shm_copies):
-            if d.exists():
+            if d.exists() and not d.is_symlink():
                 found = True
                 shutil.rmtree(d, ignore_errors=True)
         return found
@@ -165,14 +193,17 @@ class EngineRun:
 
         In order: the gate's tree; the engine's tree (its ``/dev/shm`` files and the inodes of
         the semaphores it maps under removed names are listed first); with ``strays`` (agent
-        recovery, where the record may lag behind), also the tree whose PID CRIU wrote to
-        ``engine.pid`` and every process whose working directory is the run directory; then the
-        recorded ``/dev/shm`` files (by inode where known: CRIU consumed the ``link_remap.N``
-        names at restore, and another restore on this host may have written the same names
-        since), multiprocessing semaphores orphaned since the run started
-        (:func:`warmctl.checkpoint.capture.orphaned_shm`), the scratch directories and the
-        record. Identities are checked before any signal: a PID that now belongs to another
-        process is left alone.
+        recovery, where the record may lag behind), also the root named by ``engine.pid``
+        (its recorded identity) and the one CRIU wrote to ``restore.pid`` when the record
+        was written before that restore and the process was created between the two (see
+        :meth:`_kill_strays`); then the recorded ``/dev/shm`` files (only paths directly in
+        ``/dev/shm``; by inode where known: CRIU consumed the ``link_remap.N`` names at
+        restore, and another restore on this host may have written the same names since),
+        multiprocessing semaphores orphaned since the run started
+        (:func:`warmctl.checkpoint.capture.orphaned_shm`), the scratch directories, the PID
+        files and the record. Identities are checked before any signal
+        (:func:`warmctl.proc.kill_tree`): a PID that now belongs to another process is left
+        alone and named in ``refused``; a process is never killed for its working directory.
         """
         rep = TeardownReport()
         if kill_tree(self.gate, timeout_s=5):
@@ -184,48 +215,94 @@ class EngineRun:
             live_inodes = capture.shm_inodes_of(self.root.pid)  # type: ignore[union-attr]
             if kill_tree(self.root):
                 rep.killed.append(self.root.pid)  # type: ignore[union-attr]
+        elif self.root is not None and self.root.ctime and (why := self.root.mismatch()) not in (None, "gone"):
+            rep.refused.append(f"engine root: {why}")
         if strays:
-            rep.killed += self._kill_strays(set(rep.killed))
+            rep.killed += self._kill_strays(set(rep.killed), rep.refused)
         for p in live_shm:
             if p.exists():
                 p.unlink(missing_ok=True)
                 rep.removed_shm.append(str(p))
         for f in ([] if self.shm_inodes else self.shm_files):
-            if Path(f).exists():
-                Path(f).unlink(missing_ok=True)
+            p = Path(f)
+            if not in_shm(p):
+                rep.refused.append(f"recorded file {f}: not directly in {capture.SHM}")
+                continue
+            if p.exists() or p.is_symlink():
+                p.unlink(missing_ok=True)
                 rep.removed_shm.append(f)
         rep.removed_shm += [str(p) for p in capture.remove_by_inode(live_inodes | set(self.shm_inodes))]
         for p in capture.orphaned_shm(self.started_at - 1):
             p.unlink(missing_ok=True)
             rep.removed_shm.append(str(p))
         rep.removed_scratch = self.remove_scratch()
+        for f in (self.pidfile, self.criu_pidfile):
+            if f.is_file() and not f.is_symlink():
+                f.unlink(missing_ok=True)
         if self.state is not None:
             remove_state(self.run_dir, self.name)
             self.state = None
         return rep
 
-    def _kill_strays(self, done: set[int]) -> list[int]:
-        """Trees the record may not name (see :meth:`teardown`); returns the PIDs killed."""
-        import os
+    def _kill_strays(self, done: set[int], refused: list[str]) -> list[int]:
+        """Trees the record may not name (see :meth:`teardown`); returns the PIDs killed and
+        appends to ``refused`` what was left alone.
 
-        import psutil
+        - ``engine.pid``: the identity :meth:`set_root` wrote (a cold start or snapshot whose
+          state was not recorded yet); killed only while it is still that process.
+        - ``restore.pid`` (bare PID from CRIU: the restore finished, the identity was never
+          written): only with a record of this restore (``state.json`` written before CRIU
+          ran, :attr:`started_at`), and only a process created after the record and no later
+          than CRIU wrote the file (its mtime), each within
+          :data:`warmctl.proc.CTIME_TOLERANCE_S`. A stale file naming a reused PID fails this.
 
+        Both files must be records this process's user wrote (:func:`warmctl.private.trusted`).
+        """
         killed: list[int] = []
-        try:
-            pid = int(self.pidfile.read_text().strip())
-        except (OSError, ValueError):
-            pid = 0
-        if pid and pid not in done and pid_alive(pid):
-            kill_tree(pid)
-            killed.append(pid)
-        me = os.getpid()
-        d = self.dir.resolve() if self.dir.exists() else self.dir
-        for p in psutil.process_iter():
+        if trusted(self.pidfile):
             try:
-                if p.pid in done or p.pid in killed or p.pid == me or Path(p.cwd()) != d:
-                    continue
-            except (psutil.Error, OSError):
-                continue
-            kill_tree(p.pid)
-            killed.append(p.pid)
+                d = json.loads(self.pidfile.read_text())
+                ident = ProcessId.recorded(d.get("pid"), d.get("ctime"), d.get("exe"), d.get("cmdline"))
+            except (OSError, ValueError, AttributeError, TypeError):
+                ident = None
+                refused.append(f"{self.pidfile}: unreadable")
+            if ident is not None and ident.pid not in done:
+                if kill_tree(ident):
+                    killed.append(ident.pid)
+                elif (why := ident.mismatch()) != "gone":
+                    refused.append(f"{self.pidfile}: {why}")
+        elif self.pidfile.exists() or self.pidfile.is_symlink():
+            refused.append(f"{self.pidfile}: {untrusted(self.pidfile)}")
+        if self.criu_pidfile.exists() or self.criu_pidfile.is_symlink():
+            killed += self._kill_restored(done | set(killed), refused)
         return killed
+
+    def _kill_restored(self, done: set[int], refused: list[str]) -> list[int]:
+        """The ``restore.pid`` rule of :meth:`_kill_strays`."""
+        f = self.criu_pidfile
+        why = untrusted(f)
+        if why is None and (self.state is None or not self.state.started_at):
+            why = "no record of a restore started before it"
+        try:
+            pid = int(f.read_text().strip()) if why is None else 0
+            mtime = f.stat().st_mtime
+        except (OSError, ValueError):
+            pid, why = 0, why or "unreadable"
+        if why is not None:
+            refused.append(f"{f}: {why}")
+            return []
+        ident = ProcessId.of(pid)
+        if ident is None or pid in done:
+            return []
+        lo, hi = self.state.started_at - CTIME_TOLERANCE_S, mtime + CTIME_TOLERANCE_S  # type: ignore[union-attr]
+        if not lo <= ident.ctime <= hi:
+            refused.append(f"{f}: pid {pid} was created at {ident.ctime:.2f}, not during the restore "
+                           f"recorded at {lo + CTIME_TOLERANCE_S:.2f}..{mtime:.2f}")
+            return []
+        return [pid] if kill_tree(ident) else []
+
+
+def in_shm(p: Path) -> bool:
+    """True if ``p`` names a file directly in ``/dev/shm`` (absolute, no ``..``): the only
+    place a teardown removes files by a recorded name."""
+    return p.is_absolute() and ".." not in p.parts and p.parent == capture.SHM and p.name not in ("", ".", "..")

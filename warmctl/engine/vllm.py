@@ -28,7 +28,7 @@ import httpx
 import psutil
 
 from warmctl.errors import EngineError
-from warmctl.proc import kill_tree, pid_alive
+from warmctl.proc import kill_child, pid_alive
 from warmctl.profile import Profile
 
 
@@ -114,13 +114,27 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         children = psutil.Process(proc.pid).children() if pid_alive(proc.pid) else []
-        if children:
+        if children and _exec_done(children[0]):
             return EngineProcess(proc, children[0].pid, profile.engine.port, log_path)
         if proc.poll() is not None:
             raise EngineError(f"engine launcher exited with {proc.returncode}:\n{tail(log_path)}")
-        time.sleep(0.05)
-    kill_tree(proc.pid)
+        time.sleep(0.01 if children else 0.05)
+    kill_child(proc)
     raise EngineError("engine launcher did not create its PID namespace within 30 s")
+
+
+#: the programs between the launcher and the engine (see the module doc): the namespace root
+#: execs through them, so its executable is final (and recordable) only after them
+_WRAPPERS = ("unshare", "setsid")
+
+
+def _exec_done(p: psutil.Process) -> bool:
+    """True once the namespace root ``p`` runs the engine's executable, not a wrapper: its
+    identity (:class:`warmctl.proc.ProcessId`, executable included) is recorded right after."""
+    try:
+        return Path(p.exe()).name not in _WRAPPERS
+    except (psutil.Error, OSError):
+        return False
 
 
 def tail(path: Path, lines: int = 12) -> str:
