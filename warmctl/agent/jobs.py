@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import secrets
 import threading
@@ -28,11 +29,13 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, Field
 
 from warmctl.errors import WarmctlError
+from warmctl.private import private_dir, trusted, untrusted
 from warmctl.progress import Reporter
 
 JobState = Literal["queued", "running", "succeeded", "failed", "interrupted"]
 JobKind = Literal["up", "down", "snapshot"]
 LIVE_STATES = ("queued", "running")
+log = logging.getLogger("warmctl.agent")
 #: log lines kept per job (the tail served by the API)
 LOG_LINES = 500
 #: finished jobs kept in memory and on disk
@@ -68,10 +71,14 @@ class JobError(BaseModel):
     exit_code: int = 1
 
 
+#: Job ids: ``j-`` and 12 lower-case hex digits (:func:`new_id`); the file name is ``ID.json``.
+JOB_ID_PATTERN = r"^j-[0-9a-f]{12}$"
+
+
 class Job(BaseModel):
     """A long operation. Times are Unix seconds; ``log`` holds the last lines (newest last)."""
 
-    id: str
+    id: str = Field(..., pattern=JOB_ID_PATTERN)
     kind: JobKind
     target: str
     params: dict[str, Any] = {}
@@ -201,7 +208,8 @@ class JobManager:
 
     def __init__(self, jobs_dir: Path, on_finish: Callable[[Job], None] | None = None) -> None:
         self.jobs_dir = Path(jobs_dir)
-        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.jobs_dir.parent)
+        private_dir(self.jobs_dir)
         self._lock = threading.RLock()
         self._slots: dict[str, _Slot] = {}
         self._held: dict[str, str] = {}  # resource -> job id
@@ -216,21 +224,43 @@ class JobManager:
     def _write(self, job: Job) -> None:
         p = self._path(job.id)
         tmp = p.with_suffix(f".tmp{threading.get_ident()}")
-        tmp.write_text(job.model_dump_json())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(job.model_dump_json())
         os.replace(tmp, p)
 
     def load_from_disk(self) -> list[Job]:
         """Load jobs written by an earlier agent process. Jobs that were queued or running are
-        marked ``interrupted`` (and rewritten); returns those interrupted jobs."""
+        marked ``interrupted`` (and rewritten); returns those interrupted jobs.
+
+        Only records this agent wrote are read (issue 19): the jobs directory and each
+        ``j-*.json`` must be real (no symbolic link), owned by the agent's user and not
+        writable by others, the job's id must match :data:`JOB_ID_PATTERN` and its file be
+        ``ID.json``. Anything else is logged and left untouched; the agent's own left-over
+        temp files are removed."""
         interrupted = []
         jobs = []
-        for p in self.jobs_dir.glob("j-*.json"):
+        why = untrusted(self.jobs_dir, kind="dir")
+        if why is not None:
+            log.warning("jobs: %s is %s; no job loaded from it", self.jobs_dir, why)
+            return []
+        for p in sorted(self.jobs_dir.glob("j-*.json")):
+            why = untrusted(p)
+            if why is not None:
+                log.warning("jobs: %s is %s; left untouched", p, why)
+                continue
             try:
-                jobs.append(Job.model_validate_json(p.read_text()))
-            except (OSError, ValueError):
+                job = Job.model_validate_json(p.read_text())
+            except (OSError, ValueError) as e:
+                log.warning("jobs: %s is not a job record (%s); left untouched", p, str(e).splitlines()[0][:200])
+                continue
+            if p.name != f"{job.id}.json":
+                log.warning("jobs: %s holds job %r; left untouched", p, job.id[:40])
+                continue
+            jobs.append(job)
+        for p in self.jobs_dir.glob("j-*.tmp*"):
+            if trusted(p):
                 p.unlink(missing_ok=True)
-        for p in self.jobs_dir.glob("*.tmp*"):
-            p.unlink(missing_ok=True)
         jobs.sort(key=lambda j: j.created_at)
         with self._lock:
             for job in jobs:

@@ -14,7 +14,7 @@ Counters and histograms are fed by jobs; engine state and job counts are read at
 - ``warmctl_engine_up{name}`` (gauge): 1 when the engine and its gate are alive;
 - ``warmctl_jobs{kind,state}`` (gauge): jobs the agent knows, by kind and state;
 - ``warmctl_jobs_finished_total{kind,state}`` (counter): jobs ended since the agent started;
-- ``warmctl_agent_recovered_total{action}`` (counter): engines ``adopted``/``cleaned`` at start.
+- ``warmctl_agent_recovered_total{action}`` (counter): engines ``adopted``/``cleaned`` at start, and directories ``ignored`` (not the agent's records).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Metrics:
                                  ["action"], registry=r)
         for res in ("pass", "fail"):
             self.canary.labels(res)
-        for a in ("adopted", "cleaned"):
+        for a in ("adopted", "cleaned", "ignored"):
             self.recovered.labels(a)
         r.register(_Scraped(settings, job_counts))
 

@@ -1,13 +1,21 @@
 """What the agent does at start: re-adopt engines that still run, clean up what a
 half-finished operation left behind, and report it.
 
-For every engine recorded in ``<home>/run/NAME/state.json``:
+Recovery acts only on records it wrote (issue 19): ``<home>/run`` and every ``run/NAME``
+must be real directories (no symbolic links) owned by the agent's user and not writable by
+group or others, ``NAME`` must follow the one name rule (:data:`warmctl.catalog.NAME_RE`),
+and ``state.json`` / ``engine.pid`` / ``restore.pid`` in it must be regular files with the
+same owner; ``state.json`` must name its own directory. Anything else is **ignored**: left
+untouched and reported with the reason. Jobs are read the same way
+(:meth:`warmctl.agent.jobs.JobManager.load_from_disk`).
+
+For every trusted engine directory:
 
 - phase ``serving`` with the engine and gate processes alive: **adopted** (left running; the
   agent serves its status and can take it down);
 - anything else (a phase short of ``serving`` -- the agent died mid-``up`` --, or a dead
-  engine or gate), and every engine directory ``<home>/run/NAME`` without a record (an ``up``
-  that died before the state file was written): **cleaned** with the run's one teardown
+  engine or gate), and every engine directory without a record (an ``up`` or snapshot that
+  died before the state file was written): **cleaned** with the run's one teardown
   (:meth:`warmctl.engine.run.EngineRun.teardown` with ``strays``): gate and engine tree killed
   while each still is the recorded process (PID, creation time, executable), as is a root
   whose identity only reached ``engine.pid`` and a tree CRIU restored during the recorded
@@ -25,6 +33,7 @@ The result is a :class:`RecoveryReport` (also logged, counted in metrics, and se
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -33,7 +42,9 @@ from pydantic import BaseModel
 from warmctl.checkpoint import capture
 from warmctl.config import Settings
 from warmctl.engine.run import EngineRun
-from warmctl.state import EngineState, all_states
+from warmctl.catalog import NAME_RE
+from warmctl.private import untrusted
+from warmctl.state import EngineState
 
 from .jobs import Job
 
@@ -41,8 +52,10 @@ log = logging.getLogger("warmctl.agent")
 
 
 class RecoveryAction(BaseModel):
-    """One thing done at start: ``action`` is ``adopted`` or ``cleaned``; ``engine`` its name;
-    ``detail`` what exactly (PIDs killed, files removed, the phase it was left in)."""
+    """One thing done at start: ``action`` is ``adopted``, ``cleaned`` or ``ignored`` (a
+    directory or record recovery did not write: left untouched); ``engine`` its name (``*``:
+    the whole run directory); ``detail`` what exactly (PIDs killed, files removed, the phase
+    it was left in, what was left alone and why)."""
 
     action: str
     engine: str
@@ -63,10 +76,18 @@ def recover(settings: Settings, interrupted: list[Job]) -> RecoveryReport:
     previous agent left running. Never raises for one engine's trouble: it is reported."""
     report = RecoveryReport(at=time.time(), interrupted_jobs=[j.id for j in interrupted])
     run_dir = Path(settings.run_dir)
-    recorded = {st.name: st for st in all_states(run_dir)}
-    dirs = sorted(p.name for p in run_dir.glob("*") if p.is_dir()) if run_dir.exists() else []
-    for name in sorted(set(recorded) | set(dirs)):
-        st = recorded.get(name)
+    why = untrusted(run_dir, kind="dir") if run_dir.exists() or run_dir.is_symlink() else "missing"
+    entries = sorted(os.listdir(run_dir)) if why is None else []
+    if why not in (None, "missing"):
+        report.actions.append(RecoveryAction(action="ignored", engine="*", detail=f"{run_dir}: {why}; nothing in it is touched"))
+    for name in entries:
+        d = run_dir / name
+        if not (d.is_dir() or d.is_symlink()):
+            continue
+        st, why = _record(d, name)
+        if why is not None:
+            report.actions.append(RecoveryAction(action="ignored", engine=name, detail=f"{d}: {why}; left untouched"))
+            continue
         if st is not None and st.phase == "serving" and st.engine_alive() and st.gate_alive():
             report.actions.append(RecoveryAction(
                 action="adopted", engine=name,
@@ -89,6 +110,32 @@ def recover(settings: Settings, interrupted: list[Job]) -> RecoveryReport:
     if report.removed_shm:
         log.warning("recovery: removed %d orphaned /dev/shm files", len(report.removed_shm))
     return report
+
+
+def _record(d: Path, name: str) -> tuple[EngineState | None, str | None]:
+    """The engine directory ``d``'s record, or why recovery must not act on it: (state or
+    None when there is none, None) when trusted; (None, reason) otherwise."""
+    if not NAME_RE.match(name):
+        return None, "not an engine name (the name rule: letter or digit, then letters, digits, '.', '_', '-'; at most 128)"
+    why = untrusted(d, kind="dir")
+    if why is not None:
+        return None, why
+    for f in ("state.json", "engine.pid", "restore.pid"):
+        p = d / f
+        if p.exists() or p.is_symlink():
+            why = untrusted(p)
+            if why is not None:
+                return None, f"{f} is {why}"
+    p = d / "state.json"
+    if not p.exists():
+        return None, None
+    try:
+        st = EngineState.model_validate_json(p.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"state.json is unreadable ({str(e).splitlines()[0][:200]})"
+    if st.name != name:
+        return None, f"state.json names engine {st.name!r}, not its directory"
+    return st, None
 
 
 def _clean(settings: Settings, name: str, st: EngineState | None) -> RecoveryAction | None:
@@ -114,6 +161,8 @@ def _clean(settings: Settings, name: str, st: EngineState | None) -> RecoveryAct
         parts.append(f"killed left-over processes {strays}")
     if rep.removed_scratch:
         parts.append("removed a half-written image directory")
-    if st is None and not (strays or rep.removed_scratch):
+    if rep.refused:
+        parts.append("left alone: " + "; ".join(rep.refused))
+    if st is None and not (strays or rep.removed_scratch or rep.refused):
         return None
     return RecoveryAction(action="cleaned", engine=name, detail=", ".join(parts[:1]) + "".join("; " + x for x in parts[1:]))
