@@ -51,7 +51,7 @@ from warmctl.config import Settings
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
-from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
+from warmctl.errors import HostError, IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.gate import drain as drain_gate
 from warmctl.gate import gate_enforces, require_port_free, settings_args
 from warmctl.gate import prestart as prestart_gate
@@ -98,7 +98,7 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
 
 
 def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCache, reporter: Reporter,
-                 cache=None, fetched: Fetched | None = None) -> CachedImage:
+                 cache=None, fetched: Fetched | None = None, protected: list[Path] = ()) -> CachedImage:
     """Write the manifest's files back: the CRIU image through the image cache (reused when
     this host already holds the verified image of ``digest``, :mod:`warmctl.checkpoint.imagecache`),
     weights linked from it into ``run.weights``, ``/dev/shm`` files copied from it (recorded on
@@ -106,8 +106,11 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
     from the store at their absolute paths. Returns the cached image to restore from.
 
     ``cache``: a local store that keeps chunks read from a remote ``store``; ``fetched``:
-    counts the stored bytes loaded from each.
-    Raises :class:`IntegrityError` (from the store) on a bad chunk, :class:`HostError` when a
+    counts the stored bytes loaded from each. ``protected``: warmctl's own directories and
+    files (home, keys, config), where no bundled file may be written.
+    Raises :class:`IntegrityError` (from the store) on a bad chunk or a bundled file whose
+    destination is not one where bundled files may live (:func:`capture.bundled_target_problems`;
+    checked whatever the signature flags, before anything is written), :class:`HostError` when a
     required file is missing/changed or a ``/dev/shm`` file of the snapshot already exists
     (another restore of it is running on this host). On failure the ``/dev/shm`` files written
     so far are removed.
@@ -116,6 +119,10 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
     if problems:
         raise HostError("this host lacks files the snapshot's processes map (install the same engine "
                         "environment at the same path):\n  " + "\n  ".join(problems[:10]))
+    unsafe = capture.bundled_target_problems(["/" + f.path for f in m.files if f.role == "file"], protected)
+    if unsafe:
+        raise IntegrityError(f"snapshot {m.name} ({digest[:19]}) would write bundled files where they may not "
+                             "live; refusing to restore it (nothing written):\n  " + "\n  ".join(unsafe[:10]))
     shm_targets = [capture.SHM / f.path for f in m.files if f.role == "shm"]
     clash = [str(p) for p in shm_targets if p.exists()]
     if clash:
@@ -152,6 +159,20 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
         raise
     run.shm_files, run.shm_inodes = written_shm, inodes
     return img
+
+
+def protected_paths(settings: Settings) -> list[Path]:
+    """warmctl's own files and directories, where a snapshot's bundled files are never written:
+    its home (store, runs, caches), trusted keys, signing key, token and TLS files, the config
+    file and /etc/warmctl."""
+    from warmctl.config import DEFAULT_CONFIG_FILE
+
+    out = [settings.home, settings.store_dir, settings.keys_dir, DEFAULT_CONFIG_FILE.parent]
+    out += [p for p in (settings.signing_key, settings.agent_token_file, settings.gate_api_key_file,
+                        settings.gate_tls_cert, settings.gate_tls_key) if p is not None]
+    if os.environ.get("WARMCTL_CONFIG"):
+        out.append(Path(os.environ["WARMCTL_CONFIG"]))
+    return out
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:
@@ -344,7 +365,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
             img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
-                               fetched=found.fetched)
+                               fetched=found.fetched, protected=protected_paths(settings))
             run.prepare()
             run.log_path.touch()
         run.record(st)

@@ -14,7 +14,16 @@ import json
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
 
 #: Version of the manifest schema; readers refuse versions they do not know.
 MANIFEST_FORMAT = 1
@@ -23,6 +32,35 @@ MANIFEST_FORMAT = 1
 def sha256_digest(data: bytes) -> str:
     """``sha256:<hex>`` of ``data``."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def check_relative_path(path: str) -> str:
+    """``path`` if it is a relative POSIX path that stays below the directory it is joined to:
+    not empty, no NUL, no leading ``/``, no empty, ``.`` or ``..`` component. Raises ValueError
+    naming what is wrong. Every manifest path is checked with it when a manifest is parsed,
+    whatever its signature says (a signature vouches for the publisher, not for its mistakes)."""
+    if not path:
+        raise ValueError("empty path")
+    if "\0" in path:
+        raise ValueError(f"path {path!r} contains a NUL byte")
+    if path.startswith("/"):
+        raise ValueError(f"path {path!r} is absolute; manifest paths are relative to where their role puts them")
+    bad = [c for c in path.split("/") if c in ("", ".", "..")]
+    if bad:
+        raise ValueError(f"path {path!r} has a {bad[0] or 'empty'!r} component; manifest paths may not leave their directory")
+    return path
+
+
+def check_absolute_path(path: str) -> str:
+    """``path`` if it is an absolute POSIX path with no NUL and no ``.``/``..`` component.
+    Raises ValueError naming what is wrong."""
+    if "\0" in path:
+        raise ValueError(f"path {path!r} contains a NUL byte")
+    if not path.startswith("/"):
+        raise ValueError(f"path {path!r} is not absolute")
+    if any(c in (".", "..") for c in path.split("/")):
+        raise ValueError(f"path {path!r} has a '.' or '..' component")
+    return path
 
 
 class _M(BaseModel):
@@ -53,6 +91,16 @@ class FileEntry(_M):
     mode: int = 0o644
     chunks: list[ChunkRef] = []
     hardlink_to: str | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_ok(cls, v: str) -> str:
+        return check_relative_path(v)
+
+    @field_validator("hardlink_to")
+    @classmethod
+    def _link_ok(cls, v: str | None) -> str | None:
+        return None if v is None else check_relative_path(v)
 
 
 class CanaryCompletion(_M):
@@ -146,6 +194,29 @@ class RestoreInfo(_Recorded):
     gpu: GpuRestore | None = None
     weights: WeightsRestore | None = None
 
+    @field_validator("log_path", "cwd")
+    @classmethod
+    def _abs_ok(cls, v: str | None) -> str | None:
+        return None if v is None else check_absolute_path(v)
+
+    @field_validator("required_files")
+    @classmethod
+    def _required_ok(cls, v: dict[str, int]) -> dict[str, int]:
+        for p in v:
+            check_absolute_path(p)
+        return v
+
+
+def _problems(e: ValidationError) -> str:
+    """A ValidationError as one line per problem: ``where: what`` (at most 5)."""
+    errs = e.errors()
+    out = []
+    for err in errs[:5]:
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        out.append(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {msg}")
+    more = f" (+{len(errs) - 5} more)" if len(errs) > 5 else ""
+    return "; ".join(out) + more
+
 
 class Manifest(_M):
     """A snapshot manifest (see module docstring). Sizes are bytes, times are seconds."""
@@ -178,11 +249,19 @@ class Manifest(_M):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
-        """Parse manifest bytes. Raises ValueError on an unknown ``format``."""
+        """Parse and validate manifest bytes, every path included (:func:`check_relative_path`,
+        :func:`check_absolute_path`). Raises ValueError naming each problem and where it is
+        (e.g. ``files.3.path: path '../x' has a '..' component``) for an unknown ``format``,
+        bad JSON, a missing field or a bad path."""
         obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("a manifest is a JSON object")
         if obj.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"unsupported manifest format {obj.get('format')!r} (this warmctl reads {MANIFEST_FORMAT})")
-        return cls.model_validate(obj)
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            raise ValueError(_problems(e)) from None
 
     def total_size(self) -> int:
         """Sum of file sizes in bytes (hard links counted once)."""

@@ -209,3 +209,74 @@ def missing_or_changed(required: dict[str, int]) -> list[str]:
         if actual != size:
             problems.append(f"{p}: size {actual} bytes, snapshot expects {size}")
     return problems
+
+
+#: Bundled files (role ``file``) are never written under these directories, whatever the manifest
+#: or its signature says: the operating system's own trees, /root (except :data:`WRITABLE_UNDER_PROTECTED`)
+#: and the package managers' databases.
+PROTECTED_DIRS = ("/etc", "/usr", "/boot", "/root", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                  "/proc", "/sys", "/dev", "/run", "/var/lib/dpkg", "/var/lib/apt", "/var/lib/rpm")
+#: Exceptions inside :data:`PROTECTED_DIRS`: the per-user cache (torch.compile's kernels live in
+#: ``~/.cache/vllm``, and the root agent's home is /root).
+WRITABLE_UNDER_PROTECTED = ("/root/.cache",)
+#: Directory names a bundled file may never be written under, anywhere (login keys).
+PROTECTED_COMPONENTS = (".ssh", ".gnupg")
+DPKG_INFO = Path("/var/lib/dpkg/info")
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def package_owned(paths: list[str], info_dir: Path = DPKG_INFO) -> set[str]:
+    """The ``paths`` (absolute) that a dpkg package installed: exact lines of
+    ``/var/lib/dpkg/info/*.list`` (what ``dpkg -S`` reads). One pass over the ~800 list files of
+    a Debian host (~7 MB, tens of ms); an empty set where there is no dpkg database."""
+    if not paths or not info_dir.is_dir():
+        return set()
+    want = {p.encode(): p for p in paths}
+    found: set[str] = set()
+    for lst in info_dir.glob("*.list"):
+        try:
+            body = b"\n" + lst.read_bytes()
+        except OSError:
+            continue
+        for b, p in want.items():
+            if p not in found and (b"\n" + b + b"\n") in body:
+                found.add(p)
+    return found
+
+
+def bundled_target_problems(paths: list[str], protected: list[Path] = (), info_dir: Path = DPKG_INFO) -> list[str]:
+    """Why each of ``paths`` (absolute destinations of bundled files) may not be written, one
+    line each (empty: all may). A path is refused when it, or where it resolves to through
+    symlinks, is under :data:`PROTECTED_DIRS` (bar :data:`WRITABLE_UNDER_PROTECTED`) or one
+    of ``protected`` (warmctl's own home, keys, config), passes through a
+    :data:`PROTECTED_COMPONENTS` directory, or is a file a dpkg package owns (:func:`package_owned`)."""
+    problems: list[str] = []
+    rest: dict[str, str] = {}
+    own = [str(Path(p).absolute()) for p in protected if p]
+    for p in paths:
+        real = os.path.realpath(p)
+        why = None
+        for q in dict.fromkeys((p, real)):
+            hit = next((d for d in PROTECTED_DIRS if _under(q, d) and not any(_under(q, w) for w in WRITABLE_UNDER_PROTECTED)), None)
+            if hit:
+                why = f"{q} is under {hit}"
+            elif any(c in PROTECTED_COMPONENTS for c in q.split("/")):
+                why = f"{q} is under a {'/'.join(c for c in q.split('/') if c in PROTECTED_COMPONENTS)} directory"
+            else:
+                mine = next((d for d in own if _under(q, d)), None)
+                if mine:
+                    why = f"{q} is under warmctl's own {mine}"
+            if why:
+                break
+        if why:
+            problems.append(why)
+        else:
+            rest[p] = real
+    owned = package_owned(sorted(set(rest) | set(rest.values())), info_dir)
+    for p, real in rest.items():
+        if p in owned or real in owned:
+            problems.append(f"{p if p in owned else real} belongs to an installed package (dpkg)")
+    return problems

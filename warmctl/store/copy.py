@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from warmctl.errors import HostError
+from warmctl.errors import HostError, IntegrityError
 from warmctl.manifest import ChunkRef, Manifest
 from warmctl.store import chunks as ck
 from warmctl.store.backend import ObjectNotFound
@@ -30,7 +30,10 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
     """
     t0 = time.monotonic()
     data = src.get_manifest_bytes(digest)
-    manifest = Manifest.from_bytes(data)
+    try:
+        manifest = Manifest.from_bytes(data)
+    except ValueError as e:
+        raise IntegrityError(f"manifest {digest} at {src.location}: {e}") from None
     rep = CopyReport(digest=digest, logical=manifest.total_size())
     refs: dict[str, int] = {}
     zero = 0
