@@ -2,16 +2,28 @@
 
 An object ``k`` lives at ``ROOT/k``. Saves are containerd-style ingests: the bytes go to a
 temporary file under ``ROOT/tmp/``, are fsync'ed, their size is checked, and only then is the
-file renamed into place, so a reader never sees a partial object. A full disk removes the
-temporary file and raises :class:`warmctl.errors.HostError` naming the bytes needed.
+file renamed into place, so a reader never sees a partial object. The directory is fsync'ed
+after the rename (and after a removal), and so is the parent of every directory created, as
+restic's local backend does: without it a power loss can lose a committed object's name while
+a later object that references it survives. Each call returns only once its change is durable,
+so the store's write order (chunks, manifest, signatures, catalog entry) holds on disk too.
+A full disk removes the temporary file and raises :class:`warmctl.errors.HostError` naming the
+bytes needed.
+
+Fault injection for tests (:data:`FAULT_ENV`): ``WARMCTL_FAULT_KILL_AT_WRITE=N`` makes the
+process SIGKILL itself at the N-th write point of this backend (counting, in order, "temporary
+file written, not yet renamed", "renamed and durable" for each save and "removed" for each
+removal), so a test can crash a real writer anywhere (tests/test_store_crash.py).
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import shutil
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +45,27 @@ def disk_full_error(path: Path | str, needed: int, what: str = "") -> HostError:
         free_s = "free space unknown"
     extra = f" ({what})" if what else ""
     return HostError(f"disk full writing {path}: needed {needed:,} bytes{extra}, {free_s}; free space and retry")
+
+
+#: See the module docstring: the write point at which the process kills itself (tests only).
+FAULT_ENV = "WARMCTL_FAULT_KILL_AT_WRITE"
+_fault_at = int(os.environ.get(FAULT_ENV) or 0)
+_fault_count = itertools.count(1)
+
+
+def _fault_point() -> None:
+    if _fault_at and next(_fault_count) == _fault_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Make ``path``'s entries (a rename, creation or removal inside it) durable: fsync the
+    directory itself. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _existing_parent(p: Path) -> Path:
@@ -61,13 +94,31 @@ class LocalBackend(Backend):
     def location(self, key: str = "") -> str:
         return str(self.root / key) if key else str(self.root)
 
+    def _mkdirs(self, d: Path) -> None:
+        """Create ``d`` and its missing parents; with ``fsync``, each new directory's entry is
+        made durable (its parent fsync'ed) before anything is renamed into it."""
+        if d.is_dir():
+            return
+        missing = []
+        p = d
+        while not p.is_dir() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for m in reversed(missing):
+            try:
+                os.mkdir(m)
+            except FileExistsError:
+                pass  # made by another thread or process: synced below all the same
+            if self.fsync:
+                fsync_dir(m.parent)
+
     def save(self, key: str, data: bytes | memoryview) -> None:
         dest = self._path(key)
         tmpdir = self.root / TMP_DIR
         tmp = tmpdir / f"{uuid.uuid4().hex}.tmp"
         fd = -1
         try:
-            tmpdir.mkdir(parents=True, exist_ok=True)
+            self._mkdirs(tmpdir)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             view = memoryview(data)
             while view:
@@ -80,8 +131,12 @@ class LocalBackend(Backend):
             fd = -1
             if size != len(data):  # commit only what is complete
                 raise OSError(errno.EIO, f"wrote {size} of {len(data)} bytes")
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdirs(dest.parent)
+            _fault_point()
             os.replace(tmp, dest)
+            if self.fsync:
+                fsync_dir(dest.parent)
+            _fault_point()
         except OSError as e:
             if fd >= 0:
                 os.close(fd)
@@ -189,7 +244,16 @@ class LocalBackend(Backend):
                         yield ObjectInfo(rel, st.st_size, st.st_mtime)
 
     def remove(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """Delete ``key`` (absent: nothing to do); durable on return (the directory is fsync'ed),
+        so a removal gc made first (a manifest) cannot come back after a later one (its chunks)."""
+        p = self._path(key)
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            return
+        if self.fsync:
+            fsync_dir(p.parent)
+        _fault_point()
 
     def list_tmp(self) -> Iterator[ObjectInfo]:
         """Temporary ingest files (left by a killed writer); gc removes old ones."""

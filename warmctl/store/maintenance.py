@@ -106,15 +106,21 @@ def gc(store: Store, keep: Iterable[str] | None = None, grace: float = 300.0, dr
         live: set[str] = set()
         for d, mt in mtimes.items():
             if roots is not None and d not in roots and now - mt >= grace:
-                if not dry_run:
-                    store.backend.remove(manifest_key(d))
+                if not dry_run:  # signatures first: a crash between leaves an unsigned, unnamed manifest
                     for prefix in attachment_prefixes(d):
                         for a in store.backend.list(prefix):
                             store.backend.remove(a.key)
+                    store.backend.remove(manifest_key(d))
                 rep.manifests_removed.append(d)
                 continue
             live |= store.get_manifest(d).chunk_digests()
             rep.manifests_kept += 1
+        for o in store.backend.list("signatures/"):  # of a manifest gone (an older gc killed midway)
+            parts = o.key.split("/")
+            if len(parts) >= 4 and f"{parts[1]}:{parts[2]}" not in mtimes and now - o.mtime >= grace:
+                if not dry_run:
+                    store.backend.remove(o.key)
+                rep.attachments_removed += 1
         for o in store.backend.list("chunks/"):
             d = _digest_from_chunk_key(o.key)
             if d is None or d in live:

@@ -60,6 +60,7 @@ class GcReport:
     chunks_too_new: int = 0
     tmp_removed: int = 0
     locks_removed: int = 0
+    attachments_removed: int = 0  # signatures of manifests no longer stored
     dry_run: bool = False
 
 

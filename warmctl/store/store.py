@@ -299,10 +299,10 @@ class Store:
         """Delete a manifest and its attachments (its chunks go at the next gc). Names are the
         catalog's business: remove its entries first (:class:`warmctl.catalog.Catalog`)."""
         self.lock_for_write(f"remove_manifest {digest}")
-        self.backend.remove(manifest_key(digest))
-        for prefix in attachment_prefixes(digest):
+        for prefix in attachment_prefixes(digest):  # first: a crash between leaves no orphan signature
             for a in self.backend.list(prefix):
                 self.backend.remove(a.key)
+        self.backend.remove(manifest_key(digest))
 
     # -- maintenance (warmctl.store.maintenance)
 

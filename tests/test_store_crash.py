@@ -1,0 +1,174 @@
+"""Crash safety of the local store (issue 14, item 2): a real ``warmctl`` writer (push, gc) is
+killed with SIGKILL at every write point of the local backend in turn
+(``WARMCTL_FAULT_KILL_AT_WRITE=N``, :mod:`warmctl.store.local`), and after each kill the store
+passes ``verify``, every catalog entry and signature names a stored manifest, and the next run
+of the command succeeds. A power loss is not simulated (the page cache survives SIGKILL); that
+each rename, removal and new directory is followed by an fsync of its directory is checked apart,
+by recording the fsync calls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_store_fixtures import snapshot, write_payload
+
+from warmctl.catalog import Catalog
+from warmctl.fleet import entries_to_copy, transfer
+from warmctl.catalog import Ref
+from warmctl.store import open_store
+from warmctl.store.local import FAULT_ENV, LocalBackend
+from warmctl.trust import generate_keypair, sign_manifest
+
+CH = 64 * 1024
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    cfg = tmp_path / "empty.toml"
+    cfg.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
+    env.update({"WARMCTL_CONFIG": str(cfg), "WARMCTL_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}, **extra)
+    return env
+
+
+def _warmctl(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "warmctl", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _source(tmp_path: Path) -> Path:
+    """A store holding ``tiny:latest`` (two files, 7 stored chunks and a zero run) and
+    ``old:latest``, both signed."""
+    root = tmp_path / "src"
+    kp = generate_keypair(tmp_path / "keys")
+    with open_store(root, chunk_size=CH) as s:
+        a = write_payload(tmp_path / "a.img", [("random", 4 * CH), ("zero", 2 * CH), ("text", CH)], seed=1)
+        b = write_payload(tmp_path / "b.img", [("text", 2 * CH)], seed=2)
+        for name, files in (("tiny", {"pages-1.img": a, "core.img": b}), ("old", {"pages-1.img": b})):
+            d = snapshot(s, name, files)
+            sign_manifest(s, d, kp.private)
+    return root
+
+
+def assert_consistent(root: Path) -> None:
+    """What ``warmctl verify`` checks (every manifest's chunks present and intact), plus: every
+    catalog entry and every signature names a manifest that is stored and verifies."""
+    with open_store(root) as s:
+        rep = s.verify()
+        assert rep.ok, str(rep)
+        stored = set(s.list_manifests())
+        for e in Catalog(s).all_entries():
+            assert e.manifest in stored, f"catalog entry {e.name}:{e.tag} names missing manifest {e.manifest}"
+        for o in s.backend.list("signatures/"):
+            d = "sha256:" + o.key.split("/")[2]
+            assert d in stored, f"signature {o.key} of a missing manifest"
+
+
+def _kill_at_every_write(args: list[str], fresh: callable, tmp_path: Path, after: callable) -> int:
+    """Run ``warmctl args`` killed at write point 1, 2, ... (``fresh()`` sets the store up before
+    each run; ``after(n)`` checks it) until a run completes; returns the number of kills."""
+    n = 0
+    while True:
+        n += 1
+        assert n < 200, "never completed"
+        fresh()
+        r = _warmctl(args, _env(tmp_path, **{FAULT_ENV: str(n)}))
+        if r.returncode == 0:
+            return n - 1
+        assert r.returncode == -signal.SIGKILL, f"kill at write {n}: exit {r.returncode}\n{r.stderr}"
+        after(n)
+
+
+def test_push_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
+    src = _source(tmp_path)
+    dst = tmp_path / "dst"
+
+    def fresh():
+        subprocess.run(["rm", "-rf", str(dst)], check=True)
+
+    def after(n):
+        assert_consistent(dst)
+        if n % 4 == 0:  # the next push completes (and only then names the snapshot)
+            with open_store(src) as s, open_store(dst) as d:
+                transfer(s, d, entries_to_copy(s, Ref(name="tiny")))
+            assert_consistent(dst)
+            with open_store(dst) as d:
+                assert Catalog(d).entries("tiny")
+
+    kills = _kill_at_every_write(["push", "tiny", "--to", str(dst), "--store", str(src)], fresh, tmp_path, after)
+    # lock + config + 6 chunks + manifest + signature + entry + profile, two points each (and more)
+    assert kills >= 24, kills
+    assert_consistent(dst)
+    r = _warmctl(["verify", "--store", str(dst)], _env(tmp_path))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_gc_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
+    src = _source(tmp_path)
+    work = tmp_path / "work"
+
+    def fresh():
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+        subprocess.run(["cp", "-a", str(src), str(work)], check=True)
+        with open_store(work) as s:
+            Catalog(s).remove_tag("old", "latest")
+
+    def after(n):
+        assert_consistent(work)
+        if n % 3 == 0:
+            with open_store(work) as s:
+                s.gc(keep=Catalog(s).referenced_manifests(), grace=0)
+            assert_consistent(work)
+
+    kills = _kill_at_every_write(["gc", "--grace", "0", "--store", str(work)], fresh, tmp_path, after)
+    assert kills >= 4, kills  # the old manifest, its signature, its unshared chunk(s), lock release
+    with open_store(work) as s:
+        assert [e.name for e in Catalog(s).all_entries()] == ["tiny"]
+        assert len(s.list_manifests()) == 1
+
+
+def test_every_rename_removal_and_new_directory_is_made_durable(tmp_path, monkeypatch):
+    """fsync of the directory after each rename into it, each removal from it and each directory
+    created in it (recorded by inode, so the check names the directory)."""
+    synced: list[tuple[int, bool]] = []
+    real = os.fsync
+
+    def record(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_ino, stat.S_ISDIR(st.st_mode)))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    b = LocalBackend(tmp_path / "store")
+    b.save("chunks/blake3/ab/abcd", b"x" * 10)
+    ino = lambda p: (p.stat().st_ino, True)  # noqa: E731
+    root = tmp_path / "store"
+    file_synced = [s for s in synced if not s[1]]
+    assert len(file_synced) == 1  # the object's bytes, before the rename
+    for d in (tmp_path, root, root / "chunks", root / "chunks/blake3", root / "chunks/blake3/ab"):  # parents of new dirs
+        assert ino(d) in synced, f"{d} not fsync'ed"
+    assert synced.index(ino(root / "chunks/blake3/ab")) > synced.index(file_synced[0])  # after the rename
+    synced.clear()
+    b.save("chunks/blake3/ab/abce", b"y")
+    assert synced[-1] == ino(root / "chunks/blake3/ab") and ino(root) not in synced  # existing dirs: just the one
+    synced.clear()
+    b.remove("chunks/blake3/ab/abcd")
+    assert synced == [ino(root / "chunks/blake3/ab")]
+    synced.clear()
+    b.remove("chunks/blake3/ab/gone")  # absent: nothing to sync
+    assert synced == []
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_fault_hook_kills_at_the_given_write(tmp_path, n):
+    """The hook itself: a save killed before its rename leaves no object, after it leaves it."""
+    code = ("from warmctl.store.local import LocalBackend; b = LocalBackend(%r); b.save('k', b'v'); print('done')"
+            % str(tmp_path / "s"))
+    r = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path, **{FAULT_ENV: str(n)}), capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL and "done" not in r.stdout
+    assert (tmp_path / "s" / "k").exists() == (n == 2)
