@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -172,3 +173,54 @@ def test_fault_hook_kills_at_the_given_write(tmp_path, n):
     r = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path, **{FAULT_ENV: str(n)}), capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL and "done" not in r.stdout
     assert (tmp_path / "s" / "k").exists() == (n == 2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_data(tmp_path):
+    """Issue 14, item 3, as the issue says: a writer (a real ``warmctl push``) is paused by
+    SIGSTOP past its lock's lifetime (3 s here, ``WARMCTL_LOCK_STALE_S``) at one write point after
+    another, ``warmctl gc --grace 0`` runs meanwhile (and judges the lock stale), the writer is
+    resumed (SIGCONT): either it fails cleanly (LockLost, its own exit code, no traceback) or every
+    chunk of what it named exists; ``verify`` passes either way."""
+    from warmctl.store import LockLost
+    from warmctl.store.local import FAULT_STOP_ENV
+
+    src = _source(tmp_path)
+    dst = tmp_path / "dst"
+    outcomes: dict[int, str] = {}
+    for n in range(1, 200, 3):
+        subprocess.run(["rm", "-rf", str(dst)], check=True)
+        env = _env(tmp_path, **{FAULT_STOP_ENV: str(n), "WARMCTL_LOCK_STALE_S": "3"})
+        p = subprocess.Popen([sys.executable, "-m", "warmctl", "push", "tiny", "--to", str(dst), "--store", str(src)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            while p.poll() is None and _state(p.pid) != "T":
+                time.sleep(0.02)
+            if p.poll() is not None:  # past the last write point: it never stopped
+                out, err = p.communicate()
+                assert p.returncode == 0, err
+                break
+            time.sleep(4.0)  # past the lock's lifetime
+            g = _warmctl(["gc", "--grace", "0", "--store", str(dst)], _env(tmp_path))
+            assert g.returncode == 0, f"stop at {n}: gc exited {g.returncode}: {g.stderr}"
+            p.send_signal(signal.SIGCONT)
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if p.returncode == 0:
+            outcomes[n] = "committed"
+        else:
+            assert p.returncode == LockLost.exit_code, f"stop at {n}: exit {p.returncode}: {err}"
+            assert "lost the shared lock" in err and "run it again" in err and "Traceback" not in err, err
+            outcomes[n] = "stopped"
+        assert_consistent(dst)
+    assert "stopped" in outcomes.values(), outcomes
+    assert len(outcomes) >= 6, outcomes

@@ -453,7 +453,16 @@ class Catalog:
         _check_name("snapshot name", entry.name)
         _check_name("tag", entry.tag)
         self.migrate()
-        self.backend.save(_entry_key(entry.name, entry.tag, entry.manifest), entry.model_dump_json().encode())
+        key, body = _entry_key(entry.name, entry.tag, entry.manifest), entry.model_dump_json().encode()
+        commit = getattr(self.store, "commit", None)
+        if commit is None:
+            self.backend.save(key, body)
+        else:  # a Store: under its writer lock, checked before and after (LockLost)
+            self.store.check_lock(f"catalog entry {entry.name}:{entry.tag}")
+            if not self.store.has_manifest(entry.manifest):
+                raise CatalogError(f"catalog entry {entry.name}:{entry.tag}: manifest {entry.manifest} is not in the "
+                                   f"store at {self.backend.location()}; an entry is written after what it names")
+            commit(key, body, f"catalog entry {entry.name}:{entry.tag}")
         for old in self.entries(entry.name, entry.tag):
             if old.compat == entry.compat and old.manifest != entry.manifest:
                 self.backend.remove(_entry_key(entry.name, entry.tag, old.manifest))

@@ -221,7 +221,11 @@ def sign_manifest(store: Any, digest: str, key: str | Path | Ed25519PrivateKey) 
         signed=datetime.now(timezone.utc),
         signature=base64.b64encode(k.sign(signed_message(digest))).decode(),
     )
-    store.backend.save(signature_prefix(digest) + f"{kid}.json", doc.model_dump_json().encode())
+    key, body = signature_prefix(digest) + f"{kid}.json", doc.model_dump_json().encode()
+    if hasattr(store, "commit"):  # under the writer lock, checked (warmctl.store.Store.commit)
+        store.commit(key, body, f"signing {digest}")
+    else:
+        store.backend.save(key, body)
     return doc
 
 

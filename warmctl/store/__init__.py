@@ -36,7 +36,7 @@ from warmctl.store.chunks import CHUNK_SIZE, DIGEST_ALGORITHM, STORE_FORMAT, ZST
 from warmctl.store.copy import copy_manifest
 from warmctl.store.layout import chunk_key, manifest_key
 from warmctl.store.local import LocalBackend
-from warmctl.store.lock import StoreLocked
+from warmctl.store.lock import LockLost, StoreLocked
 from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
 from warmctl.store.s3 import S3Backend
 from warmctl.store.store import Store
@@ -64,6 +64,7 @@ __all__ = [
     "S3Backend",
     "STORE_FORMAT",
     "Store",
+    "LockLost",
     "StoreLocked",
     "TransientBackendError",
     "VerifyReport",

@@ -69,6 +69,7 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
         if progress:
             progress(size)
     # Manifest bytes are copied verbatim (same digest), after every chunk is in place.
+    dst.check_lock(f"copy {what}")  # LockLost: chunks seen above may be gone
     if not dst.has_manifest(digest):
         dst.put_manifest(manifest)
         if not dst.has_manifest(digest):  # pragma: no cover - would mean to_bytes is not canonical
@@ -82,6 +83,6 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
                     continue
             except ObjectNotFound:
                 pass
-            dst.backend.save(o.key, blob)
+            dst.commit(o.key, blob, f"copy of {what}")
     rep.seconds = time.monotonic() - t0
     return rep

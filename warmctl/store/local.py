@@ -13,7 +13,9 @@ bytes needed.
 Fault injection for tests (:data:`FAULT_ENV`): ``WARMCTL_FAULT_KILL_AT_WRITE=N`` makes the
 process SIGKILL itself at the N-th write point of this backend (counting, in order, "temporary
 file written, not yet renamed", "renamed and durable" for each save and "removed" for each
-removal), so a test can crash a real writer anywhere (tests/test_store_crash.py).
+removal), so a test can crash a real writer anywhere (tests/test_store_crash.py);
+``WARMCTL_FAULT_STOP_AT_WRITE=N`` stops it there instead (SIGSTOP), to pause a writer past its
+lock's lifetime.
 """
 
 from __future__ import annotations
@@ -49,13 +51,18 @@ def disk_full_error(path: Path | str, needed: int, what: str = "") -> HostError:
 
 #: See the module docstring: the write point at which the process kills itself (tests only).
 FAULT_ENV = "WARMCTL_FAULT_KILL_AT_WRITE"
-_fault_at = int(os.environ.get(FAULT_ENV) or 0)
+#: Likewise, the write point at which the process stops itself (SIGSTOP; a test resumes it).
+FAULT_STOP_ENV = "WARMCTL_FAULT_STOP_AT_WRITE"
+_fault_at = {signal.SIGKILL: int(os.environ.get(FAULT_ENV) or 0), signal.SIGSTOP: int(os.environ.get(FAULT_STOP_ENV) or 0)}
 _fault_count = itertools.count(1)
 
 
 def _fault_point() -> None:
-    if _fault_at and next(_fault_count) == _fault_at:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if any(_fault_at.values()):
+        n = next(_fault_count)
+        for sig, at in _fault_at.items():
+            if n == at:
+                os.kill(os.getpid(), sig)
 
 
 def fsync_dir(path: Path | str) -> None:

@@ -1,9 +1,17 @@
 """Store locks (restic style): writers hold shared locks, gc holds an exclusive one.
 
 A lock is an object ``locks/<id>`` holding JSON ``{"kind": "shared"|"exclusive", "host",
-"pid", "time", "purpose"}``. Its holder rewrites it every ``stale_after/3`` seconds. A lock is
-stale when not refreshed for ``stale_after`` seconds, or when it was taken on this host by a
-process that no longer exists (a killed push); stale locks are ignored and gc removes them.
+"pid", "time", "purpose", "stale_after"}``. Its holder rewrites it every ``stale_after/3``
+seconds. A lock is stale when not refreshed for its ``stale_after`` seconds (the holder's
+lifetime, recorded in the lock; default :data:`DEFAULT_STALE_AFTER`, 120 s, or
+``$WARMCTL_LOCK_STALE_S``), or when it was taken on this host by a process that no longer
+exists (a killed push); stale locks are ignored and gc removes them.
+
+A holder that could not refresh its lock in time (paused by SIGSTOP or a suspended VM, a
+store unreachable for longer than the lifetime) has *lost* it: a gc may have judged it stale
+and removed what the holder was about to reference. :meth:`Lock.check` then raises
+:class:`LockLost`, and the store's writer calls it before and after each commit (manifest,
+signature, catalog entry), so such a writer stops instead of naming data that may be gone.
 
 Protocol: take = write own lock, then list the others. A writer that sees a live exclusive
 lock removes its own and waits; gc that sees any other live lock removes its own and fails
@@ -25,6 +33,12 @@ from warmctl.proc import pid_alive
 from warmctl.store.backend import Backend, ObjectNotFound
 
 LOCK_PREFIX = "locks/"
+#: Seconds a lock lives without a refresh (``$WARMCTL_LOCK_STALE_S`` overrides it, for tests
+#: and for stores whose writers may be paused longer).
+DEFAULT_STALE_AFTER = float(os.environ.get("WARMCTL_LOCK_STALE_S") or 120.0)
+#: A holder counts its lock lost once this fraction of the lifetime passed without a
+#: successful refresh (a margin for the clock of the host that judges staleness).
+LOST_AFTER = 5 / 6
 
 
 class StoreLocked(WarmctlError):
@@ -33,8 +47,16 @@ class StoreLocked(WarmctlError):
     exit_code = 6
 
 
+class LockLost(WarmctlError):
+    """This process's store lock was not refreshed within its lifetime: a gc may have removed
+    objects it relies on, so it stopped before committing anything that would reference them."""
+
+    exit_code = 7
+
+
 class Lock:
-    """A held lock; :meth:`release` removes it. Refreshed by a daemon thread while held."""
+    """A held lock; :meth:`release` removes it. Refreshed by a daemon thread while held;
+    :meth:`check` raises :class:`LockLost` once a refresh came too late."""
 
     def __init__(self, backend: Backend, kind: str, purpose: str, stale_after: float):
         self.backend = backend
@@ -44,14 +66,38 @@ class Lock:
         self.key = f"{LOCK_PREFIX}{uuid.uuid4().hex}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_ok = time.monotonic()  # when the body last saved was made
+        self.lost: str | None = None  # why the lock was lost (sticky)
+        self._last_error: BaseException | None = None
 
     def _body(self) -> bytes:
         return json.dumps(
-            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "purpose": self.purpose}
+            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+             "purpose": self.purpose, "stale_after": self.stale_after}
         ).encode()
 
     def write(self) -> None:
+        t = time.monotonic()
         self.backend.save(self.key, self._body())
+        self._last_ok = t
+
+    def _late(self, now: float) -> str | None:
+        gap = now - self._last_ok
+        if gap <= self.stale_after * LOST_AFTER:
+            return None
+        why = f": last error {self._last_error}" if self._last_error else " (process paused?)"
+        return f"not refreshed for {gap:.1f} s, lifetime {self.stale_after:g} s{why}"
+
+    def check(self, what: str = "commit") -> None:
+        """Raise :class:`LockLost` (naming ``what`` was stopped) if the lock was not kept alive
+        continuously since it was taken; else return."""
+        why = self.lost or self._late(time.monotonic())
+        if why:
+            self.lost = why
+            raise LockLost(
+                f"store {self.backend.location()}: lost the {self.kind} lock of {self.purpose} ({why}); "
+                f"a gc may have removed data it relies on, so {what} was stopped and nothing was named; run it again"
+            )
 
     def _once(self) -> Backend:
         """The backend without its retry wrapper: refreshing and releasing are best effort
@@ -61,10 +107,16 @@ class Lock:
     def start_refresh(self) -> None:
         def loop() -> None:
             while not self._stop.wait(self.stale_after / 3):
+                t = time.monotonic()
+                why = self._late(t)
+                if why:  # too late already (paused): a gc may have run; refreshing now hides nothing
+                    self.lost = self.lost or why
+                    return
                 try:
                     self._once().save(self.key, self._body())
-                except Exception:  # noqa: BLE001 - next round retries; staleness is the fallback
-                    pass
+                    self._last_ok, self._last_error = t, None
+                except Exception as e:  # noqa: BLE001 - next round retries; check() reports it if too late
+                    self._last_error = e
 
         self._thread = threading.Thread(target=loop, name=f"warmctl-lock-{self.key}", daemon=True)
         self._thread.start()
@@ -85,7 +137,8 @@ def describe(info: dict) -> str:
 
 
 def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tuple[list[dict], list[str]]:
-    """(live locks other than ``own_key``, keys of stale locks)."""
+    """(live locks other than ``own_key``, keys of stale locks). A lock is judged by the
+    lifetime it records (``stale_after`` in its body), else by ``stale_after``."""
     live, stale = [], []
     host = socket.gethostname()
     now = time.time()
@@ -100,7 +153,9 @@ def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tu
             d = {"kind": "exclusive", "time": info.mtime, "purpose": "unreadable lock"}
         t = max(float(d.get("time", 0)), info.mtime)
         dead = d.get("host") == host and isinstance(d.get("pid"), int) and not pid_alive(d["pid"])
-        if dead or now - t > stale_after:
+        life = d.get("stale_after")
+        life = float(life) if isinstance(life, (int, float)) and life > 0 else stale_after
+        if dead or now - t > life:
             stale.append(info.key)
         else:
             d["key"] = info.key
@@ -108,7 +163,7 @@ def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tu
     return live, stale
 
 
-def acquire(backend: Backend, kind: str, purpose: str, stale_after: float = 120.0, wait: float = 300.0) -> Lock:
+def acquire(backend: Backend, kind: str, purpose: str, stale_after: float = DEFAULT_STALE_AFTER, wait: float = 300.0) -> Lock:
     """Take a ``kind`` lock (``shared`` or ``exclusive``) on the store behind ``backend``.
 
     A shared lock waits up to ``wait`` seconds for an exclusive holder to finish; an exclusive

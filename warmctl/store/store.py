@@ -51,14 +51,18 @@ class Store:
     it loses dedup against chunks cut at another size).
     ``lock_stale_after``/``lock_wait``: seconds (see :mod:`warmctl.store.lock`). The first
     write takes a shared lock held until :meth:`close` (or process exit), so a concurrent gc
-    cannot remove chunks this writer relies on. Usable as a context manager.
+    cannot remove chunks this writer relies on. Chunks this writer saw or wrote are not
+    checked again by :meth:`put_manifest` only while that lock has been held continuously;
+    every commit (manifest, signature, catalog entry: :meth:`commit`) checks it before and
+    after, and raises :class:`~warmctl.store.lock.LockLost` once it was lost. Usable as a
+    context manager.
     """
 
     def __init__(
         self,
         backend: Backend,
         workers: int | None = None,
-        lock_stale_after: float = 120.0,
+        lock_stale_after: float = lk.DEFAULT_STALE_AFTER,
         lock_wait: float = 300.0,
         chunk_size: int = ck.CHUNK_SIZE,
     ):
@@ -94,6 +98,7 @@ class Store:
         """Release the writer lock (if held). The store stays usable (a new write re-locks)."""
         with self._mu:
             lock, self._lock = self._lock, None
+            self._known.clear()  # known under that lock only: a gc may run once it is released
         if lock is not None:
             lock.release()
 
@@ -128,8 +133,35 @@ class Store:
         with self._mu:
             if self._lock is None:
                 self._lock = lk.acquire(self.backend, "shared", purpose, self.lock_stale_after, self.lock_wait)
+                self._known.clear()  # what was seen before the lock may be gone by now
                 # a Store dropped without close() still releases its lock
                 weakref.finalize(self, self._lock.release)
+
+    def check_lock(self, what: str) -> None:
+        """Take the writer lock if not held; raise :class:`~warmctl.store.lock.LockLost` (naming
+        ``what``) if the held one was not kept alive continuously (see :mod:`warmctl.store.lock`)."""
+        self.lock_for_write(what)
+        lock = self._lock
+        if lock is not None:
+            lock.check(what)
+
+    def commit(self, key: str, data: bytes, what: str) -> None:
+        """Save ``key`` (an object that names others: manifest, signature, catalog entry) under
+        the writer lock, checked before and after the save (:meth:`check_lock`). When the lock
+        turns out lost after the save, an object this call created is removed again, then
+        :class:`~warmctl.store.lock.LockLost` is raised."""
+        self.check_lock(what)
+        existed = self.backend.exists(key)
+        self.backend.save(key, data)
+        try:
+            self.check_lock(what)
+        except lk.LockLost:
+            if not existed:
+                try:
+                    self.backend.remove(key)
+                except Exception:  # noqa: BLE001 - the error below says what happened
+                    pass
+            raise
 
     # -- chunks
 
@@ -247,9 +279,12 @@ class Store:
         """Store ``manifest``; returns its digest (``sha256:<hex>``).
 
         Refuses (IntegrityError listing what is missing and where) unless every chunk the
-        manifest references exists in this store and each file's chunk sizes add up.
+        manifest references exists in this store and each file's chunk sizes add up; raises
+        :class:`~warmctl.store.lock.LockLost` (nothing stored) when the writer lock was not held
+        continuously, since chunks it saw may have been removed by a gc meanwhile.
         """
-        self.lock_for_write(f"put_manifest {manifest.name}")
+        what = f"put_manifest {manifest.name}"
+        self.check_lock(what)  # LockLost: chunks known to this writer may be gone
         need: dict[str, int] = {}
         for f in manifest.files:
             if f.hardlink_to is None and sum(c.size for c in f.chunks) != f.size:
@@ -265,7 +300,7 @@ class Store:
         digest = sha256_digest(data)
         key = manifest_key(digest)
         if not self.backend.exists(key):
-            self.backend.save(key, data)
+            self.commit(key, data, what)
         return digest
 
     def get_manifest_bytes(self, digest: str) -> bytes:
