@@ -32,7 +32,7 @@ from warmctl.host import GpuInfo, HostFingerprint, fingerprint, read_amd_gpus
 from warmctl.manifest import GpuRestore, RestoreInfo
 from warmctl.profile import PROFILES_DIR, Profile, ProfileError, load_profile, load_profile_file
 from warmctl.progress import Reporter
-from warmctl.proc import kill_tree
+from warmctl.proc import ProcessId, kill_tree
 
 TESTS = Path(__file__).resolve().parent
 FAKE_AMDSMI = TESTS / "fake_amdsmi"
@@ -473,10 +473,10 @@ def test_real_criu_loads_only_the_amdgpu_plugin(tmp_path, monkeypatch):
         assert restored and all(n.startswith("loaded.amdgpu.") for n in restored), restored
     finally:
         if new_root:
-            kill_tree(new_root)
+            kill_tree(ProcessId.of(new_root))
         if launcher.poll() is None:
             if root:
-                kill_tree(root)
+                kill_tree(ProcessId.of(root))
             launcher.kill()
             launcher.wait()
         log.close()
