@@ -155,3 +155,265 @@ def test_recovery_leaves_a_shell_in_a_run_directory_alone(tmp_path):
         assert shell.poll() is None
     finally:
         _reap(shell)
+
+
+# ------------------------------------------------------------------------ the API under hostile clients
+
+
+class AgentProc:
+    """``python -m warmctl agent`` (the real server: uvicorn with the agent's protocol and
+    limits) on a free loopback port, home ``home``; ``http`` carries the token."""
+
+    def __init__(self, home: Path, *args: str):
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "agent").mkdir(mode=0o700, exist_ok=True)
+        (home / "agent" / "token").write_text(TOKEN + "\n")
+        os.chmod(home / "agent" / "token", 0o600)
+        cfg = home / "config.toml"
+        cfg.write_text(f'home = "{home}"\nkeys_dir = "{home / "keys"}"\n')
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
+        self.env.update({"WARMCTL_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"})
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = home / "agent.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "warmctl", "agent", "--port", str(self.port), *args],
+                                     env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.1)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def agent_proc(tmp_path):
+    a = AgentProc(tmp_path / "home")
+    yield a
+    a.stop()
+
+
+class HungServer:
+    """A TCP server on a loopback port (0: the kernel's choice) that accepts connections and
+    reads them but never answers: an engine whose ``/health`` hangs."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(512)
+        self.port = self.sock.getsockname()[1]
+        self.stop_ev = threading.Event()
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop_ev.is_set():
+            try:
+                c, _ = self.sock.accept()
+                self.conns.append(c)  # held open, never answered
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        self.stop_ev.set()
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def test_healthz_answers_while_60_pollers_wait_on_a_hung_engine(tmp_path):
+    """An engine (alive, serving) whose ``/health`` never answers, 60 clients polling
+    ``GET /v1/engines`` in a loop: ``/healthz`` still answers (within 5 s each time: a bound
+    that only a starved agent misses -- the old agent's callers queued 2 s each behind one
+    lock, 40 worker threads deep), and the pollers get answers too."""
+    home = tmp_path / "home"
+    hung = HungServer()
+    engine, gate = _sleep(), _sleep()
+    import psutil
+
+    stop = threading.Event()
+    answered: list[int] = []
+    try:
+        run = home / "run" / "hung"
+        save_state(home / "run", _state("hung", run, **_ident(engine)).model_copy(update={
+            "phase": "serving", "internal_port": hung.port, "gate_pid": gate.pid,
+            "gate_ctime": psutil.Process(gate.pid).create_time()}))
+        a = AgentProc(home)
+        try:
+            def poll() -> None:
+                with httpx.Client(base_url=a.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as c:
+                    while not stop.is_set():
+                        try:
+                            answered.append(c.get("/v1/engines").status_code)
+                        except httpx.HTTPError:
+                            pass
+            threads = [threading.Thread(target=poll, daemon=True) for _ in range(60)]
+            for t in threads:
+                t.start()
+            time.sleep(3)  # every poller has sent a request; the probes hang
+            for _ in range(5):
+                r = httpx.get(a.url + "/healthz", timeout=5)
+                assert r.status_code == 200 and r.json()["status"] == "ok"
+                time.sleep(0.5)
+            rows = a.http.get("/v1/engines", timeout=15).json()
+            assert [(x["name"], x["engine_alive"], x["healthy"]) for x in rows] == [("hung", True, False)]
+            assert answered and set(answered) == {200}
+        finally:
+            stop.set()
+            a.stop()
+    finally:
+        hung.close()
+        _reap(engine, gate)
+
+
+def _read_status(s: socket.socket, timeout: float) -> bytes:
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:
+        pass
+    return data.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_a_10mb_body_is_refused_before_it_is_read(agent_proc, token):
+    """``POST`` with ``Content-Length: 10 MB``, of which only the first 64 KiB are sent: the
+    agent answers (401 without the token, 413 with it) while the client still owes 99% of
+    the body -- it did not wait for, read or parse it -- and its memory did not grow by the
+    body's size."""
+    import psutil
+
+    size = 10 * 2**20
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    rss0 = psutil.Process(agent_proc.proc.pid).memory_info().rss
+    with socket.create_connection(("127.0.0.1", agent_proc.port)) as s:
+        s.sendall((f"POST /v1/engines/tiny/up HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                   f"Content-Length: {size}\r\n\r\n").encode() + b"{" + b" " * (64 * 1024))
+        status = _read_status(s, timeout=10)
+    assert status.startswith(b"HTTP/1.1 401" if token is None else b"HTTP/1.1 413"), status
+    assert psutil.Process(agent_proc.proc.pid).memory_info().rss - rss0 < size / 2
+    assert agent_proc.http.get("/healthz").status_code == 200
+
+
+def test_a_chunked_body_over_the_cap_is_refused(agent_proc):
+    def body():
+        for _ in range(40):
+            yield b"x" * 65536  # 2.5 MiB in all, no Content-Length
+    r = agent_proc.http.post("/v1/snapshots", content=body(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "too_large"
+
+
+def test_slow_header_clients_are_cut_off(agent_proc):
+    """50 connections that send a header line every 2 s and never finish: all closed by the
+    agent within 30 s (its header timeout is 10 s; the old agent kept them 60 s and more),
+    while a normal client is served meanwhile."""
+    conns = []
+    for _ in range(50):
+        s = socket.create_connection(("127.0.0.1", agent_proc.port))
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        conns.append(s)
+    closed: set[int] = set()
+    deadline = time.monotonic() + 30
+    n = 0
+    while len(closed) < len(conns) and time.monotonic() < deadline:
+        n += 1
+        for i, s in enumerate(conns):
+            if i in closed:
+                continue
+            try:
+                s.sendall(f"X-Slow-{n}: 1\r\n".encode())
+                s.settimeout(0.01)
+                if s.recv(1) == b"":
+                    closed.add(i)
+            except socket.timeout:
+                pass
+            except OSError:
+                closed.add(i)
+        assert httpx.get(agent_proc.url + "/healthz", timeout=5).status_code == 200
+        time.sleep(2)
+    for s in conns:
+        s.close()
+    assert len(closed) == len(conns), f"{len(conns) - len(closed)} slow-header connections still open after 30 s"
+
+
+def test_listening_beyond_loopback_without_tls_is_refused(tmp_path):
+    from warmctl.agent.server import is_loopback
+
+    home = tmp_path / "home"
+    cfg = home / "config.toml"
+    home.mkdir()
+    cfg.write_text(f'home = "{home}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")} | {"WARMCTL_CONFIG": str(cfg)}
+    r = subprocess.run([sys.executable, "-m", "warmctl", "agent", "--host", "0.0.0.0", "--port", "1"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "beyond loopback" in r.stderr + r.stdout and "--insecure-no-tls" in r.stderr + r.stdout
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "127.0.0.2", "0.0.0.0", "::", "10.0.0.1",
+                                       "node7.example")] == [True, True, True, True, False, False, False, False]
+
+
+def test_security_flags_take_only_json_booleans(tmp_path):
+    a = LiveAgent(tmp_path / "home")
+    try:
+        for body in ({"insecure": "true"}, {"insecure": 1}, {"snapshot_after": "yes"}, {"port": "8080"}):
+            r = a.http.post("/v1/engines/tiny/up", json=body)
+            assert r.status_code == 422, (body, r.status_code, r.text)
+        assert a.agent.jobs.list() == []  # nothing was started
+        r = a.http.post("/v1/snapshots", json={"profile": "tiny", "push": "false"})
+        assert r.status_code == 422
+    finally:
+        a.stop()
+
+
+def test_last_event_id_is_validated(tmp_path):
+    a = LiveAgent(tmp_path / "home")
+    try:
+        job = a.agent.jobs.submit("down", "tiny", ["engine:tiny"], lambda rep, j: {})
+        a.agent.jobs.wait(job.id, 10)
+        for bad in ("9" * 5000, "²".encode(), "-1", "1e3"):
+            r = a.http.get(f"/v1/jobs/{job.id}/events", headers={"Last-Event-ID": bad})
+            assert r.status_code == 400 and r.json()["error"] == "bad_request", (bad[:10], r.status_code)
+        r = a.http.get(f"/v1/jobs/{job.id}/events", headers={"Last-Event-ID": "1"})
+        assert r.status_code == 200 and "event: end" in r.text
+    finally:
+        a.stop()
+
+
+def test_home_files_are_private_and_docs_are_not_served(tmp_path):
+    home = tmp_path / "home"
+    a = LiveAgent(home)
+    try:
+        job = a.agent.jobs.submit("down", "tiny", ["engine:tiny"], lambda rep, j: {})
+        a.agent.jobs.wait(job.id, 10)
+        save_state(home / "run", _state("tiny", home / "run" / "tiny"))
+        for d in (home / "agent", home / "agent" / "jobs", home / "run", home / "run" / "tiny"):
+            assert oct(d.stat().st_mode & 0o777) == "0o700", d
+        for f in (home / "agent" / "jobs" / f"{job.id}.json", home / "run" / "tiny" / "state.json"):
+            assert oct(f.stat().st_mode & 0o777) == "0o600", f
+        for path in ("/docs", "/redoc"):
+            assert httpx.get(a.url + path).status_code == 401  # not open
+            assert a.http.get(path).status_code == 404  # not served at all
+        assert httpx.get(a.url + "/openapi.json").status_code == 200
+    finally:
+        a.stop()

@@ -1,7 +1,10 @@
 """The agent's REST API (FastAPI): :func:`create_app`.
 
-Everything under ``/v1`` needs ``Authorization: Bearer <token>`` (401 otherwise); ``/healthz``,
-``/readyz`` and ``/openapi.json`` do not. Errors have one shape, :class:`ErrorBody`
+Everything under ``/v1`` and ``/metrics`` needs ``Authorization: Bearer <token>`` (401
+otherwise, answered before any body byte is read: :mod:`warmctl.agent.guard`); ``/healthz``,
+``/readyz`` and ``/openapi.json`` do not (see docs/operations.md); request bodies are capped at
+1 MiB (413). ``/docs`` and ``/redoc`` are not served (they load scripts from a public CDN).
+Errors have one shape, :class:`ErrorBody`
 (``{"error": code, "message": text, "holder": job id or null}``); request validation errors
 are FastAPI's 422. Long operations answer ``202`` with the :class:`Job` (and a ``Location``
 header); follow it with ``GET /v1/jobs/{id}`` or ``GET /v1/jobs/{id}/events`` (SSE).
@@ -17,8 +20,8 @@ Engine phases (``EngineView.phase``), the state machine a scheduler watches::
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
+import re
 import threading
 import time
 from typing import Any, Literal
@@ -28,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 import warmctl
 from warmctl import lifecycle
@@ -36,6 +39,7 @@ from warmctl.config import Settings
 from warmctl.errors import WarmctlError
 from warmctl.state import EngineState
 
+from .guard import GuardedFastAPI, token_ok
 from .jobs import Conflict, Event, Job, JobManager, JobReporter, PhaseRecord, dumps
 from .metrics import Metrics
 from .recovery import RecoveryReport, recover
@@ -43,10 +47,15 @@ from .recovery import RecoveryReport, recover
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 JOB_PATTERN = r"^j-[0-9a-f]{12}$"
-#: seconds an engine status answer may be reused (see :meth:`AgentState.engine_status`)
+#: seconds an engine status answer is fresh (see :meth:`AgentState.engine_status`)
 STATUS_TTL_S = 0.5
-#: answered without a token (probes and the API description)
-OPEN_PATHS = {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+#: seconds a caller waits for the first engine status when none was taken yet
+STATUS_FIRST_WAIT_S = 10.0
+#: answered without a token: the probes (a kubelet/systemd/load balancer has no token) and
+#: the API description (public: docs/openapi.json in the repository)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
+#: ``Last-Event-ID``: the decimal ``seq`` of an event this agent sent
+LAST_EVENT_ID_PATTERN = re.compile(r"^[0-9]{1,18}$")
 
 EngineViewPhase = Literal["down", "pending", "starting", "restoring", "health", "canary", "serving",
                           "failed", "dead", "stopping"]
@@ -71,27 +80,30 @@ class UpRequest(BaseModel):
     ``snapshot_after``: on the cold path, snapshot the warmed engine; ``insecure``: accept an
     unsigned or untrusted snapshot (a snapshot is executable state: only for tests);
     ``cold_start``: ``fallback`` or ``never`` when no snapshot fits (default: the agent's
-    ``cold_start`` setting); with ``never`` the job fails naming every rejected candidate."""
+    ``cold_start`` setting); with ``never`` the job fails naming every rejected candidate.
+    Strict types: ``"true"`` is not a boolean, ``"8080"`` not a port (422)."""
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}
     tag: str = Field("latest", pattern=TAG_PATTERN)
     digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
     cold_start: Literal["fallback", "never"] | None = None
     port: int | None = Field(None, ge=1, le=65535)
     host: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9.:-]+$")
-    snapshot_after: bool = False
-    #: INSECURE: restore an unsigned or untrusted snapshot (logged as a loud warning)
-    insecure: bool = False
+    snapshot_after: StrictBool = False
+    #: INSECURE: restore an unsigned or untrusted snapshot (logged as a loud warning); only a
+    #: JSON ``true`` turns it on
+    insecure: StrictBool = False
 
 
 class SnapshotRequest(BaseModel):
-    """Snapshot profile ``profile`` (a profile NAME the agent can find) as ``profile:tag``."""
+    """Snapshot profile ``profile`` (a profile NAME the agent can find) as ``profile:tag``.
+    Strict types, as :class:`UpRequest`."""
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "strict": True}
     profile: str = Field(..., pattern=NAME_PATTERN)
     tag: str = Field("latest", pattern=TAG_PATTERN)
     #: publish to the remote store afterwards (default: when the agent has ``remote_store``)
-    push: bool | None = None
+    push: StrictBool | None = None
 
 
 class EngineView(BaseModel):
@@ -190,23 +202,63 @@ class AgentState:
         self._host_cache: tuple[float, dict] | None = None
         self._status_lock = threading.Lock()
         self._status_cache: tuple[float, list[lifecycle.EngineStatus]] | None = None
+        self._status_gen = 0  # bumped by forget_status: a refresh started before is stale
+        self._status_refreshing = False
+        self._status_ready = threading.Event()
 
     def engine_status(self) -> list[lifecycle.EngineStatus]:
-        """:func:`warmctl.lifecycle.status` of every engine, at most :data:`STATUS_TTL_S` old.
+        """:func:`warmctl.lifecycle.status` of every engine (stale-while-revalidate).
 
-        A status storm (a scheduler fleet polling) must not turn into as many ``/health``
-        probes of an engine busy restoring or replaying its canary: one caller refreshes,
-        the others wait for it and share the answer."""
+        The answer is taken by one background thread at a time, never on the request's own
+        time: ``lifecycle.status`` probes each engine's ``/health`` for up to 2 s, and a
+        status storm (a scheduler fleet polling an engine whose ``/health`` hangs) must not
+        hold the agent's worker threads (issue 19: 60 pollers starved ``/healthz``). A caller
+        gets the last answer at once and, when it is older than :data:`STATUS_TTL_S`
+        (stamped when the probes *finished*), starts one refresh; only when there is no
+        answer yet (start, or after :meth:`forget_status`) does it wait for the refresh, up
+        to :data:`STATUS_FIRST_WAIT_S`, and then gets the answer without probes
+        (``healthy`` false) if the probes still hang."""
         with self._status_lock:
             c = self._status_cache
-            if c is None or time.monotonic() - c[0] > STATUS_TTL_S:
-                c = self._status_cache = (time.monotonic(), lifecycle.status(self.settings))
-            return c[1]
+            if (c is None or time.monotonic() - c[0] > STATUS_TTL_S) and not self._status_refreshing:
+                self._status_refreshing = True
+                self._status_ready = threading.Event()
+                threading.Thread(target=self._refresh_status, name="engine-status", daemon=True).start()
+            if c is not None:
+                return c[1]
+            ready = self._status_ready
+        ready.wait(STATUS_FIRST_WAIT_S)
+        with self._status_lock:
+            if self._status_cache is not None:
+                return self._status_cache[1]
+        return lifecycle.status(self.settings, probe=False)
+
+    def _refresh_status(self) -> None:
+        try:
+            while True:
+                with self._status_lock:
+                    gen = self._status_gen
+                try:
+                    rows = lifecycle.status(self.settings)
+                except Exception:  # noqa: BLE001 - keep the old answer; the next caller retries
+                    rows = None
+                with self._status_lock:
+                    if self._status_gen != gen:
+                        continue  # an engine changed while we probed: probe again
+                    if rows is not None:
+                        self._status_cache = (time.monotonic(), rows)
+                    return
+        finally:
+            with self._status_lock:
+                self._status_refreshing = False
+                self._status_ready.set()
 
     def forget_status(self) -> None:
-        """Drop the cached engine status (after a job changed an engine)."""
+        """Drop the cached engine status (after a job changed an engine): the next caller
+        waits for a fresh one."""
         with self._status_lock:
             self._status_cache = None
+            self._status_gen += 1
 
     def _finished(self, job: Job) -> None:
         self.forget_status()
@@ -252,10 +304,9 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     bearer = HTTPBearer(auto_error=False, description="The token from the agent's token file")
 
     def _check(header: str | None) -> None:
-        if agent.token is None:
-            return
-        scheme, _, cred = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(cred.strip().encode(), agent.token.encode()):
+        # the guard (warmctl.agent.guard) already refused a request without the token before
+        # its body was read; this repeats it per operation (and documents it in OpenAPI)
+        if not token_ok(header, agent.token):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
 
     def auth(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
@@ -280,13 +331,16 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         if unknown:
             raise ApiError(422, "unprocessable", f"unknown query parameter(s): {', '.join(unknown)[:200]}")
 
-    app = FastAPI(
+    app = GuardedFastAPI(
         dependencies=[Depends(auth_first), Depends(strict_query)],
         title="warmctl agent",
         version=warmctl.__version__,
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else "",
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc load scripts from a public CDN fleet nodes cannot reach
+        redoc_url=None,
     )
+    app.guard_token, app.guard_open_paths = token, OPEN_PATHS
     app.state.agent = agent
 
     @app.exception_handler(ApiError)
@@ -320,14 +374,16 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     # -- probes and metrics --------------------------------------------------------------
 
     @app.get("/healthz", response_model=Health, tags=["probes"])
-    def healthz() -> Health:
-        """Liveness: the process serves HTTP. No auth."""
+    async def healthz() -> Health:
+        """Liveness: the process serves HTTP. No auth. Answered on the event loop itself:
+        it never waits for a worker thread or an engine probe."""
         return Health(status="ok")
 
     @app.get("/readyz", response_model=Health, tags=["probes"],
              responses={503: {"model": Health, "description": "Not ready (recovery running, home not writable)"}})
-    def readyz() -> Any:
-        """Readiness: start-up recovery finished and the data directory is writable. No auth."""
+    async def readyz() -> Any:
+        """Readiness: start-up recovery finished and the data directory is writable. No auth.
+        Like ``/healthz``, on the event loop (one ``access(2)``, no engine probe)."""
         if not agent.ready:
             return JSONResponse(Health(status="starting", detail=agent.ready_detail).model_dump(), status_code=503)
         if not os.access(s.home, os.W_OK):
@@ -590,7 +646,10 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         if agent.jobs.get(job_id) is None:
             raise ApiError(404, "not_found", f"no job {job_id}")
         start = after
-        if last_event_id and last_event_id.isdigit():
+        if last_event_id is not None:
+            if not LAST_EVENT_ID_PATTERN.match(last_event_id):
+                raise ApiError(400, "bad_request", "Last-Event-ID must be the decimal id of an event of this stream "
+                                                   f"(got {len(last_event_id)} characters)")
             start = max(start, int(last_event_id))
 
         async def stream():

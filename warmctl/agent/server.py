@@ -2,13 +2,21 @@
 bearer token file, and systemd's readiness notification.
 
 ``run`` serves the app on ``host:port`` (127.0.0.1:7420 by default), with TLS when a
-certificate and key are given. It tells systemd ``READY=1`` over ``$NOTIFY_SOCKET`` only
+certificate and key are given; an address beyond loopback without TLS is refused unless
+``insecure_no_tls`` (``--insecure-no-tls``) says so. Against hostile or broken clients
+(issue 19) every connection must send its request headers within :data:`HEADER_TIMEOUT_S`
+(uvicorn has no such timeout: its keep-alive timer only runs *between* requests, measured:
+50 connections sending a header byte every few seconds stayed open for 60 s), at most
+:data:`MAX_CONNECTIONS` connections are open at once (more are closed on arrival), at most
+:data:`LIMIT_CONCURRENCY` requests run at once (uvicorn answers more with 503), and an idle
+keep-alive connection is closed after :data:`KEEP_ALIVE_S`. It tells systemd ``READY=1`` over ``$NOTIFY_SOCKET`` only
 after start-up recovery finished and the socket listens (``Type=notify`` units), and
 ``STOPPING=1`` when it shuts down. The datagram is written by hand (no libsystemd needed).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import secrets
@@ -18,6 +26,17 @@ from pathlib import Path
 
 from warmctl.config import Settings
 from warmctl.errors import HostError
+from warmctl.private import private_dir
+
+#: seconds a connection may take to send a request's line and headers, counted from the
+#: connection (first request) or from the request's first byte (later ones); then it is closed
+HEADER_TIMEOUT_S = 10.0
+#: open connections at most; one more is closed as soon as it is accepted
+MAX_CONNECTIONS = 256
+#: requests (or connections) in progress at most before uvicorn answers 503
+LIMIT_CONCURRENCY = 128
+#: seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``)
+KEEP_ALIVE_S = 5
 
 log = logging.getLogger("warmctl.agent")
 
@@ -33,6 +52,9 @@ class AgentConfig:
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: listen beyond loopback without TLS anyway (the bearer token then crosses the network
+    #: in clear text): only behind a TLS-terminating proxy or on an isolated network
+    insecure_no_tls: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides) -> "AgentConfig":
@@ -55,7 +77,7 @@ def read_token(path: Path, create: bool = True) -> str:
     """
     path = Path(path)
     if not path.exists() and create:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
@@ -93,9 +115,72 @@ def sd_notify(message: str, env: dict[str, str] | None = None) -> bool:
         return False
 
 
+def is_loopback(host: str) -> bool:
+    """True if ``host`` (an address or ``localhost``) reaches only this host."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
+    """uvicorn's httptools HTTP protocol with a header timeout and a connection limit (see the
+    module doc); passed as ``uvicorn.Config(http=...)``. Raises :class:`HostError` without
+    httptools."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError as e:  # pragma: no cover - a dependency (pyproject.toml)
+        raise HostError(f"the agent needs httptools (pip install httptools): {e}") from None
+
+    class GuardedHttpProtocol(HttpToolsProtocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self.logger.warning("closing a connection from %s: %d connections are open (the limit)",
+                                    self.client, max_connections)
+                transport.close()
+                return
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._header_timer is None:
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.logger.warning("closing a connection from %s: no complete request headers within %.0f s",
+                                    self.client, header_timeout_s)
+                self.transport.close()
+
+    return GuardedHttpProtocol
+
+
 def run(config: AgentConfig) -> None:
     """Serve the agent until SIGINT/SIGTERM. Raises :class:`HostError` for a bad token file,
-    half a TLS pair, or an address already in use."""
+    half a TLS pair, an address beyond loopback without TLS (unless ``insecure_no_tls``), or
+    an address already in use."""
     import uvicorn
 
     from warmctl.gate import require_port_free
@@ -104,6 +189,12 @@ def run(config: AgentConfig) -> None:
 
     if bool(config.tls_cert) != bool(config.tls_key):
         raise HostError("TLS needs both --tls-cert and --tls-key")
+    if not config.tls_cert and not is_loopback(config.host):
+        if not config.insecure_no_tls:
+            raise HostError(f"agent address {config.host} is beyond loopback and the agent has no TLS: the bearer "
+                            "token would cross the network in clear text; give --tls-cert/--tls-key, or "
+                            "--insecure-no-tls behind a TLS-terminating proxy (see docs/operations.md)")
+        log.warning("INSECURE: listening on %s without TLS (--insecure-no-tls)", config.host)
     for p in (config.tls_cert, config.tls_key):
         if p and not Path(p).is_file():
             raise HostError(f"TLS file {p} does not exist")
@@ -114,7 +205,8 @@ def run(config: AgentConfig) -> None:
     uconf = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
                            ssl_certfile=str(config.tls_cert) if config.tls_cert else None,
                            ssl_keyfile=str(config.tls_key) if config.tls_key else None,
-                           timeout_graceful_shutdown=5, lifespan="on")
+                           timeout_graceful_shutdown=5, lifespan="on", http=guarded_protocol(),
+                           limit_concurrency=LIMIT_CONCURRENCY, timeout_keep_alive=KEEP_ALIVE_S)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

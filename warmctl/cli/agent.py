@@ -21,6 +21,9 @@ def register(app: typer.Typer) -> None:
         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate: serve HTTPS."),
         tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
         config: Optional[Path] = typer.Option(None, "--config", help="Config file (default: $WARMCTL_CONFIG or /etc/warmctl/config.toml)."),
+        insecure_no_tls: bool = typer.Option(
+            False, "--insecure-no-tls",
+            help="Listen beyond loopback without TLS anyway (the token crosses the network in clear text)."),
     ) -> None:
         """Run the agent: warmctl's operations over a REST API for schedulers (FastAPI on uvicorn).
 
@@ -38,4 +41,4 @@ def register(app: typer.Typer) -> None:
 
         settings = load_settings(config)
         run(AgentConfig.from_settings(settings, host=host, port=port, token_file=token_file,
-                                      tls_cert=tls_cert, tls_key=tls_key))
+                                      tls_cert=tls_cert, tls_key=tls_key, insecure_no_tls=insecure_no_tls or None))
