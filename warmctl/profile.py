@@ -1,13 +1,21 @@
 """Profiles: what engine to start, how to warm it and how to prove a restore is faithful.
 
-A profile is a TOML file (``profiles/NAME.toml``) validated by :class:`Profile`. Errors are
-raised as :class:`ProfileError`, whose message names the file, the field (dotted path) and
-what was expected, e.g. ``profiles/tiny.toml: warmup.prompt_tokens.0: Input should be greater
-than 0``.
+A profile is a TOML file (``NAME.toml``) validated by :class:`Profile`. Errors are raised as
+:class:`ProfileError`, whose message names the file, the field (dotted path) and what was
+expected, e.g. ``profiles/tiny.toml: warmup.prompt_tokens.0: Input should be greater than 0``;
+a misspelled key also gets the closest real one (``warmup.concurency: Extra inputs are not
+permitted; did you mean 'concurrency'?``).
+
+A NAME is looked up in :func:`search_dirs` order: the configured ``profile_dirs``
+(``$WARMCTL_PROFILE_DIRS``, the config file), then :data:`SYSTEM_PROFILES_DIR`
+(``/etc/warmctl/profiles``, a host install's own), then :data:`PROFILES_DIR`, the profiles
+shipped inside the package (the repository's top-level ``profiles/``; ``warmctl/profiles`` links
+to it, so the wheel carries them as package data). The first file found wins.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import tomllib
@@ -19,8 +27,13 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
 
 from warmctl.errors import WarmctlError
 
-#: Directory of the profiles shipped with warmctl (repository checkout or installed data).
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+#: The profiles shipped with warmctl: package data (``warmctl/profiles``, in the repository a
+#: link to the top-level ``profiles/``), so an installed wheel has them too.
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+#: A host install's own profiles, searched after the configured ``profile_dirs`` and before
+#: the shipped ones.
+SYSTEM_PROFILES_DIR = Path("/etc/warmctl/profiles")
 
 
 class ProfileError(WarmctlError):
@@ -185,13 +198,30 @@ class Profile(_Strict):
         return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _fields_at(loc: tuple) -> list[str]:
+    """The field names of the model that holds the key at ``loc`` (a dotted location of a
+    validation error), or [] when that place is not a model (a list, a free-form table)."""
+    model: type[BaseModel] = Profile
+    for part in loc[:-1]:
+        f = model.model_fields.get(str(part))
+        ann = f.annotation if f else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
 def _format_validation(path: Path, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         got = e.get("input")
         got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"{path}: {loc}: {e['msg']}{got_s}")
+        hint = ""
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            close = difflib.get_close_matches(str(e["loc"][-1]), _fields_at(e["loc"]), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+        lines.append(f"{path}: {loc}: {e['msg']}{hint}{got_s}")
     return "\n".join(lines)
 
 
@@ -214,9 +244,29 @@ def load_profile_file(path: Path) -> Profile:
         raise ProfileError(_format_validation(path, e)) from None
 
 
+def search_dirs(search: list[Path] | None = None) -> list[Path]:
+    """Where a profile NAME is looked up, in order: ``search`` (the configured
+    ``profile_dirs``), :data:`SYSTEM_PROFILES_DIR`, :data:`PROFILES_DIR` (duplicates dropped)."""
+    out: list[Path] = []
+    for d in [*(search or []), SYSTEM_PROFILES_DIR, PROFILES_DIR]:
+        if Path(d) not in out:
+            out.append(Path(d))
+    return out
+
+
+def list_profiles(search: list[Path] | None = None) -> list[tuple[str, Path, list[Path]]]:
+    """Every profile NAME findable in :func:`search_dirs`, sorted by name: ``(name, the file a
+    lookup of NAME finds, the files of the same name it hides)``. Files are not validated."""
+    found: dict[str, list[Path]] = {}
+    for d in search_dirs(search):
+        for f in sorted(d.glob("*.toml")) if d.is_dir() else []:
+            found.setdefault(f.stem, []).append(f)
+    return [(n, fs[0], fs[1:]) for n, fs in sorted(found.items())]
+
+
 def find_profile(name_or_path: str, search: list[Path] | None = None) -> Path:
     """Resolve a profile argument: an existing file path, or a NAME looked up as
-    ``NAME.toml`` in ``search`` (default: the configured profile dirs, then :data:`PROFILES_DIR`).
+    ``NAME.toml`` in :func:`search_dirs` (``search``: the configured profile dirs).
 
     Raises :class:`ProfileError` naming every place looked in.
     """
@@ -225,7 +275,7 @@ def find_profile(name_or_path: str, search: list[Path] | None = None) -> Path:
         if p.is_file():
             return p
         raise ProfileError(f"{p}: no such profile file")
-    dirs = list(search or []) + [PROFILES_DIR]
+    dirs = search_dirs(search)
     for d in dirs:
         cand = Path(d) / f"{name_or_path}.toml"
         if cand.is_file():
@@ -238,3 +288,44 @@ def find_profile(name_or_path: str, search: list[Path] | None = None) -> Path:
 def load_profile(name_or_path: str, search: list[Path] | None = None) -> Profile:
     """:func:`find_profile` then :func:`load_profile_file`."""
     return load_profile_file(find_profile(name_or_path, search))
+
+
+def _flatten(d: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(d, dict):
+        out: dict[str, object] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
+        return out or {prefix.rstrip("."): {}}
+    return {prefix: d}
+
+
+def diff_profiles(old: dict | Profile, new: dict | Profile) -> list[tuple[str, object, object]]:
+    """The fields that differ between two profiles (or their ``model_dump(mode="json")``, as a
+    manifest embeds it): ``(dotted field, old value, new value)``, sorted by field; a field
+    one side lacks has the value None there. Lists compare whole (``engine.args`` is one field).
+    Both sides are validated first when they validate, so defaults left out of a file do not
+    count as changes."""
+    def norm(p: dict | Profile) -> dict:
+        if isinstance(p, Profile):
+            return p.model_dump(mode="json")
+        try:
+            return Profile.model_validate(p).model_dump(mode="json")
+        except ValidationError:
+            return dict(p)
+
+    a, b = _flatten(norm(old)), _flatten(norm(new))
+    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def describe_diff(changes: list[tuple[str, object, object]], limit: int = 6) -> str:
+    """One line naming the changed fields with old -> new values, e.g.
+    ``warmup.concurrency: [1, 2] -> [1, 4]; engine.max_model_len: 512 -> 1024``; values longer
+    than 60 characters are cut, and past ``limit`` fields the rest is counted."""
+    def short(v: object) -> str:
+        s = json.dumps(v)
+        return s if len(s) <= 60 else s[:57] + "..."
+
+    parts = [f"{k}: {short(a)} -> {short(b)}" for k, a, b in changes[:limit]]
+    if len(changes) > limit:
+        parts.append(f"(+{len(changes) - limit} more)")
+    return "; ".join(parts)

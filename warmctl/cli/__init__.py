@@ -1,7 +1,8 @@
 """The ``warmctl`` command line: a thin typer layer over the library.
 
 Each area registers its commands from its own module (``core``: snapshot/up/down/status/ls;
-``store``: push/pull/verify/gc/du; ``catalog``: host/catalog/keygen/config; ``bench``;
+``store``: push/pull/verify/gc/du; ``catalog``: host/catalog/keygen/config; ``profiles``:
+profile ls/show/check/command/diff; ``bench``;
 ``agent``). Expected failures (:class:`warmctl.errors.WarmctlError`) print one clear message
 to stderr and exit non-zero; nothing else is caught. How output looks on terminals and in logs
 (no hard wrapping off a terminal, NO_COLOR, ``--json``): :mod:`warmctl.cli.output`.
@@ -30,9 +31,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from warmctl.cli import agent, bench, catalog, core, store
+    from warmctl.cli import agent, bench, catalog, core, profiles, store
 
-    for mod in (core, store, catalog, bench, agent):
+    for mod in (core, store, catalog, profiles, bench, agent):
         mod.register(app)
 
 

@@ -53,6 +53,20 @@ def vllm_command(profile: Profile, model_path: str, python: str | None = None) -
     return cmd + list(e.args)
 
 
+def engine_env(profile: Profile) -> dict[str, str]:
+    """The variables warmctl sets for ``profile``'s engine on top of the environment it inherits:
+    offline Hugging Face, unbuffered output, ``VLLM_SERVER_DEV_MODE=1`` for profiles that
+    checkpoint through the engine (``checkpoint.cuda``, ``sleep_level`` or
+    ``weights_outside_image``: the ``/sleep``, ``/wake_up`` and ``/collective_rpc`` endpoints, on
+    loopback only), then the profile's ``engine.env`` (which wins)."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    c = profile.checkpoint
+    if c.cuda or c.sleep_level or c.weights_outside_image:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.update(profile.engine.env)
+    return env
+
+
 def wrapped_command(inner: list[str], python: str | None = None) -> list[str]:
     """``inner`` wrapped so the tree is checkpointable (see module docstring).
 
@@ -91,22 +105,13 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
           cwd: Path | None = None) -> EngineProcess:
     """Start the engine tree for ``profile`` in the background; returns once its root exists.
 
-    ``env`` adds to the current environment and the profile's ``engine.env``; profiles that
-    checkpoint through the engine (``checkpoint.cuda``, ``sleep_level`` or
-    ``weights_outside_image``) get ``VLLM_SERVER_DEV_MODE=1`` (the ``/sleep``, ``/wake_up`` and
-    ``/collective_rpc`` endpoints; the engine listens on loopback only). Raises
+    The environment is the current one plus :func:`engine_env` plus ``env``. Raises
     :class:`EngineError` if the launcher dies before the namespace root appears (the log's
     tail is in the message).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = dict(os.environ)
-    full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-    c = profile.checkpoint
-    if c.cuda or c.sleep_level or c.weights_outside_image:
-        full_env["VLLM_SERVER_DEV_MODE"] = "1"
-    full_env.update(profile.engine.env)
-    full_env.update(env or {})
+    full_env = {**os.environ, **engine_env(profile), **(env or {})}
     cmd = wrapped_command(vllm_command(profile, model_path))
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=log, stderr=log, env=full_env,

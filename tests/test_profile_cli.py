@@ -1,0 +1,126 @@
+"""``warmctl profile ls|show|check|command`` (issue 18) through the real entry point; ``profile
+diff`` and stale snapshots are in test_profile_drift.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from warmctl.profile import PROFILES_DIR, load_profile, load_profile_file
+
+# Seed 003 ("Launch command" of the Ling-3.0-flash-fp4 speed-test matrix on 2 x H200 NVL), as given.
+SEED_003 = ('"$HOME/env_h200-inclusionai-vllm/bin/vllm" serve inclusionAI/Ling-3.0-flash-fp4 --served-model-name ling '
+            "--trust-remote-code --tensor-parallel-size 2 --reasoning-parser ling3 --enable-auto-tool-choice "
+            "--tool-call-parser ling3 --max-model-len 262144 --gpu-memory-utilization 0.872320 --host 0.0.0.0 "
+            "--port 8000 --api-key <redacted> --mamba-cache-mode align")
+
+
+def _flags(argv: list[str]) -> tuple[str, dict[str, str | bool]]:
+    """(model, {flag: value or True}) of a ``vllm serve MODEL --flag [value] ...`` argv."""
+    i = argv.index("serve")
+    model, rest, out = argv[i + 1], argv[i + 2:], {}
+    while rest:
+        f = rest.pop(0)
+        assert f.startswith("--"), f
+        out[f] = rest.pop(0) if rest and not rest[0].startswith("--") else True
+    return model, out
+
+
+def wc(*args: str, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "warmctl", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.fixture
+def home(tmp_path):
+    """A home with its own config (none), keys dir and profile dir; returns (env, root)."""
+    (tmp_path / "none.toml").write_text("")
+    (tmp_path / "profiles").mkdir()
+    env = {**os.environ, "WARMCTL_CONFIG": str(tmp_path / "none.toml"), "WARMCTL_HOME": str(tmp_path / "home"),
+           "WARMCTL_KEYS_DIR": str(tmp_path / "home" / "keys"), "WARMCTL_PROFILE_DIRS": str(tmp_path / "profiles"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for k in ("WARMCTL_STORE", "WARMCTL_REMOTE_STORE", "WARMCTL_CATALOG", "WARMCTL_AGENT_URL", "WARMCTL_SIGNING_KEY"):
+        env.pop(k, None)
+    return env, tmp_path
+
+
+# ----------------------------------------------------------------------------- ls, show, check, command
+
+
+def test_profile_ls_show_and_search_order(home):
+    env, root = home
+    r = wc("profile", "ls", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["search"][0] == str(root / "profiles") and doc["search"][-1] == str(PROFILES_DIR)
+    by = {p["name"]: p for p in doc["profiles"]}
+    assert {"tiny", "ling30-flash-fp4-h200x2"} <= by.keys()
+    assert by["tiny"]["file"] == str(PROFILES_DIR / "tiny.toml") and by["tiny"]["hides"] == []
+    # A configured directory comes first and hides the shipped profile of the same name.
+    mine = root / "profiles" / "tiny.toml"
+    mine.write_text((PROFILES_DIR / "tiny.toml").read_text().replace("concurrency = [1, 4]", "concurrency = [1, 8]"))
+    r = wc("profile", "ls", env=env)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("tiny "))
+    assert str(mine) in line and f"hides {PROFILES_DIR / 'tiny.toml'}" in line
+    show = wc("profile", "show", "tiny", env=env)
+    assert show.returncode == 0, show.stderr
+    assert f"# {mine}" in show.stdout and f"# digest {load_profile_file(mine).digest()}" in show.stdout
+    assert "warmup.concurrency = [1, 8]" in show.stdout
+    assert "checkpoint.lock_timeout_s = 30.0" in show.stdout  # a default the file leaves out
+    assert json.loads(wc("profile", "show", "tiny", "--json", env=env).stdout)["profile"]["warmup"]["concurrency"] == [1, 8]
+    missing = wc("profile", "show", "nope", env=env)
+    assert missing.returncode == 1 and "no profile named 'nope'" in missing.stderr
+
+
+def test_profile_check_validates_and_suggests_the_key(home):
+    env, root = home
+    bad = root / "bad.toml"
+    bad.write_text((PROFILES_DIR / "tiny.toml").read_text().replace("concurrency =", "concurency =")
+                   .replace("max_tokens = 16", "max_tokens = 0").replace("[gate]\n", "[gate]\nprot = 9000\n"))
+    good = PROFILES_DIR / "tiny.toml"
+    r = wc("profile", "check", str(good), str(bad), env=env)
+    assert r.returncode == 1
+    assert f"{good}: ok (tiny, {load_profile_file(good).digest()})" in r.stdout
+    assert f"{bad}: warmup.concurency: Extra inputs are not permitted; did you mean 'concurrency'?" in r.stderr
+    assert "canary.max_tokens: Input should be greater than 0" in r.stderr
+    assert "did you mean 'port'?" in r.stderr
+    js = json.loads(wc("profile", "check", "--json", str(bad), env=env).stdout)
+    assert js[0]["ok"] is False and len(js[0]["errors"]) == 3
+    assert wc("profile", "check", str(good), "ling30-flash-fp4-h200x2", env=env).returncode == 0
+    # a key with no close match gets no guess
+    far = root / "far.toml"
+    far.write_text((PROFILES_DIR / "tiny.toml").read_text() + "\nzzzzzz = 1\n")
+    r = wc("profile", "check", str(far), env=env)
+    assert r.returncode == 1 and "zzzzzz: Extra inputs are not permitted" in r.stderr and "did you mean" not in r.stderr
+
+
+def test_profile_command_is_seed_003_flag_by_flag(home):
+    env, _ = home
+    r = wc("profile", "command", "ling30-flash-fp4-h200x2", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    launch = json.loads(r.stdout)
+    model, ours = _flags(launch["engine_argv"])
+    seed_model, seed = _flags(shlex.split(SEED_003))
+    assert model == seed_model
+    differ = {f for f in ours.keys() | seed.keys() if ours.get(f) != seed.get(f)}
+    # Only what warmctl owns differs: the engine binds loopback on its internal port (the gate
+    # serves 0.0.0.0:8000, the profile's gate section, with the API key), and the TP restore flag.
+    assert differ == {"--host", "--port", "--api-key", "--disable-custom-all-reduce"}, differ
+    assert ours["--host"] == "127.0.0.1" and ours["--disable-custom-all-reduce"] is True
+    p = load_profile("ling30-flash-fp4-h200x2")
+    assert (p.gate.host, str(p.gate.port)) == (seed["--host"], seed["--port"])
+    assert launch["env"]["NCCL_P2P_DISABLE"] == "1" and launch["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    assert launch["argv"][-len(launch["engine_argv"]):] == launch["engine_argv"]
+    assert launch["argv"][1:8] == ["-m", "warmctl.engine.launch", "--", "unshare", "--pid", "--fork", "setsid"]
+    # The human form: the environment lines, then the whole command on one line (never wrapped).
+    text = wc("profile", "command", "ling30-flash-fp4-h200x2", env={**env, "COLUMNS": "40"}).stdout.splitlines()
+    assert "NCCL_P2P_DISABLE=1" in text and shlex.split(text[-1]) == launch["argv"]
+    tiny = json.loads(wc("profile", "command", "tiny", "--json", env=env).stdout)
+    assert tiny["model"].startswith(str(Path(env["WARMCTL_HOME"]) / "models" / "tiny-llama-"))
+    assert not Path(tiny["model"]).exists()  # shown, not built

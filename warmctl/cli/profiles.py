@@ -1,0 +1,188 @@
+"""CLI commands: ``warmctl profile ls | show | check | command | diff`` (look at a profile
+without running it).
+
+Lines are printed whole (never wrapped), so paths, digests and command lines survive pipes and
+the journal; ``--json`` prints one JSON document instead.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from warmctl.config import load_settings
+from warmctl.errors import WarmctlError
+from warmctl.profile import (
+    Profile,
+    ProfileError,
+    _flatten,
+    diff_profiles,
+    find_profile,
+    list_profiles,
+    load_profile_file,
+    search_dirs,
+)
+
+
+def _echo(line: str = "") -> None:
+    typer.echo(line)
+
+
+def _json(doc: object) -> None:
+    typer.echo(json.dumps(doc, indent=2))
+
+
+def _load(name: str) -> tuple[Path, Profile]:
+    settings = load_settings()
+    path = find_profile(name, settings.profile_dirs)
+    return path, load_profile_file(path)
+
+
+def engine_launch(profile: Profile, models_dir: Path) -> dict:
+    """What ``snapshot`` (and the cold path of ``up``) would launch for ``profile``, without
+    launching or building anything: ``{"model": path, "env": {var: value} warmctl sets on top of
+    the inherited environment, "engine_argv": the vllm serve argv, "argv": the same wrapped
+    for checkpointing (launcher, PID namespace, session)}``. ``builtin:tiny`` is shown at the
+    path it is built to on first use."""
+    from warmctl import tinymodel
+    from warmctl.engine.vllm import engine_env, vllm_command, wrapped_command
+
+    m = profile.engine.model
+    model = str(tinymodel.model_dir(models_dir)) if m == "builtin:tiny" else m
+    inner = vllm_command(profile, model)
+    return {"model": model, "env": engine_env(profile), "engine_argv": inner, "argv": wrapped_command(inner)}
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``warmctl profile ...`` to ``app``."""
+    papp = typer.Typer(help="Look at profiles without running them: ls, show, check, command, diff.",
+                       no_args_is_help=True)
+    app.add_typer(papp, name="profile")
+
+    @papp.command("ls")
+    def ls(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+        """Every profile NAME `snapshot NAME` can find, with its file, in search order: the
+        configured profile_dirs ($WARMCTL_PROFILE_DIRS), /etc/warmctl/profiles, then the
+        profiles shipped in the package. A file hidden by an earlier one of the same name is
+        named too. Files are not validated here (`warmctl profile check`)."""
+        settings = load_settings()
+        rows = list_profiles(settings.profile_dirs)
+        if json_out:
+            _json({"search": [str(d) for d in search_dirs(settings.profile_dirs)],
+                   "profiles": [{"name": n, "file": str(p), "hides": [str(h) for h in hidden]} for n, p, hidden in rows]})
+            return
+        if not rows:
+            _echo("no profiles; looked in: " + ", ".join(str(d) for d in search_dirs(settings.profile_dirs)))
+            raise typer.Exit(1)
+        width = max(len(n) for n, _, _ in rows)
+        for n, p, hidden in rows:
+            _echo(f"{n:<{width}}  {p}" + (f"  (hides {', '.join(map(str, hidden))})" if hidden else ""))
+
+    @papp.command("show")
+    def show(name: str = typer.Argument(..., help="Profile NAME or path to a .toml file."),
+             json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+        """The profile as warmctl reads it: its file, its digest, and every field with the
+        defaults the file leaves out filled in (one `field = value` line each, values as JSON)."""
+        path, prof = _load(name)
+        data = prof.model_dump(mode="json")
+        if json_out:
+            _json({"file": str(path), "digest": prof.digest(), "profile": data})
+            return
+        _echo(f"# {path}")
+        _echo(f"# digest {prof.digest()}")
+        for k, v in _flatten(data).items():
+            _echo(f"{k} = {json.dumps(v)}")
+
+    @papp.command("check")
+    def check(files: list[str] = typer.Argument(..., help="Profile files (or NAMEs) to validate."),
+              json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+        """Validate profiles without starting anything: TOML syntax, every field's type and
+        range, unknown keys (with the closest real one: `warmup.concurency`: did you mean
+        'concurrency'?). Prints `FILE: ok` or one line per problem; exits 1 if any fails."""
+        settings = load_settings()
+        results = []
+        for f in files:
+            try:
+                path = find_profile(f, settings.profile_dirs)
+                prof = load_profile_file(path)
+                results.append({"file": str(path), "ok": True, "name": prof.name, "digest": prof.digest(), "errors": []})
+            except ProfileError as e:
+                results.append({"file": f, "ok": False, "errors": str(e).splitlines()})
+        if json_out:
+            _json(results)
+        else:
+            for r in results:
+                if r["ok"]:
+                    _echo(f"{r['file']}: ok ({r['name']}, {r['digest']})")
+                else:
+                    for line in r["errors"]:
+                        typer.echo(line, err=True)
+        if not all(r["ok"] for r in results):
+            raise typer.Exit(1)
+
+    @papp.command("command")
+    def command(name: str = typer.Argument(..., help="Profile NAME or path to a .toml file."),
+                json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
+                engine_only: bool = typer.Option(False, "--engine-only",
+                                                  help="Only the `vllm serve` command, without the checkpointing wrappers.")) -> None:
+        """The exact engine command line and environment `warmctl snapshot NAME` would launch,
+        without launching it: the variables warmctl sets on top of its own environment (the
+        engine inherits the rest), then the command, shell-quoted on one line. The engine binds
+        engine.port on 127.0.0.1; the public host, port, API key and TLS are the gate's."""
+        _, prof = _load(name)
+        launch = engine_launch(prof, load_settings().models_dir)
+        if json_out:
+            _json(launch)
+            return
+        for k, v in launch["env"].items():
+            _echo(f"{k}={shlex.quote(v)}")
+        _echo(shlex.join(launch["engine_argv"] if engine_only else launch["argv"]))
+
+    @papp.command("diff")
+    def diff(name: str = typer.Argument(..., help="Profile NAME."),
+             tag: Optional[str] = typer.Option(None, help="Compare with NAME:TAG (default: the newest snapshot of NAME, any tag)."),
+             json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+        """Which fields differ between the profile on disk and the one embedded in the newest
+        snapshot of that name (the local store's catalog, else the configured catalog): one
+        `field: snapshot -> disk` line each. Exits 0 when they are the same, 1 when they differ
+        (as diff(1)); no snapshot of NAME is an error."""
+        from warmctl.catalog import Catalog
+        from warmctl.store import open_store
+
+        settings = load_settings()
+        path, prof = _load(name)
+        urls = [str(settings.store_dir)] + ([settings.catalog_url] if settings.catalog_url != str(settings.store_dir) else [])
+        found = None
+        for url in urls:
+            store = open_store(url)
+            cat = Catalog(store)
+            entries = [e for t in ([tag] if tag else cat.tags(prof.name)) for e in cat.entries(prof.name, t)]
+            if entries:
+                e = max(entries, key=lambda x: x.created)
+                found = (url, e, store.get_manifest(e.manifest))
+                break
+        if found is None:
+            raise WarmctlError(f"no snapshot of {prof.name}{':' + tag if tag else ''} in "
+                               + ", ".join(urls) + f"; nothing to compare {path} with")
+        url, e, m = found
+        same = m.profile_digest == prof.digest()
+        changes = [] if same else diff_profiles(m.profile, prof)
+        if json_out:
+            _json({"profile_file": str(path), "profile_digest": prof.digest(), "snapshot": f"{e.name}:{e.tag}",
+                   "snapshot_digest": e.manifest, "snapshot_profile_digest": m.profile_digest, "store": url,
+                   "same": same, "changes": [{"field": k, "snapshot": a, "profile": b} for k, a, b in changes]})
+        else:
+            _echo(f"--- {e.name}:{e.tag} {e.manifest} (made {e.created:%Y-%m-%d %H:%M}, profile {m.profile_digest})")
+            _echo(f"+++ {path} (profile {prof.digest()})")
+            if same:
+                _echo("same profile")
+            elif not changes:
+                _echo("no field differs once defaults are filled in (the snapshot was made by a warmctl whose profiles had other fields)")
+            for k, a, b in changes:
+                _echo(f"{k}: {json.dumps(a)} -> {json.dumps(b)}")
+        if not same:
+            raise typer.Exit(1)
