@@ -140,7 +140,7 @@ def test_json_outputs_parse_with_documented_keys(home):
 
     rows = j("ls")
     assert [(e["name"], e["tag"], e["digest"]) for e in rows] == [("tiny", "latest", home["digest"])]
-    assert set(rows[0]) == {"name", "tag", "digest", "size", "created", "host"}
+    assert set(rows[0]) == _documented_keys("ls [--remote] --json") == {"name", "tag", "digest", "size", "created", "host", "profile"}
     assert j("status") == []
     du = j("du")
     assert set(du) == _documented_keys("du --json") and du["rows"][0]["digest"] == home["digest"]

@@ -278,8 +278,10 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
         raise
     m = found.manifest
     if m is not None and profile is not None and m.profile_digest != profile.digest():
-        found.reason = (f"snapshot {name}:{tag} ({found.digest[:19]}) was made from a different profile "
-                        f"({m.profile_digest[:19]} != {profile.digest()[:19]})")
+        from warmctl.drift import compare
+
+        found.reason = compare(m.profile, m.profile_digest, profile).message(
+            f"snapshot {name}:{tag} ({found.digest[:19]})")
         found.manifest = None
     return found
 
@@ -406,7 +408,9 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the start
     cold.preflight(profile, settings.run_dir)
-    reporter.info(f"[yellow]cold start:[/] {reason}")
+    from rich.markup import escape
+
+    reporter.info(f"[yellow]cold start:[/] {escape(reason)}")
     if snapshot_after:
         criu.check(settings.criu)
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)

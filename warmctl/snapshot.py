@@ -76,6 +76,24 @@ def signing_key(settings: Settings, reporter: Reporter) -> Path:
     return key
 
 
+def _report_drift(profile: Profile, settings: Settings, tag: str, reporter: Reporter) -> None:
+    """Before a snapshot starts: say which fields changed since the snapshot ``NAME:TAG`` it
+    replaces in the local store was made (:mod:`warmctl.drift`); nothing when there is none or
+    it is current. Never fails the snapshot."""
+    from warmctl.drift import against_newest
+    from warmctl.errors import WarmctlError
+
+    try:
+        found = against_newest(settings.store_dir, profile, tag)
+    except (WarmctlError, OSError):
+        return
+    if found is not None and found[1].stale:
+        e, d = found
+        from rich.markup import escape
+
+        reporter.info(escape(d.message(f"the snapshot it replaces, {e.name}:{e.tag} ({e.manifest[:19]}),")))
+
+
 def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest",
              push_to: str | None = None) -> SnapshotResult:
     """Cold-start ``profile``, warm it up, record its canary and snapshot it into the store;
@@ -85,6 +103,7 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
     :class:`EngineError` (start-up, warm-up, canary), :class:`warmctl.errors.CheckpointError`
     (CRIU) or store errors; nothing of the engine survives, in any case (CRIU's dump kills it).
     """
+    _report_drift(profile, settings, tag, reporter)
     criu.check(settings.criu)
     cold.preflight(profile, settings.run_dir)
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)

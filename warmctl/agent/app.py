@@ -134,6 +134,10 @@ class SnapshotView(BaseModel):
     created: str
     profile_digest: str
     host: str = ""
+    #: False: made from another version of the profile on the agent's disk (``profile_changes``
+    #: names the fields: ``{"field", "snapshot", "profile"}``); None: no such profile to compare
+    profile_current: bool | None = None
+    profile_changes: list[dict[str, Any]] = []
 
 
 class Deleted(BaseModel):
@@ -532,18 +536,25 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
 
     @app.get("/v1/snapshots", response_model=list[SnapshotView], tags=["snapshots"], **v1)
     def snapshots() -> list[SnapshotView]:
-        """Snapshots named in the local store's catalog (``warmctl ls``)."""
+        """Snapshots named in the local store's catalog (``warmctl ls``), each with whether it was
+        made from the profile now on disk (``profile_current``) and, when not, which fields
+        changed (``profile_changes``)."""
         from warmctl.fleet import snapshots as named
         from warmctl.host import HostFingerprint
 
+        from warmctl.drift import DriftCache
+
+        cache = DriftCache(s.profile_dirs)
         out = []
-        for e, _ in named(s):
+        for e, m in named(s):
             try:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
+            d = cache.drift(e.name, e.profile_digest, m.profile if m else None)
             out.append(SnapshotView(name=e.name, tag=e.tag, digest=e.manifest, size=e.size, created=e.created.isoformat(),
-                                    profile_digest=e.profile_digest, host=hs))
+                                    profile_digest=e.profile_digest, host=hs, profile_current=d.current,
+                                    profile_changes=d.as_json()["changes"]))
         return out
 
     @app.post("/v1/snapshots", status_code=202, response_model=Job, tags=["snapshots"],

@@ -169,7 +169,9 @@ def register(app: typer.Typer) -> None:
         name: Optional[str] = typer.Argument(None, help="Only this engine."),
         json_out: bool = JsonOpt,
     ) -> None:
-        """Engines on this host: phase, processes, health, public port, restore timings."""
+        """Engines on this host: phase, processes, health, public port, restore timings; an engine
+        made from another version of its profile than the one on disk is named on stderr, with
+        the fields that changed."""
         from warmctl.lifecycle import status as run_status
 
         settings = load_settings()
@@ -178,9 +180,14 @@ def register(app: typer.Typer) -> None:
             rows = AgentClient.from_settings(settings).status(name)
         else:
             rows = run_status(settings, name)
+        from warmctl.drift import DriftCache, of_engine
+
+        cache = DriftCache(settings.profile_dirs)
+        drifts = [of_engine(r.state, settings.store_dir, cache) for r in rows]
         if json_out:
             emit_json([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
-                        "gate_alive": r.gate_alive, "healthy": r.healthy} for r in rows])
+                        "gate_alive": r.gate_alive, "healthy": r.healthy, "profile": d.as_json()}
+                       for r, d in zip(rows, drifts)])
             if name and not rows:
                 raise typer.Exit(1)
             return
@@ -196,6 +203,11 @@ def register(app: typer.Typer) -> None:
             lines.append((s.name, phase, s.source, str(s.root_pid), public,
                           "yes" if r.healthy else "no", (s.manifest_digest or "")[:19]))
         table(("name", "phase", "source", "pid", "public", "healthy", "snapshot"), lines)
+        for r, d in zip(rows, drifts):  # warnings: stderr, one whole line each
+            s = r.state
+            note = d.message(f"engine {s.name} ({'snapshot ' + s.manifest_digest[:19] if s.manifest_digest else s.source})")
+            if note:
+                typer.echo(note, err=True)
 
     @app.command("ls")
     def ls(
@@ -203,16 +215,23 @@ def register(app: typer.Typer) -> None:
         remote: bool = typer.Option(False, "--remote", help="List the remote store's catalog instead of the local one."),
     ) -> None:
         """Snapshots named in the local store's catalog (or the remote's): NAME:TAG, digest, size,
-        created, cold-start seconds, and for which host (one row per kind of host)."""
+        created, cold-start seconds, and for which host (one row per kind of host). A snapshot
+        made from another version of its profile than the one on disk is named on stderr, with
+        the fields that changed (`up` would cold-start instead of restoring it)."""
         from warmctl.fleet import snapshots
 
         settings = load_settings()
         if remote and not settings.remote_store:
             raise WarmctlError("--remote: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
+        from warmctl.drift import DriftCache
+
         rows = snapshots(settings, settings.remote_store if remote else None)
+        cache = DriftCache(settings.profile_dirs)
+        drifts = [cache.drift(e.name, e.profile_digest, m.profile if m else None) for e, m in rows]
         if json_out:
             emit_json([{"name": e.name, "tag": e.tag, "digest": e.manifest, "size": e.size,
-                        "created": e.created.isoformat(), "host": e.host} for e, _ in rows])
+                        "created": e.created.isoformat(), "host": e.host, "profile": d.as_json()}
+                       for (e, _), d in zip(rows, drifts)])
             return
         from warmctl.host import HostFingerprint
 
@@ -228,6 +247,10 @@ def register(app: typer.Typer) -> None:
             lines.append((f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
                           f"{total:.0f} s" if total else "", hs))
         table(("snapshot", "digest", "size", "created", "cold start", "host"), lines)
+        for (e, _), d in zip(rows, drifts):  # warnings: stderr, one whole line each
+            note = d.message(f"{e.name}:{e.tag} ({e.manifest[:19]})")
+            if note:
+                typer.echo(note, err=True)
 
     @app.command("rm")
     def rm(
