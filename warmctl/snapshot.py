@@ -57,10 +57,14 @@ class SnapshotResult:
 
 
 def signing_key(settings: Settings, reporter: Reporter) -> Path:
-    """The key that signs manifests: ``settings.signing_key``, else this host's own key
+    """The key that signs manifests: ``settings.signing_key``, else this home's own key
     ``<home>/keys/local.key``, generated on first use; its public half is then installed as
-    ``<keys_dir>/local-<hostname>.pub`` so that snapshots made here are trusted here (and nowhere
-    else until an operator copies that file). See :mod:`warmctl.trust`.
+    ``<keys_dir>/local-<hostname>-<key id>.pub`` so that snapshots made here are trusted here (and
+    nowhere else until an operator copies that file). Named by key id, the file of one home
+    never replaces another home's on the same host (:func:`warmctl.trust.install_public_key`).
+    When this home's key is not trusted in ``keys_dir`` (trust removed, or a file of the earlier
+    ``local-<hostname>.pub`` name replaced), that is said: its snapshots will not restore here.
+    See :mod:`warmctl.trust`.
     """
     if settings.signing_key:
         return Path(settings.signing_key)
@@ -68,12 +72,24 @@ def signing_key(settings: Settings, reporter: Reporter) -> Path:
     key = d / "local.key"
     if not key.exists():
         pair = trust.generate_keypair(d, "local")
-        settings.keys_dir.mkdir(parents=True, exist_ok=True)
-        dest = settings.keys_dir / f"local-{socket.gethostname()}.pub"
-        shutil.copyfile(pair.public, dest)
-        reporter.info(f"generated this host's signing key {pair.private} (key id {pair.key_id}); "
+        dest, _ = trust.install_public_key(pair.public, settings.keys_dir, f"local-{_host_stem()}")
+        reporter.info(f"generated this home's signing key {pair.private} (key id {pair.key_id}); "
                       f"trusted here via {dest}")
+        return key
+    try:
+        kid = trust.key_id(trust.load_private_key(key).public_key())
+        if kid not in trust.load_trusted_keys(settings.keys_dir):
+            reporter.info(f"[yellow]this home's signing key {key} (key id {kid}) is not trusted in "
+                          f"{settings.keys_dir}: its snapshots will not restore on this host; trust it with "
+                          f"`warmctl keys trust {d / 'local.pub'}`[/]")
+    except trust.TrustError:
+        pass  # publish reports an unusable key itself
     return key
+
+
+def _host_stem() -> str:
+    """This host's name as a file name part."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()).lstrip(".") or "host"
 
 
 def _report_drift(profile: Profile, settings: Settings, tag: str, reporter: Reporter) -> None:

@@ -353,3 +353,65 @@ def signature_summary(store: Any, digest: str, keys_dir: str | Path | None) -> s
         if not docs:
             return "unsigned"
         return f"signed by {', '.join(d.key_id for d in docs)}; not trusted here ({str(e)[:120]})"
+
+
+# --------------------------------------------------------------------------- the trusted-keys directory
+
+
+def install_public_key(public: str | Path, keys_dir: str | Path, stem: str) -> tuple[Path, bool]:
+    """Trust the public key in file ``public`` by writing it into ``keys_dir`` as
+    ``<stem>-<key id>.pub`` (mode 0644): a file named by its key's id, so a second key never
+    replaces a first one (issue 18: a second home on one host overwrote the first's
+    ``local-<hostname>.pub`` and every snapshot of the first then failed ``up``).
+
+    Returns ``(path, installed)``: ``installed`` is False when the key is trusted already (by
+    that file or any other ``*.pub`` in ``keys_dir``; nothing is written). Never replaces a file:
+    if ``<stem>-<key id>.pub`` exists with another key in it, raises :class:`TrustError` naming
+    it. ``stem`` must be a plain file name part.
+    """
+    if not stem or "/" in stem or stem.startswith("."):
+        raise TrustError(f"key file stem {stem!r}: want a plain file name (no '/', not starting with '.')")
+    key = load_public_key(public)
+    kid = key_id(key)
+    d = Path(keys_dir)
+    existing = load_trusted_keys(d)
+    if kid in existing:
+        return existing[kid][0], False
+    d.mkdir(parents=True, exist_ok=True)
+    dest = d / f"{stem}-{kid}.pub"
+    pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise TrustError(f"{dest} exists and holds another key than {kid}; not replacing it "
+                         f"(remove trust explicitly with `warmctl keys rm`)") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    os.chmod(dest, 0o644)
+    return dest, True
+
+
+def remove_trusted_key(keys_dir: str | Path, key: str) -> tuple[str, list[Path]]:
+    """Stop trusting the key whose id is ``key`` (or starts with it; at least 8 hex digits):
+    remove every ``*.pub`` in ``keys_dir`` holding it. Returns ``(full key id, removed files)``.
+
+    Raises :class:`TrustError` when no trusted key has that id, when a prefix names more than
+    one key (all named), or when the prefix is shorter than 8 digits.
+    """
+    d = Path(keys_dir)
+    key = key.strip().lower()
+    if len(key) < 8 or any(c not in "0123456789abcdef" for c in key):
+        raise TrustError(f"key id {key!r}: give at least 8 hex digits of it (`warmctl keys ls` shows them)")
+    matches = {kid for p in sorted(d.glob("*.pub")) if d.is_dir()
+               for kid in [key_id(load_public_key(p))] if kid.startswith(key)}
+    if not matches:
+        raise TrustError(f"no trusted key {key} in {d} (`warmctl keys ls` shows them)")
+    if len(matches) > 1:
+        raise TrustError(f"key id {key} is ambiguous in {d}: " + ", ".join(sorted(matches)))
+    (kid,) = matches
+    removed = []
+    for p in sorted(d.glob("*.pub")):
+        if key_id(load_public_key(p)) == kid:
+            p.unlink()
+            removed.append(p)
+    return kid, removed
