@@ -75,7 +75,9 @@ class Settings(BaseModel):
     - ``keys_dir``: trusted ed25519 public keys (``*.pub``); default ``/etc/warmctl/keys``.
     - ``signing_key``: private key used to sign manifests on publish (optional; unsigned
       snapshots are refused by ``up`` unless its insecure flag is given).
-    - ``profile_dirs``: extra directories searched for ``NAME.toml`` before the shipped ones.
+    - ``profile_dirs``: directories searched for ``NAME.toml`` first; then
+      ``/etc/warmctl/profiles``, then the profiles shipped in the package
+      (:func:`warmctl.profile.search_dirs`).
     - ``gate_host``/``gate_port``: override the profile's public address when set.
     - ``gate_api_key_file``: API keys the public port requires (``Authorization: Bearer KEY``),
       one per line; re-read on change and on SIGHUP to the gate. Unset: no key is required.
