@@ -114,14 +114,34 @@ def test_stale_snapshot_is_named_by_ls_status_diff_up_snapshot_and_the_agent(hom
     sj = json.loads(wc("status", "--json", env=env).stdout)[0]["profile"]
     assert sj["current"] is False and {c["field"] for c in sj["changes"]} == {"warmup.concurrency", "canary.max_tokens"}
 
-    # GET /v1/snapshots on the agent (real uvicorn), whose settings are this home's.
-    from test_agent_api import LiveAgent
+    # GET /v1/snapshots on the agent (real uvicorn on a socket bound to port 0), with this home's settings.
+    import socket
+    import threading
+    import time
 
-    agent = LiveAgent(root / "home")
+    import httpx
+    import uvicorn
+
+    from warmctl.agent import create_app
+
+    app = create_app(Settings(home=root / "home", keys_dir=keys, profile_dirs=[root / "profiles"]), "t0ken-for-tests")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
     try:
-        agent.settings.profile_dirs[:] = [root / "profiles"]
-        (view,) = agent.http.get("/v1/snapshots").json()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        r = httpx.get(f"http://127.0.0.1:{sock.getsockname()[1]}/v1/snapshots",
+                      headers={"Authorization": "Bearer t0ken-for-tests"}, timeout=10)
+        assert r.status_code == 200, r.text
+        (view,) = r.json()
         assert view["digest"] == d and view["profile_current"] is False
         assert {"field": "canary.max_tokens", "snapshot": 16, "profile": 12} in view["profile_changes"]
     finally:
-        agent.stop()
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -1,16 +1,18 @@
 """CLI commands: ``warmctl keys ls | trust FILE | rm ID``: which public keys this host trusts
 (``keys_dir``), which snapshots each signs, and explicit changes to that trust.
 
-Lines are printed whole (never wrapped); ``--json`` prints one JSON document instead.
+Lines are printed whole (never wrapped); ``--json`` prints one JSON document instead
+(docs/cli-json.md).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
+
+from warmctl.cli.output import JsonOpt, emit_json
 
 
 def _settings():
@@ -71,7 +73,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(kapp, name="keys")
 
     @kapp.command("ls")
-    def ls(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+    def ls(json_out: bool = JsonOpt) -> None:
         """The public keys this host trusts (every *.pub in keys_dir): key id, file, which
         snapshots in the local store's catalog (and the configured catalog) carry a signature by
         it, and which key this home signs with. Keys that sign snapshots here but are not
@@ -88,7 +90,7 @@ def register(app: typer.Typer) -> None:
         if mine and mine not in trusted | set(signs):
             rows.append({"key_id": mine, "file": None, "trusted": False, "signs": [], "this_home": True})
         if json_out:
-            typer.echo(json.dumps({"keys_dir": str(s.keys_dir), "keys": rows}, indent=2))
+            emit_json({"keys_dir": str(s.keys_dir), "keys": rows})
             return
         if not rows:
             typer.echo(f"no trusted keys in {s.keys_dir}")

@@ -2,7 +2,7 @@
 without running it).
 
 Lines are printed whole (never wrapped), so paths, digests and command lines survive pipes and
-the journal; ``--json`` prints one JSON document instead.
+the journal; ``--json`` prints one JSON document instead (docs/cli-json.md).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from warmctl.cli.output import JsonOpt, emit_json
 
 from warmctl.config import load_settings
 from warmctl.errors import WarmctlError
@@ -33,7 +35,7 @@ def _echo(line: str = "") -> None:
 
 
 def _json(doc: object) -> None:
-    typer.echo(json.dumps(doc, indent=2))
+    emit_json(doc)
 
 
 def _load(name: str) -> tuple[Path, Profile]:
@@ -64,7 +66,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(papp, name="profile")
 
     @papp.command("ls")
-    def ls(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+    def ls(json_out: bool = JsonOpt) -> None:
         """Every profile NAME `snapshot NAME` can find, with its file, in search order: the
         configured profile_dirs ($WARMCTL_PROFILE_DIRS), /etc/warmctl/profiles, then the
         profiles shipped in the package. A file hidden by an earlier one of the same name is
@@ -84,7 +86,7 @@ def register(app: typer.Typer) -> None:
 
     @papp.command("show")
     def show(name: str = typer.Argument(..., help="Profile NAME or path to a .toml file."),
-             json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+             json_out: bool = JsonOpt) -> None:
         """The profile as warmctl reads it: its file, its digest, and every field with the
         defaults the file leaves out filled in (one `field = value` line each, values as JSON)."""
         path, prof = _load(name)
@@ -99,7 +101,7 @@ def register(app: typer.Typer) -> None:
 
     @papp.command("check")
     def check(files: list[str] = typer.Argument(..., help="Profile files (or NAMEs) to validate."),
-              json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+              json_out: bool = JsonOpt) -> None:
         """Validate profiles without starting anything: TOML syntax, every field's type and
         range, unknown keys (with the closest real one: `warmup.concurency`: did you mean
         'concurrency'?). Prints `FILE: ok` or one line per problem; exits 1 if any fails."""
@@ -126,7 +128,7 @@ def register(app: typer.Typer) -> None:
 
     @papp.command("command")
     def command(name: str = typer.Argument(..., help="Profile NAME or path to a .toml file."),
-                json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
+                json_out: bool = JsonOpt,
                 engine_only: bool = typer.Option(False, "--engine-only",
                                                   help="Only the `vllm serve` command, without the checkpointing wrappers.")) -> None:
         """The exact engine command line and environment `warmctl snapshot NAME` would launch,
@@ -145,7 +147,7 @@ def register(app: typer.Typer) -> None:
     @papp.command("diff")
     def diff(name: str = typer.Argument(..., help="Profile NAME."),
              tag: Optional[str] = typer.Option(None, help="Compare with NAME:TAG (default: the newest snapshot of NAME, any tag)."),
-             json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+             json_out: bool = JsonOpt) -> None:
         """Which fields differ between the profile on disk and the one embedded in the newest
         snapshot of that name (the local store's catalog, else the configured catalog): one
         `field: snapshot -> disk` line each. Exits 0 when they are the same, 1 when they differ
