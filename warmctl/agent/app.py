@@ -20,6 +20,7 @@ Engine phases (``EngineView.phase``), the state machine a scheduler watches::
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import threading
@@ -43,6 +44,7 @@ from .guard import GuardedFastAPI, token_ok
 from .jobs import Conflict, Event, Job, JobManager, JobReporter, PhaseRecord, dumps
 from .metrics import Metrics
 from .recovery import RecoveryReport, recover
+from .supervise import Supervisor
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -93,6 +95,10 @@ class UpRequest(BaseModel):
     #: INSECURE: restore an unsigned or untrusted snapshot (logged as a loud warning); only a
     #: JSON ``true`` turns it on
     insecure: StrictBool = False
+    #: ``on-failure``: when the engine dies later, the agent brings it up again the same way,
+    #: with backoff, at most ``restart_limit`` times in 10 minutes (:mod:`warmctl.agent.supervise`)
+    restart: Literal["no", "on-failure"] = "no"
+    restart_limit: int | None = Field(None, ge=1, le=100)
 
 
 class SnapshotRequest(BaseModel):
@@ -121,6 +127,10 @@ class EngineView(BaseModel):
     job: str | None = None
     job_phase: str | None = None
     timings: dict[str, float] = {}
+    #: the restart policy: ``{"policy": "on-failure", "restarts", "limit", "next_at", "gave_up"}``
+    #: (restarts within the last 10 minutes), or ``{"policy": "no", "gave_up": why}`` after the
+    #: limit was reached; null when the engine is not supervised
+    restart: dict[str, Any] | None = None
 
 
 class SnapshotView(BaseModel):
@@ -303,9 +313,26 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     async def lifespan(app: FastAPI):
         if run_startup:
             await asyncio.to_thread(agent.start)
+            supervisor.start()
         yield
+        supervisor.stop()
 
     bearer = HTTPBearer(auto_error=False, description="The token from the agent's token file")
+
+    def _engine_dead(name: str) -> bool:
+        from warmctl.engine.run import EngineRun
+
+        run = EngineRun.load(s.run_dir, name)
+        return run is None or not (run.alive() and run.gate is not None and run.gate.alive())
+
+    def _restart(name: str, params: dict) -> str:
+        resp = _start_up(name, UpRequest.model_validate(params))
+        agent.forget_status()
+        return json.loads(resp.body)["id"]
+
+    supervisor = Supervisor(settings.home / "agent" / "restart.json", dead=_engine_dead,
+                            busy=lambda name: _live_job(name) is not None, restart=_restart)
+    agent.supervisor = supervisor
 
     def _check(header: str | None) -> None:
         # the guard (warmctl.agent.guard) already refused a request without the token before
@@ -418,7 +445,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     def _view(name: str, st: lifecycle.EngineStatus | None) -> EngineView:
         job = _live_job(name)
         v = EngineView(name=name, phase="down", job=job.id if job else None,
-                       job_phase=job.progress.phase if job else None)
+                       job_phase=job.progress.phase if job else None, restart=supervisor.view(name))
         if st is not None:
             v.state, v.engine_alive, v.gate_alive, v.healthy = st.state, st.engine_alive, st.gate_alive, st.healthy
             v.phase = st.state.phase
@@ -438,7 +465,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     def engines() -> list[EngineView]:
         """Every engine recorded on this host, plus engines an ``up`` job is bringing up."""
         rows = {r.state.name: r for r in agent.engine_status()}
-        names = set(rows) | {j.target for j in agent.jobs.running() if j.kind == "up"}
+        names = set(rows) | {j.target for j in agent.jobs.running() if j.kind == "up"} | set(supervisor.policies)
         return [_view(n, rows.get(n)) for n in sorted(names)]
 
     @app.get("/v1/engines/{name}", response_model=EngineView, tags=["engines"], **v1)
@@ -488,7 +515,11 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     def engine_up(req: UpRequest, name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
         """Start a job that brings ``name`` up: restore ``name:tag`` behind the canary, or
         cold-start the profile ``name`` when no snapshot fits (the job's result says which
-        and why). 409 when a job already works on this engine or its ports, naming it."""
+        and why). 409 when a job already works on this engine or its ports, naming it.
+        With ``restart: on-failure`` the agent brings the engine up again when it dies."""
+        return _start_up(name, req)
+
+    def _start_up(name: str, req: UpRequest) -> JSONResponse:
         public, internal = _ports_for(name, req.tag, req.port)
         _port_conflict(name, public)
         resources = [f"engine:{name}"] + ([f"port:{public}"] if public else []) + (
@@ -504,6 +535,10 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
             settings = s.model_copy(update={"cold_start": req.cold_start}) if req.cold_start else s
             res = lifecycle.up(name, settings, rep, tag=req.tag, digest=req.digest, profile=prof, public_port=req.port,
                                public_host=req.host, snapshot_after=req.snapshot_after, insecure=req.insecure)
+            if req.restart == "on-failure":
+                supervisor.watch(name, req.model_dump(), req.restart_limit)
+            elif not res.already_up:
+                supervisor.forget(name)
             return {"source": res.source, "already_up": res.already_up, "path": res.outcome, "reason": res.reason,
                     "snapshot": res.snapshot_digest, "fetched": res.fetched, "timings": res.timings,
                     "state": res.state.model_dump(mode="json")}
@@ -526,6 +561,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         works on this engine."""
 
         def run(rep: JobReporter, job: Job) -> dict:
+            supervisor.forget(name)  # a down is wanted: never restarted
             with rep.phase("down", f"stopping {name}"):
                 st = lifecycle.down(name, s, now=now)
             return {"was_up": st is not None, "state": st.model_dump(mode="json") if st else None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -9,6 +10,7 @@ import typer
 
 import warmctl
 from warmctl.cli.output import JsonOpt, emit_json, table
+from warmctl.cli.output import err as _err
 from warmctl.cli.output import out as _out
 from warmctl.config import load_settings
 from warmctl.errors import WarmctlError
@@ -89,6 +91,10 @@ def register(app: typer.Typer) -> None:
                                                     help="API keys the public port requires, one per line (config: gate_api_key_file)."),
         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate chain: TLS on the public port (config: gate_tls_cert)."),
         tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (config: gate_tls_key)."),
+        foreground: bool = typer.Option(False, "--foreground",
+                                        help="Stay in the foreground as the engine's supervisor (systemd Type=notify: READY=1 after "
+                                             "the canary and the open port, WATCHDOG=1 while healthy); exit 7 when the engine dies, "
+                                             "0 after SIGTERM (which takes the engine down)."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
 
@@ -99,6 +105,9 @@ def register(app: typer.Typer) -> None:
         snapshot, says why and cold-starts from the profile of the same name, unless
         `--cold-start never` (or the cold_start setting) says to fail instead.
         Running `up` for an engine that is already up changes nothing.
+
+        With `--foreground` the command stays as the engine's supervisor (the main process of
+        systemd/warmctl-up@.service): see warmctl/foreground.py.
 
         Example: `warmctl up tiny && curl localhost:8000/v1/models`
         """
@@ -112,6 +121,9 @@ def register(app: typer.Typer) -> None:
             overrides["cold_start"] = cold_start
         gate_flags = {"gate_api_key_file": api_key_file, "gate_tls_cert": tls_cert, "gate_tls_key": tls_key}
         settings = load_settings(None, {**overrides, **gate_flags})
+        if settings.agent_url and foreground:
+            raise typer.BadParameter("with an agent (agent_url), the agent supervises engines: ask it with "
+                                     "POST /v1/engines/NAME/up {\"restart\": \"on-failure\"}", param_hint="--foreground")
         if settings.agent_url and any(gate_flags.values()):
             raise typer.BadParameter("with an agent, the gate's key and TLS files are the agent's settings "
                                      "(gate_api_key_file, gate_tls_cert, gate_tls_key in its config)")
@@ -121,6 +133,18 @@ def register(app: typer.Typer) -> None:
             prof = load_profile(ref, settings.profile_dirs)
         except ProfileError:
             prof = None
+        if foreground:
+            from warmctl import foreground as fg
+
+            def show(res) -> None:
+                _show_up(res, json_out)
+                sys.stdout.flush()  # a pipe (the journal) is block-buffered, and this process stays
+
+            code = fg.run(ref, settings, fg.NotifyingReporter(quiet=json_out),
+                          lambda rep: run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port,
+                                             public_host=host, snapshot_after=snapshot_after, insecure=insecure),
+                          show, lambda line: _err().print(line, markup=False, highlight=False))
+            raise typer.Exit(code)
         rep = ConsoleReporter(quiet=json_out)
         if settings.agent_url:  # a configured agent does the work (issue 5); same output
             from warmctl.client import AgentClient
@@ -130,6 +154,9 @@ def register(app: typer.Typer) -> None:
         else:
             res = run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port, public_host=host,
                          snapshot_after=snapshot_after, insecure=insecure)
+        _show_up(res, json_out)
+
+    def _show_up(res, json_out: bool) -> None:
         st = res.state
         if json_out:
             emit_json({"name": st.name, "source": res.source, "already_up": res.already_up,

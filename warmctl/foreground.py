@@ -1,0 +1,150 @@
+"""``warmctl up NAME --foreground``: bring an engine up, then stay as its supervisor.
+
+Made for a ``Type=notify`` systemd unit (systemd/warmctl-up@.service) whose main process this
+is, so that ``Restart=on-failure`` brings a crashed engine back by restoring it again:
+
+1. while ``up``'s phases run, each phase start sends ``EXTEND_TIMEOUT_USEC`` (the phase's
+   budget: :data:`PHASE_BUDGET_S`, else :data:`DEFAULT_PHASE_BUDGET_S`) and a ``STATUS=`` line,
+   so the unit's start timeout follows the work actually going on;
+2. ``READY=1`` is sent only when ``up`` returned: the canary passed and the public port is open;
+3. then every :data:`CHECK_INTERVAL_S` (or half of ``$WATCHDOG_USEC`` if shorter) the engine's
+   root process and its gate are checked and ``/health`` is asked; ``WATCHDOG=1`` is sent after
+   each healthy answer;
+4. when the engine tree or the gate dies, or ``/health`` fails for :data:`UNHEALTHY_GRACE_S`,
+   what is left of the engine is torn down (processes, ``/dev/shm`` files, record) and the
+   process exits :data:`ENGINE_DIED_EXIT` (non-zero: systemd restarts the unit);
+5. SIGTERM/SIGINT/SIGHUP (``systemctl stop``): ``STOPPING=1``, the engine is taken down like
+   ``warmctl down`` (drain, then kill), exit 0. A signal during ``up`` tears down what ``up``
+   had started and exits 128+signal.
+
+Without ``$NOTIFY_SOCKET`` (a terminal, a test) the same happens, minus the notifications.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import httpx
+
+from warmctl.progress import ConsoleReporter
+from warmctl.sdnotify import notify, watchdog_interval_s
+
+#: exit status when the supervised engine died or stayed unhealthy (not a WarmctlError code)
+ENGINE_DIED_EXIT = 7
+#: seconds between checks of the engine (processes alive, ``/health``)
+CHECK_INTERVAL_S = 1.0
+#: seconds ``/health`` may fail (the process alive) before the engine counts as dead
+UNHEALTHY_GRACE_S = 30.0
+#: seconds a phase of ``up`` may take before systemd's start timeout fires (EXTEND_TIMEOUT_USEC)
+DEFAULT_PHASE_BUDGET_S = 300.0
+#: per-phase budgets where the default does not fit (a cold start loads and compiles a model)
+PHASE_BUDGET_S = {"cold_start": 1800.0, "warmup": 900.0, "snapshot": 900.0, "dump": 900.0}
+
+
+class Stopped(BaseException):
+    """A stop signal arrived (raised from the signal handler, like KeyboardInterrupt, so that
+    ``up``'s clean-up on any exception runs)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class NotifyingReporter(ConsoleReporter):
+    """:class:`ConsoleReporter` that also tells systemd each phase: ``EXTEND_TIMEOUT_USEC`` by
+    the phase's budget and ``STATUS=NAME: description``."""
+
+    def started(self, name: str, desc: str) -> None:
+        budget = PHASE_BUDGET_S.get(name, DEFAULT_PHASE_BUDGET_S)
+        notify(f"EXTEND_TIMEOUT_USEC={int(budget * 1e6)}", f"STATUS={name}: {desc}"[:200])
+        super().started(name, desc)
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[NotifyingReporter], object],
+        show: Callable[[object], None], say: Callable[[str], None]) -> int:
+    """Bring ``name`` up with ``up(reporter)`` (a :class:`warmctl.lifecycle.UpResult`), print it
+    with ``show``, then supervise it (module doc). ``say`` prints one line to the log. Returns
+    the exit status: 0 after a stop signal, :data:`ENGINE_DIED_EXIT` when the engine died,
+    128+signal when stopped during ``up``."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_stopped)
+    try:
+        notify(f"EXTEND_TIMEOUT_USEC={int(DEFAULT_PHASE_BUDGET_S * 1e6)}", f"STATUS=bringing {name} up")
+        res = up(reporter)
+    except Stopped as e:
+        say(f"stopped by signal {e.signum} while bringing {name} up; what it had started was torn down")
+        return 128 + e.signum
+    st = res.state  # type: ignore[attr-defined]
+    total = res.timings.get("total")  # type: ignore[attr-defined]
+    notify("READY=1", f"STATUS=serving {name} on {st.public_host}:{st.public_port} "
+           f"({'already up' if res.already_up else res.source}"  # type: ignore[attr-defined]
+           + (f" in {total:.1f} s" if total else "") + ")")
+    show(res)
+    return watch(name, settings, say)
+
+
+def watch(name: str, settings, say: Callable[[str], None], *, interval_s: float = CHECK_INTERVAL_S,
+          unhealthy_grace_s: float = UNHEALTHY_GRACE_S) -> int:
+    """Supervise the running engine ``name`` (steps 3-5 of the module doc); returns the exit
+    status. Expects the stop signals to raise :class:`Stopped`."""
+    from warmctl.engine.run import EngineRun
+    from warmctl.lifecycle import down
+
+    run_ = EngineRun.load(settings.run_dir, name)
+    if run_ is None or run_.state is None:
+        say(f"engine {name} is not recorded as running; nothing to supervise")
+        return ENGINE_DIED_EXIT
+    wd = watchdog_interval_s()
+    interval = min(interval_s, wd) if wd else interval_s
+    port = run_.state.internal_port
+    bad_since: float | None = None
+    try:
+        while True:
+            time.sleep(interval)
+            why = None
+            if not run_.alive():
+                why = f"its process tree died (root pid {run_.state.root_pid})"
+            elif run_.gate is None or not run_.gate.alive():
+                why = f"its gate died (public port {run_.state.public_port} closed)"
+            elif _healthy(port):
+                notify("WATCHDOG=1")
+                bad_since = None
+            else:
+                now = time.monotonic()
+                bad_since = bad_since or now
+                if now - bad_since >= unhealthy_grace_s:
+                    why = f"/health on port {port} failed for {now - bad_since:.0f} s"
+            if why:
+                notify(f"STATUS=engine {name} died: {why}")
+                say(f"engine {name} died: {why}; tearing down what is left, exit {ENGINE_DIED_EXIT}")
+                _ignore_stop_signals()
+                t0 = time.monotonic()
+                run_.teardown()
+                say(f"torn down in {time.monotonic() - t0:.2f} s")
+                return ENGINE_DIED_EXIT
+    except Stopped as e:
+        _ignore_stop_signals()
+        notify("STOPPING=1", f"STATUS=stopping {name}")
+        say(f"signal {e.signum}: taking {name} down")
+        down(name, settings)
+        say(f"{name} is down")
+        return 0
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
