@@ -98,3 +98,7 @@ def test_installed_warmctl_runs_outside_the_repository(installed, tmp_path):
     assert cmd.returncode == 0 and " serve " in cmd.stdout, cmd.stderr
     h = run("snapshot", "--help")
     assert h.returncode == 0 and "PROFILE" in h.stdout, h.stderr
+    show = run("profile", "show", "tiny")
+    assert show.returncode == 0 and f"# {by['tiny']}" in show.stdout, show.stderr
+    keys = run("keys", "ls", "--json")  # the default keys_dir, /etc/warmctl/keys, need not exist
+    assert keys.returncode == 0 and json.loads(keys.stdout)["keys_dir"] == "/etc/warmctl/keys", keys.stderr
