@@ -53,6 +53,8 @@ class _Lines(Reporter):
 
 def test_stale_snapshot_is_named_by_ls_status_diff_up_snapshot_and_the_agent(home):
     env, root = home
+    none = wc("profile", "diff", "tiny", env=env)  # nothing to compare with yet: not found (4), not "differ" (1)
+    assert none.returncode == 4 and "no snapshot of tiny in" in none.stderr, none.stderr
     d, m, keys = _publish_tiny(root)
     settings = Settings(home=root / "home", keys_dir=keys, profile_dirs=[root / "profiles"])
 

@@ -17,7 +17,7 @@ import typer
 from warmctl.cli.output import JsonOpt, emit_json
 
 from warmctl.config import load_settings
-from warmctl.errors import WarmctlError
+from warmctl.errors import SnapshotNotFound
 from warmctl.profile import (
     Profile,
     ProfileError,
@@ -151,7 +151,7 @@ def register(app: typer.Typer) -> None:
         """Which fields differ between the profile on disk and the one embedded in the newest
         snapshot of that name (the local store's catalog, else the configured catalog): one
         `field: snapshot -> disk` line each. Exits 0 when they are the same, 1 when they differ
-        (as diff(1)); no snapshot of NAME is an error."""
+        (as diff(1)); no snapshot of NAME: exit 4 (not found)."""
         from warmctl.catalog import Catalog
         from warmctl.store import open_store
 
@@ -168,7 +168,7 @@ def register(app: typer.Typer) -> None:
                 found = (url, e, store.get_manifest(e.manifest))
                 break
         if found is None:
-            raise WarmctlError(f"no snapshot of {prof.name}{':' + tag if tag else ''} in "
+            raise SnapshotNotFound(f"no snapshot of {prof.name}{':' + tag if tag else ''} in "
                                + ", ".join(urls) + f"; nothing to compare {path} with")
         url, e, m = found
         same = m.profile_digest == prof.digest()
