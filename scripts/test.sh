@@ -3,8 +3,15 @@
 # (scripts/install.sh, then the test services), then runs pytest -- the end-to-end tests with the
 # real vLLM engine and real CRIU and the Ceph RGW tests included (WARMCTL_REQUIRE_RGW=1: they fail
 # rather than skip if the ceph binaries are missing). Extra arguments go to pytest (e.g. -m "not e2e").
+#
+# --clean-root (first argument): also run scripts/demo.sh in a clean Debian 12 root
+# (tests/test_clean_root.py, WARMCTL_TEST_CLEAN_ROOT=1): the check before an install change is
+# called done. Many minutes; needs the clean-root tool (../shared/tools/clean-root.sh or
+# WARMCTL_CLEAN_ROOT_TOOL) and free ports 8000/18000. Only that test:
+#   bash scripts/test.sh --clean-root tests/test_clean_root.py
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ "${1:-}" = "--clean-root" ]; then shift; export WARMCTL_TEST_CLEAN_ROOT=1; fi
 bash "$REPO/scripts/install.sh"
 bash "$REPO/scripts/install-test-services.sh"
 export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}

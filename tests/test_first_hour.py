@@ -40,7 +40,8 @@ GUIDE = REPO / "docs" / "first-hour.md"
 #: norun KEY -> why the block is not run here, and what checks it instead
 NOT_RUN = {
     "install": "scripts/install.sh changes the host (apt packages, /usr/local/sbin/criu); "
-               "`bash scripts/test.sh` runs it on every CI machine",
+               "`bash scripts/test.sh` runs it on every CI machine, and `bash scripts/test.sh --clean-root` "
+               "runs scripts/demo.sh (which starts with it) in a clean Debian 12 root (tests/test_clean_root.py)",
     "systemd": "systemctl needs a booted systemd as PID 1 and writes /etc; the unit files are checked with "
                "`systemd-analyze verify` by test_systemd_units_verify",
     "s3": "needs an S3 endpoint; push to and restore from a real Ceph RGW is "
