@@ -43,7 +43,13 @@ def wx(wc_env, engine_ports):
     (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{NAME}.toml").write_text(text)
     shm0 = _shm()
     try:
-        res = json.loads(warmctl("up", NAME, "--snapshot-after", "--json", env=wc_env, timeout=1500).stdout)
+        r = warmctl("up", NAME, "--snapshot-after", "--json", env=wc_env, timeout=1500, check=False)
+        if r.returncode != 0 and "weights_outside_image refused" in r.stderr:
+            # a host whose CPU makes vLLM pack the bfloat16 linear weights (AVX-512): the setting is
+            # refused there (test_weights_outside_image_refused_when_weights_are_packed shows how)
+            pytest.skip("weights_outside_image is refused on this CPU: " + " ".join(r.stderr.split())[:300])
+        assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+        res = json.loads(r.stdout)
         cold = [_completion(engine_ports[1], p) for p in PROMPTS]
         yield {"up": res, "cold": cold, "shm0": shm0}
     finally:
@@ -138,3 +144,23 @@ def test_down_leaves_nothing_in_dev_shm(wx, wc_env):
     (the source's semaphores are mapped under removed names: found by inode)."""
     warmctl("down", NAME, env=wc_env)
     assert _shm() <= wx["shm0"], f"left in /dev/shm: {_shm() - wx['shm0']}"
+
+
+def test_weights_outside_image_refused_when_weights_are_packed(wc_env, engine_ports):
+    """With float32 weights vLLM's CPU build hands every linear weight to oneDNN, which keeps its
+    own packed copy and leaves the parameter empty (on this AVX2 host as on AVX-512 ones; with
+    bfloat16 only AVX-512 hosts do: the case issue 18 found). Those weights cannot leave the
+    image, so the snapshot refuses, saying why and what to set, and leaves nothing behind."""
+    name = "tiny-wx32"
+    text = tiny_profile(*engine_ports, name=name, extra="\n[checkpoint]\nweights_outside_image = true\n")
+    text = text.replace('args = ["--seed", "0"]', 'args = ["--seed", "0", "--dtype", "float32"]')
+    assert "float32" in text
+    (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{name}.toml").write_text(text)
+    r = warmctl("snapshot", name, env=wc_env, timeout=1500, check=False)
+    assert r.returncode != 0, r.stdout
+    msg = r.stderr.strip().splitlines()[-1]  # one line, however long (issue 18: output for logs)
+    assert msg.startswith("error: weights_outside_image refused:"), r.stderr
+    assert "weights_outside_image = false" in msg and "_proj: weight packed by vLLM's CPU GEMM dispatch" in msg, msg
+    assert _our_engine_pids(wc_env) == []  # (/dev/shm is shared with other suites' engines: not compared)
+    ls = json.loads(warmctl("ls", "--json", env=wc_env).stdout)
+    assert not [e for e in ls if e["name"] == name]

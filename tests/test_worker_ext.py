@@ -142,3 +142,23 @@ def test_load_puts_non_contiguous_parameters_back_through_their_strides(tmp_path
     w.warmctl_load_weights(str(tmp_path))
     for n, p in m.named_parameters():
         assert torch.equal(p, before[n]) and p.data_ptr() == ptrs[n], n
+
+
+def test_save_refuses_weights_held_outside_the_parameters(tmp_path):
+    """A linear layer whose weight vLLM's CPU GEMM dispatch moved into a packed copy (parameter
+    emptied, ``cpu_linear`` computing), and a large weight tensor kept as a plain attribute:
+    saving writes nothing and says why (an attention layer's ``kv_cache`` attribute does not count) (the real oneDNN case: tests/test_e2e_weights.py)."""
+    m = model()
+    assert Worker(m).warmctl_save_weights(str(tmp_path / "ok"))["tensors"] == 5  # the plain model saves
+    lin = m[1]
+    packed = lin.weight.detach().clone()
+    lin.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, packed, bias)
+    lin.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    m[2]._unpacked_weight = torch.zeros(1 << 19, dtype=torch.float32)  # 2 MiB, not a parameter or buffer
+    m[0].kv_cache = torch.zeros(1 << 20, dtype=torch.float32)  # state, not weights: stays in the image
+    res = Worker(m, rank=1).warmctl_save_weights(str(tmp_path / "no"))
+    assert "path" not in res and not (tmp_path / "no").exists()
+    assert res["outside"] == ["1: weight packed by vLLM's CPU GEMM dispatch, parameter emptied",
+                              "2._unpacked_weight: a 2.0 MiB tensor held as an attribute"]
+    assert res["refused"].startswith("weights_outside_image refused: 2 module(s) of rank 1")
+    assert "weights_outside_image = false" in res["refused"]

@@ -30,7 +30,7 @@ from pathlib import Path
 from warmctl.checkpoint import criu
 from warmctl.engine.run import EngineRun
 from warmctl.engine.sleep import SleepClient, wake
-from warmctl.errors import CheckpointError
+from warmctl.errors import CheckpointError, EngineError
 from warmctl.manifest import GpuRestore, RankWeights, RestoreInfo, WeightsRestore
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
@@ -96,6 +96,9 @@ class CheckpointPlan:
         with reporter.phase("weights_save", "every rank saves its weights as laid out, outside the image"), \
                 SleepClient(run.base_url) as sc:
             ranks_ = sc.save_weights(run.weights)
+            refused = [r["refused"] for r in ranks_ if r.get("refused")]
+            if refused:  # the engine keeps weights where no file can hold them (worker_ext module doc)
+                raise EngineError(refused[0])
             if not self.sleep_level:
                 sc.release_weights()  # with sleep mode, level 2 in dump() drops them
         w = WeightsRestore(

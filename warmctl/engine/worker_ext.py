@@ -12,8 +12,20 @@ post-processing (``process_weights_after_loading``): sharded for this rank's ten
 parallel slice, fused (qkv, gate-up), quantised or repacked, in the engine's dtype. Restoring
 them needs no checkpoint-format conversion and no re-sharding: each tensor is copied back into
 the parameter it came from. Buffers (rotary caches and the like) stay in the process image, as
-vLLM's own sleep level 2 keeps them. Weight formats an engine holds outside parameters (the CPU
-build's oneDNN-packed linear weights) are not reachable here and stay in the image.
+vLLM's own sleep level 2 keeps them.
+
+Weights the engine computes with *outside* its parameters cannot be taken out, and saving then
+refuses (:func:`outside_parameters`, issue 18) instead of leaving them silently in the image.
+The case known: vLLM's CPU build (``process_weights_after_loading`` of unquantized linear
+layers, ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``) hands each linear
+weight to a GEMM library that keeps its own packed copy -- oneDNN (``create_onednn_mm``: on
+AVX-512 hosts for bfloat16, and for float32 weights on any x86 host), sgl-kernel
+(``convert_weight_packed``, AMX hosts) or zentorch (AMD Zen) -- and replaces the parameter by an
+empty one; the layer then calls ``layer.cpu_linear``. On an AVX2 host oneDNN refuses bfloat16
+("could not create a primitive descriptor", in the engine log) and vLLM falls back to
+``torch.nn.functional.linear`` on the parameter, which is why the weights are parameters there.
+The packed copies live in the library's own memory (no tensor to save or refill), so such an
+engine can only be snapshotted with the weights in its image (``weights_outside_image = false``).
 
 File format: one `safetensors <https://github.com/huggingface/safetensors>`_ file per rank,
 ``rank-<global rank>.safetensors``, tensors sorted by name, ``__metadata__`` holding
@@ -58,6 +70,31 @@ def rank_file(directory: str | Path, rank: int) -> Path:
 def _stored(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters that carry bytes, sorted by name (removed/placeholder ones are empty)."""
     return sorted(((n, p) for n, p in model.named_parameters() if p.numel() > 0), key=lambda x: x[0])
+
+
+#: a tensor held as a plain module attribute (not a parameter or buffer) whose name says
+#: ``weight`` and that is at least this large counts as weights outside the parameters (small
+#: ones are scales and flags; other large ones are state, e.g. each attention layer's
+#: ``kv_cache``, which belongs in the image)
+ATTR_TENSOR_MIN_BYTES = 1 << 20
+
+
+def outside_parameters(model: torch.nn.Module) -> list[str]:
+    """What ``model`` computes with that ``named_parameters()`` does not hold, one description per
+    module: a ``weight`` parameter emptied while the module computes through ``cpu_linear``
+    (vLLM's CPU GEMM dispatch packed it into oneDNN/sgl/zentorch memory; module doc), and tensors
+    of at least :data:`ATTR_TENSOR_MIN_BYTES` kept as plain attributes named ``*weight*`` (e.g.
+    vLLM's ``_cpu_unpacked_conv_weight``). Empty when every weight is a parameter."""
+    found = []
+    for name, m in model.named_modules():
+        w = m._parameters.get("weight")
+        if w is not None and w.numel() == 0 and callable(getattr(m, "cpu_linear", None)):
+            found.append(f"{name}: weight packed by vLLM's CPU GEMM dispatch, parameter emptied")
+        for k, v in vars(m).items():
+            if ("weight" in k and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)
+                    and v.numel() * v.element_size() >= ATTR_TENSOR_MIN_BYTES):
+                found.append(f"{name}.{k}: a {v.numel() * v.element_size() / 2**20:.1f} MiB tensor held as an attribute")
+    return found
 
 
 def write_safetensors(path: str | Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> int:
@@ -113,10 +150,23 @@ class WeightsExtension:
         return int(getattr(self, "rank", 0))
 
     def warmctl_save_weights(self, directory: str) -> dict:
-        """Write this rank's parameters to ``rank-<rank>.safetensors`` in ``directory``."""
+        """Write this rank's parameters to ``rank-<rank>.safetensors`` in ``directory``.
+
+        When the engine computes with weights outside its parameters (:func:`outside_parameters`:
+        they would stay in the process image) nothing is written and the answer is
+        ``{"rank", "refused": why, "outside": [descriptions]}`` instead (a dict, not an exception:
+        vLLM reports a worker's exception to the HTTP caller only as an internal error)."""
         t0 = time.monotonic()
         rank = self._wc_rank()
-        params = _stored(self._wc_model())
+        model = self._wc_model()
+        outside = outside_parameters(model)
+        if outside:
+            return {"rank": rank, "outside": outside[:20], "refused": (
+                f"weights_outside_image refused: {len(outside)} module(s) of rank {rank} compute with weights outside "
+                "the parameters, which would stay in the process image (vLLM's CPU build packs linear weights into "
+                "oneDNN memory on AVX-512 hosts and for float32 weights; e.g. " + "; ".join(outside[:2]) + "); "
+                "set [checkpoint] weights_outside_image = false in the profile for this kind of host")}
+        params = _stored(model)
         Path(directory).mkdir(parents=True, exist_ok=True)
         path = rank_file(directory, rank)
         write_safetensors(path, params, {"format": "pt", "warmctl": FORMAT_TAG, "rank": str(rank)})
