@@ -7,6 +7,7 @@ Only one engine runs at a time; every test leaves nothing running.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,6 +122,8 @@ def clean(wc_env, engine_ports):
     for p in left:
         p.kill()
     assert not left, f"processes left behind: {left}"
+    # no PID record survives down (issue 14 item 1): engine.pid, CRIU's restore.pid
+    assert not list((home / "run").glob("*/*.pid")), list((home / "run").glob("*/*.pid"))
 
 
 def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, clean):
@@ -153,6 +156,11 @@ def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, cl
         assert seen_phases & {"pending", "restoring", "health", "canary"}, seen_phases
         assert v["healthy"] and v["engine_alive"] and v["gate_alive"]
         assert set(v["timings"]) >= {"materialize", "restore", "health", "canary", "gate", "total"}
+        # the root's identity is recorded (engine.pid and the state), CRIU's bare PID file is gone
+        run = agent.home / "run" / "tiny"
+        rec = json.loads((run / "engine.pid").read_text())
+        assert rec["pid"] == v["state"]["root_pid"] and rec["exe"] and rec["exe"] == v["state"]["root_exe"]
+        assert not (run / "restore.pid").exists()
         # the engine answers on the public port
         r = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/completions",
                        json={"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
