@@ -289,7 +289,7 @@ def test_agent_process_refuses_a_taken_port(tmp_path):
         held.listen()
         r = subprocess.run([sys.executable, "-m", "warmctl", "agent", "--port", str(port)], env=_agent_env(tmp_path),
                            capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and f"agent address 127.0.0.1:{port} is already in use" in r.stderr
+    assert r.returncode == 10 and f"agent address 127.0.0.1:{port} is already in use" in r.stderr
 
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
@@ -349,7 +349,7 @@ def test_half_a_tls_pair_is_refused(tmp_path):
     cert, _ = _self_signed(tmp_path)
     r = subprocess.run([sys.executable, "-m", "warmctl", "agent", "--port", str(free_port()), "--tls-cert", str(cert)],
                        env=_agent_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "TLS needs both --tls-cert and --tls-key" in r.stderr
+    assert r.returncode == 10 and "TLS needs both --tls-cert and --tls-key" in r.stderr
 
 
 def test_jobs_survive_a_restart_as_interrupted(tmp_path):

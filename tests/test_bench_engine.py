@@ -139,7 +139,7 @@ def test_cli_matrix_by_name(engine_url, wc_env, tmp_path):
 
 def test_cli_matrix_unreachable_endpoint(wc_env, tmp_path):
     r = warmctl("bench", "matrix", "http://127.0.0.1:9", "-o", str(tmp_path), env=wc_env, check=False)
-    assert r.returncode == 1 and "not a usable OpenAI-compatible endpoint" in " ".join(r.stderr.split())
+    assert r.returncode == 11 and "not a usable OpenAI-compatible endpoint" in " ".join(r.stderr.split())
 
 
 def test_cli_probes(engine_url, wc_env, tmp_path):
@@ -162,5 +162,5 @@ def test_cli_probes(engine_url, wc_env, tmp_path):
 def test_cli_startup_refuses_while_engine_is_up(engine_url, wc_env, tmp_path):
     r = warmctl("bench", "startup", "tiny", "--runs", "1", "-o", str(tmp_path), env=wc_env, check=False)
     msg = " ".join(r.stderr.split())  # rich wraps long lines
-    assert r.returncode == 1 and "engine tiny is up" in msg and "warmctl down tiny" in msg
+    assert r.returncode == 10 and "engine tiny is up" in msg and "warmctl down tiny" in msg
     assert not (tmp_path / "startup.json").exists()

@@ -123,4 +123,4 @@ def test_cli_config_show_prints_values_and_sources(tmp_path):
     assert table.returncode == 0 and "env:WARMCTL_SIGNING_KEY" in table.stdout and "/srv/warm" in table.stdout
     bad = subprocess.run([exe, "config", "show", "--config", str(tmp_path / "nope.toml")], capture_output=True,
                          text=True, env=env, timeout=60)
-    assert bad.returncode == 1 and "nope.toml: config file not found" in bad.stderr
+    assert bad.returncode == 13 and "nope.toml: config file not found" in bad.stderr

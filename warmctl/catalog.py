@@ -36,6 +36,7 @@ from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from warmctl import names
 from warmctl.errors import SnapshotNotFound, WarmctlError
 from warmctl.host import FINGERPRINT_FORMAT, HostFingerprint
 from warmctl.manifest import Manifest
@@ -50,8 +51,8 @@ LEGACY_TAG_PREFIX = "tags/"
 DEFAULT_TAG = "latest"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
-#: Names and tags: a letter or digit, then letters, digits, ``.``, ``_``, ``-`` (at most 128).
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Names and tags follow the one name rule (:mod:`warmctl.names`).
+NAME_RE = names.NAME_RE
 
 #: CPU flags that describe the hypervisor, timekeeping, topology or speculative-execution
 #: mitigations rather than instructions a process executes; a host may lack them. Every other
@@ -125,9 +126,7 @@ class CatalogError(WarmctlError):
 
 
 def _check_name(what: str, value: str) -> str:
-    if not NAME_RE.match(value or ""):
-        raise CatalogError(f"{what} {value!r}: want a letter or digit, then letters, digits, '.', '_' or '-' (max 128)")
-    return value
+    return names.check_name(what, value, CatalogError)
 
 
 class Ref(BaseModel):

@@ -40,20 +40,25 @@ class AgentError(WarmctlError):
 
 
 class JobFailed(WarmctlError):
-    """A job failed with an error type this client does not know; ``exit_code`` is the
-    agent's."""
+    """A job failed with an error type this client does not know (an agent of another
+    version); ``exit_code`` is the one the agent reported (the class's own, 22, if none)."""
 
-    def __init__(self, type_: str, message: str, exit_code: int = 1):
+    def __init__(self, type_: str, message: str, exit_code: int | None = None):
         super().__init__(f"{message}")
         self.type = type_
-        self.exit_code = exit_code
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 def _error_for(err: dict[str, Any]) -> WarmctlError:
-    cls = getattr(errors, str(err.get("type", "")), None)
-    if isinstance(cls, type) and issubclass(cls, WarmctlError):
-        return cls(err.get("message", ""))
-    return JobFailed(err.get("type", "error"), err.get("message", ""), int(err.get("exit_code", 1)))
+    """The error a failed job reports (``{"type", "message", "exit_code"}``) as the same
+    :class:`WarmctlError` subclass the local call raises (:func:`warmctl.errors.rebuild`, every
+    class in :data:`warmctl.errors.EXIT_CODES`), else :class:`JobFailed` with the agent's code."""
+    found = errors.rebuild(str(err.get("type", "")), str(err.get("message", "")))
+    if found is not None:
+        return found
+    code = err.get("exit_code")
+    return JobFailed(err.get("type", "error"), err.get("message", ""), int(code) if code is not None else None)
 
 
 def read_token_file(path: Path) -> str:

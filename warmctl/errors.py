@@ -2,13 +2,99 @@
 
 The CLI prints ``str(err)`` and exits with :attr:`WarmctlError.exit_code`; anything else is a
 bug and is shown with its traceback.
+
+Every :class:`WarmctlError` subclass, wherever it is defined, has its own exit code, given in
+one place: :data:`EXIT_CODES` (class name -> (code, defining module)); the table in
+docs/exit-codes.md is the same list. A subclass takes its code from the table when it is
+defined (:meth:`WarmctlError.__init_subclass__`), and the agent client maps an error's class
+name, as a job reports it, back to the same class (:func:`error_class`). Codes 0 (success) and
+2 (command-line usage, from click) are not errors of this family; codes above 125 are the
+shell's.
 """
+
+from __future__ import annotations
+
+import importlib
+
+#: class name -> (exit code, module that defines it). Codes never change meaning; a new class
+#: takes the next free code.
+EXIT_CODES: dict[str, tuple[int, str]] = {
+    "WarmctlError": (1, "warmctl.errors"),
+    "CanaryMismatch": (3, "warmctl.errors"),
+    "SnapshotNotFound": (4, "warmctl.errors"),
+    "IntegrityError": (5, "warmctl.errors"),
+    "StoreLocked": (6, "warmctl.store.lock"),
+    "LockLost": (7, "warmctl.store.lock"),
+    "TrustError": (8, "warmctl.trust"),
+    "ObjectNotFound": (9, "warmctl.store.backend"),
+    "HostError": (10, "warmctl.errors"),
+    "EngineError": (11, "warmctl.errors"),
+    "CheckpointError": (12, "warmctl.errors"),
+    "ConfigError": (13, "warmctl.config"),
+    "CatalogError": (14, "warmctl.catalog"),
+    "ProfileError": (15, "warmctl.profile"),
+    "GateConfigError": (16, "warmctl.gate"),
+    "TransientBackendError": (17, "warmctl.store.backend"),
+    "BackendUnavailable": (18, "warmctl.store.backend"),
+    "ChunkMissing": (19, "warmctl.store.chunkio"),
+    "ChunkCorrupt": (20, "warmctl.store.chunkio"),
+    "AgentError": (21, "warmctl.client"),
+    "JobFailed": (22, "warmctl.client"),
+    "Conflict": (23, "warmctl.agent.jobs"),
+    "RankCheckpointError": (24, "warmctl.checkpoint.ranks"),
+    "InsufficientGpuMemory": (25, "warmctl.checkpoint.ranks"),
+    "InsufficientHostMemory": (26, "warmctl.checkpoint.ranks"),
+    "PhaseTimeout": (27, "warmctl.checkpoint.ranks"),
+    "CudaCheckpointError": (28, "warmctl.checkpoint.cuda"),
+    "CudaUnavailable": (29, "warmctl.checkpoint.cuda"),
+    "DriverTooOld": (30, "warmctl.checkpoint.cuda"),
+    "NotSupported": (31, "warmctl.checkpoint.cuda"),
+    "GpuOutOfMemory": (32, "warmctl.checkpoint.cuda"),
+    "IllegalState": (33, "warmctl.checkpoint.cuda"),
+    "LockTimeout": (34, "warmctl.checkpoint.cuda"),
+}
 
 
 class WarmctlError(Exception):
-    """Base class: an expected failure with an operator-facing message."""
+    """Base class: an expected failure with an operator-facing message. ``exit_code``: the
+    class's code from :data:`EXIT_CODES`."""
 
     exit_code = 1
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        entry = EXIT_CODES.get(cls.__name__)
+        if entry is not None and entry[1] == cls.__module__:
+            cls.exit_code = entry[0]
+
+
+def error_class(name: str) -> type[WarmctlError] | None:
+    """The :class:`WarmctlError` subclass called ``name`` (as a job reports ``type``), imported
+    from its module if need be; ``None`` for a name not in :data:`EXIT_CODES`."""
+    entry = EXIT_CODES.get(name)
+    if entry is None:
+        return None
+    try:
+        cls = getattr(importlib.import_module(entry[1]), name, None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, WarmctlError) else None
+
+
+def rebuild(name: str, message: str) -> WarmctlError | None:
+    """An instance of the class ``name`` carrying ``message`` (its ``str``), for errors that
+    crossed a process boundary (the agent's jobs); ``None`` if ``name`` is not a known class.
+    Classes whose constructor wants more than a message get the message only (their extra
+    attributes are not rebuilt)."""
+    cls = error_class(name)
+    if cls is None:
+        return None
+    try:
+        return cls(message)
+    except Exception:  # noqa: BLE001 - a constructor with other arguments
+        err = cls.__new__(cls)
+        Exception.__init__(err, message)
+        return err
 
 
 class HostError(WarmctlError):
@@ -26,16 +112,10 @@ class CheckpointError(WarmctlError):
 class CanaryMismatch(WarmctlError):
     """The restored engine's canary output differs from the recorded one."""
 
-    exit_code = 3
-
 
 class SnapshotNotFound(WarmctlError):
     """No snapshot of that name (and tag) fits this host."""
 
-    exit_code = 4
-
 
 class IntegrityError(WarmctlError):
     """A stored object does not match its digest, is truncated, or is missing."""
-
-    exit_code = 5

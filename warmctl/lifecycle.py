@@ -44,7 +44,7 @@ import httpx
 
 from warmctl import snapshot as snap
 from warmctl import fleet
-from warmctl.catalog import Catalog, CatalogEntry
+from warmctl.catalog import Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import capture, criu
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
@@ -58,6 +58,7 @@ from warmctl.gate import prestart as prestart_gate
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
+from warmctl.names import check_name
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
 from warmctl.state import EngineSource, EngineState, all_states
@@ -439,7 +440,9 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
 def down(name: str, settings: Settings, now: bool = False) -> EngineState | None:
     """Stop ``name``: close the gate's listener and let in-flight requests finish (up to
     ``settings.gate_drain_s``; ``now``: no wait), kill the engine tree, remove its ``/dev/shm``
-    files and state. Returns the state it stopped, or None if nothing of that name was recorded."""
+    files and state. Returns the state it stopped, or None if nothing of that name was recorded.
+    Raises :class:`~warmctl.catalog.CatalogError` for a name outside the name rule (:mod:`warmctl.names`)."""
+    check_name("engine name", name, CatalogError)
     run = EngineRun.load(settings.run_dir, name)
     if run is None:
         return None
@@ -461,8 +464,10 @@ class EngineStatus:
 
 
 def status(settings: Settings, name: str | None = None, probe: bool = True) -> list[EngineStatus]:
-    """Status of every recorded engine (or just ``name``). ``probe``: ask each live engine's
-    ``/health`` (up to 2 s each); without it ``healthy`` is False."""
+    """Status of every recorded engine (or just ``name``; CatalogError outside the name rule).
+    ``probe``: ask each live engine's ``/health`` (up to 2 s each); without it ``healthy`` is False."""
+    if name is not None:
+        check_name("engine name", name, CatalogError)
     out = []
     for st in all_states(settings.run_dir):
         if name and st.name != name:

@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       model_serializer, model_validator)
 
 from warmctl.errors import WarmctlError
+from warmctl.names import NAME_PATTERN
 
 #: The profiles shipped with warmctl: package data (``warmctl/profiles``, in the repository a
 #: link to the top-level ``profiles/``), so an installed wheel has them too.
@@ -172,7 +173,7 @@ class CheckpointSpec(_Strict):
 class Profile(_Strict):
     """A validated profile. ``source`` is the file it came from (not part of the digest)."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    name: str = Field(pattern=NAME_PATTERN)  # the one name rule (warmctl.names)
     description: str = ""
     engine: EngineSpec
     gate: GateSpec = GateSpec()

@@ -44,8 +44,6 @@ class TrustError(WarmctlError):
     """A snapshot is unsigned, signed only by untrusted keys, or its signature does not verify;
     or a key file is unusable. Raised before anything from the snapshot is materialized."""
 
-    exit_code = 6
-
 
 class KeyPair(NamedTuple):
     """Paths written by :func:`generate_keypair` and the key's id."""

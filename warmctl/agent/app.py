@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field, StrictBool
 import warmctl
 from warmctl import lifecycle
 from warmctl.config import Settings
+from warmctl import names
 from warmctl.errors import WarmctlError
 from warmctl.state import EngineState
 
@@ -46,8 +47,7 @@ from .metrics import Metrics
 from .recovery import RecoveryReport, recover
 from .supervise import Supervisor
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
-TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+NAME_PATTERN = TAG_PATTERN = names.NAME_PATTERN  # the one name rule, the CLI's too (warmctl.names)
 JOB_PATTERN = r"^j-[0-9a-f]{12}$"
 #: seconds an engine status answer is fresh (see :meth:`AgentState.engine_status`)
 STATUS_TTL_S = 0.5

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 class ObjectNotFound(WarmctlError):
     """The object does not exist in the backend. ``location`` names where it was looked for."""
 
-    exit_code = 5
 
     def __init__(self, key: str, location: str):
         super().__init__(f"object {key!r} not found at {location}")

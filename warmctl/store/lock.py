@@ -44,14 +44,10 @@ LOST_AFTER = 5 / 6
 class StoreLocked(WarmctlError):
     """Another process holds a conflicting lock on the store."""
 
-    exit_code = 6
-
 
 class LockLost(WarmctlError):
     """This process's store lock was not refreshed within its lifetime: a gc may have removed
     objects it relies on, so it stopped before committing anything that would reference them."""
-
-    exit_code = 7
 
 
 class Lock:
