@@ -61,7 +61,7 @@ def test_read_through_cache_fills_it_and_serves_the_next_read(tmp_path, remote):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_damaged_cache_entry_is_refetched_from_the_remote_and_rewritten(tmp_path, remote, damage):
+def test_damaged_cache_entry_is_refetched_from_the_remote_and_rewritten(tmp_path, remote, damage, caplog):
     src, refs, f = remote
     src.read_file(refs, tmp_path / "first.img", cache=open_store(tmp_path / "cache"))
     victim = tmp_path / "cache" / chunk_key(refs[1].digest)
@@ -72,9 +72,13 @@ def test_damaged_cache_entry_is_refetched_from_the_remote_and_rewritten(tmp_path
     else:
         del bad[len(bad) // 2 :]
     victim.write_bytes(bytes(bad))
-    src.read_file(refs, tmp_path / "again.img", cache=open_store(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="warmctl.store.chunkio"):
+        src.read_file(refs, tmp_path / "again.img", cache=open_store(tmp_path / "cache"))
     assert (tmp_path / "again.img").read_bytes() == f.read_bytes()
     assert victim.read_bytes() == good == (tmp_path / "remote" / chunk_key(refs[1].digest)).read_bytes()
+    # not in silence (issue 14, item 7): one warning naming the chunk, the bad copy and the source
+    (w,) = [r.getMessage() for r in caplog.records if refs[1].digest in r.getMessage()]
+    assert str(victim) in w and "is bad" in w and str(tmp_path / "remote") in w
 
 
 def test_missing_remote_chunk_names_the_remote_location(tmp_path, remote):

@@ -12,6 +12,7 @@ still missing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -22,6 +23,8 @@ from warmctl.errors import SnapshotNotFound, WarmctlError
 from warmctl.host import HostFingerprint
 from warmctl.manifest import Manifest
 from warmctl.store import CopyReport, Store, copy_manifest, open_store
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 
@@ -79,16 +82,19 @@ def transfer(src: Store, dst: Store, entries: list[CatalogEntry], progress: Prog
     return [copy_entry(src, dst, e, progress) for e in entries]
 
 
-def snapshots(settings: Settings, url: str | None = None) -> list[tuple[CatalogEntry, Manifest | None]]:
-    """Every catalog entry of the local store (or of the store at ``url``), with its manifest
-    (``None`` when unreadable), sorted by name, tag, newest first."""
+def snapshots(settings: Settings, url: str | None = None) -> list[tuple[CatalogEntry, Manifest | str]]:
+    """Every catalog entry of the local store (or of the store at ``url``), with its manifest,
+    or, when the manifest is missing or unreadable, the error saying so (also logged as a
+    warning: an entry whose manifest cannot be read is listed, never hidden), sorted by name,
+    tag, newest first."""
     store = open_store(url or settings.store_dir)
-    out = []
+    out: list[tuple[CatalogEntry, Manifest | str]] = []
     for e in Catalog(store).all_entries():
         try:
             out.append((e, store.get_manifest(e.manifest)))
-        except WarmctlError:
-            out.append((e, None))
+        except WarmctlError as err:
+            log.warning("catalog entry %s:%s names manifest %s, which cannot be read: %s", e.name, e.tag, e.manifest, err)
+            out.append((e, str(err)))
     return out
 
 

@@ -7,14 +7,18 @@ atomic (temp file + rename).
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel
 
+from warmctl.errors import HostError
 from warmctl.private import private_dir, write_private
 from warmctl.proc import ProcessId
+
+log = logging.getLogger(__name__)
 
 EnginePhase = Literal["starting", "restoring", "health", "canary", "serving", "failed"]
 #: How an engine came up: restored from a snapshot, or started cold from its profile.
@@ -95,12 +99,23 @@ def state_path(run_dir: Path, name: str) -> Path:
 
 
 def load(run_dir: Path, name: str) -> EngineState | None:
-    """The recorded state of ``name``, or None if there is none."""
+    """The recorded state of ``name``, or None if there is none. Raises :class:`HostError`
+    naming the file and what is wrong when the record exists but cannot be read or parsed
+    (never treated as "no engine": its processes and files may still exist)."""
     p = state_path(run_dir, name)
     try:
         return EngineState.model_validate_json(p.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        raise HostError(unreadable_message(p, e)) from None
+
+
+def unreadable_message(path: Path, err: BaseException) -> str:
+    """What to say about the engine record ``path`` that ``err`` made unreadable."""
+    why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:300]
+    return (f"engine record {path} is unreadable ({why}): warmctl cannot tell which processes and files are "
+            f"this engine's; check them by hand, then remove {path.parent} to forget it")
 
 
 def save(run_dir: Path, st: EngineState) -> None:
@@ -118,12 +133,17 @@ def remove(run_dir: Path, name: str) -> None:
     state_path(run_dir, name).unlink(missing_ok=True)
 
 
-def all_states(run_dir: Path) -> list[EngineState]:
-    """Every recorded engine, sorted by name."""
+def all_states(run_dir: Path, problems: list[str] | None = None) -> list[EngineState]:
+    """Every recorded engine, sorted by name. A record that cannot be read is not an engine
+    to list, but never passed over in silence: its :func:`unreadable_message` is logged as a
+    warning and, given ``problems``, appended to it."""
     out = []
     for p in sorted(Path(run_dir).glob("*/state.json")):
         try:
             out.append(EngineState.model_validate_json(p.read_text()))
-        except (OSError, ValueError):
-            continue
+        except (OSError, ValueError) as e:
+            msg = unreadable_message(p, e)
+            log.warning("%s", msg)
+            if problems is not None:
+                problems.append(msg)
     return out

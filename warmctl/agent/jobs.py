@@ -390,8 +390,8 @@ class JobManager:
         if self.on_finish:
             try:
                 self.on_finish(self.get(job_id))  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - metrics must not break jobs
-                pass
+            except Exception:  # noqa: BLE001 - metrics must not break jobs, nor fail unseen
+                log.exception("job %s: the on_finish callback (metrics) failed; the job's outcome stands", job_id)
 
     def _emit(self, slot: _Slot, etype: str, data: dict[str, Any]) -> None:
         slot.events.append(Event(seq=len(slot.events) + 1, type=etype, time=time.time(), data=data))

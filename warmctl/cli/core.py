@@ -254,11 +254,12 @@ def register(app: typer.Typer) -> None:
 
         rows = snapshots(settings, settings.remote_store if remote else None)
         cache = DriftCache(settings.profile_dirs)
-        drifts = [cache.drift(e.name, e.profile_digest, m.profile if m else None) for e, m in rows]
+        drifts = [cache.drift(e.name, e.profile_digest, None if isinstance(m, str) else m.profile) for e, m in rows]
         if json_out:
             emit_json([{"name": e.name, "tag": e.tag, "digest": e.manifest, "size": e.size,
-                        "created": e.created.isoformat(), "host": e.host, "profile": d.as_json()}
-                       for (e, _), d in zip(rows, drifts)])
+                        "created": e.created.isoformat(), "host": e.host, "profile": d.as_json(),
+                        **({"problem": m} if isinstance(m, str) else {})}
+                       for (e, m), d in zip(rows, drifts)])
             return
         from warmctl.host import HostFingerprint
 
@@ -266,7 +267,11 @@ def register(app: typer.Typer) -> None:
         for e, m in rows:
             # launch to healthy: the cold_start phase (manifests before it was the only one also
             # carry the same figure as "total")
-            total = next((p.seconds for p in m.phases if p.name in ("cold_start", "total")), None) if m else None
+            if isinstance(m, str):  # the manifest is missing or unreadable: listed, with why (also warned)
+                lines.append((f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
+                              "", f"manifest unreadable: {m}"))
+                continue
+            total = next((p.seconds for p in m.phases if p.name in ("cold_start", "total")), None)
             try:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:

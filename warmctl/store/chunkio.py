@@ -12,6 +12,7 @@ source read instead.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import threading
@@ -27,6 +28,8 @@ from warmctl.store import chunks as ck
 from warmctl.store.backend import Backend, ObjectNotFound
 from warmctl.store.layout import chunk_key
 from warmctl.store.local import disk_full_error
+
+log = logging.getLogger(__name__)
 
 #: ``progress(n)``: called with the number of bytes done since the last call.
 Progress = Callable[[int], None]
@@ -153,8 +156,14 @@ def load_verified(
                 backend.keep(key, blob)
                 return blob, data
             reason = f"content does not match its digest (got {got})"
-        if not backend.forget(key):
+        cache = getattr(backend, "cache", None)
+        if backend.forget(key):
+            log.warning("chunk %s: the copy in the cache %s is bad (%s); dropped it, reading %s instead",
+                        ref.digest, cache.location(key) if cache is not None else "", reason, backend.location(key))
+        else:
             failures += 1
+            if failures < 2:
+                log.warning("chunk %s at %s: %s; fetching it once more", ref.digest, backend.location(key), reason)
     where = backend.location(key)
     raise ChunkCorrupt(f"chunk {ref.digest} at {where} is corrupt: {reason}{ctx}", ref.digest, where, reason)
 
