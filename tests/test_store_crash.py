@@ -102,6 +102,7 @@ def test_push_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
                 assert Catalog(d).entries("tiny")
 
     kills = _kill_at_every_write(["push", "tiny", "--to", str(dst), "--store", str(src)], fresh, tmp_path, after)
+    print(f"push: killed at each of {kills} write points, store verified after each")
     # lock + config + 6 chunks + manifest + signature + entry + profile, two points each (and more)
     assert kills >= 24, kills
     assert_consistent(dst)
@@ -127,6 +128,7 @@ def test_gc_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
             assert_consistent(work)
 
     kills = _kill_at_every_write(["gc", "--grace", "0", "--store", str(work)], fresh, tmp_path, after)
+    print(f"gc: killed at each of {kills} write points, store verified after each")
     assert kills >= 4, kills  # the old manifest, its signature, its unshared chunk(s), lock release
     with open_store(work) as s:
         assert [e.name for e in Catalog(s).all_entries()] == ["tiny"]
@@ -222,5 +224,7 @@ def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_dat
             assert "lost the shared lock" in err and "run it again" in err and "Traceback" not in err, err
             outcomes[n] = "stopped"
         assert_consistent(dst)
+    print(f"paused push: {sum(v == 'stopped' for v in outcomes.values())} stopped (LockLost), "
+          f"{sum(v == 'committed' for v in outcomes.values())} committed whole, of {len(outcomes)} pauses")
     assert "stopped" in outcomes.values(), outcomes
     assert len(outcomes) >= 6, outcomes
