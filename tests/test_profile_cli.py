@@ -75,7 +75,7 @@ def test_profile_ls_show_and_search_order(home):
     assert "checkpoint.lock_timeout_s = 30.0" in show.stdout  # a default the file leaves out
     assert json.loads(wc("profile", "show", "tiny", "--json", env=env).stdout)["profile"]["warmup"]["concurrency"] == [1, 8]
     missing = wc("profile", "show", "nope", env=env)
-    assert missing.returncode == 1 and "no profile named 'nope'" in missing.stderr
+    assert missing.returncode == 15 and "no profile named 'nope'" in missing.stderr  # ProfileError
 
 
 def test_profile_check_validates_and_suggests_the_key(home):

@@ -126,7 +126,7 @@ def load_verified(
     key = chunk_key(ref.digest)
     algo = ck.split_digest(ref.digest)[0]
     ctx = f" (needed for {context})" if context else ""
-    reason = ""
+    reason = first_reason = ""
     failures = 0
     while failures < 2:
         try:
@@ -154,6 +154,9 @@ def load_verified(
                 got = f"{algo}:{h.hexdigest()}"
             if got == ref.digest:
                 backend.keep(key, blob)
+                if failures:  # the first read was bad, the second good: say so (a flaky disk or network)
+                    log.warning("chunk %s at %s: the first read was bad (%s); read again, it verified",
+                                ref.digest, backend.location(key), first_reason)
                 return blob, data
             reason = f"content does not match its digest (got {got})"
         cache = getattr(backend, "cache", None)
@@ -162,8 +165,7 @@ def load_verified(
                         ref.digest, cache.location(key) if cache is not None else "", reason, backend.location(key))
         else:
             failures += 1
-            if failures < 2:
-                log.warning("chunk %s at %s: %s; fetching it once more", ref.digest, backend.location(key), reason)
+            first_reason = first_reason or reason
     where = backend.location(key)
     raise ChunkCorrupt(f"chunk {ref.digest} at {where} is corrupt: {reason}{ctx}", ref.digest, where, reason)
 
