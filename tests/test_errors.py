@@ -11,7 +11,7 @@ from pathlib import Path
 
 import warmctl
 from warmctl.client import JobFailed, _error_for
-from warmctl.errors import EXIT_CODES, WarmctlError, error_class
+from warmctl.errors import EXIT_CODES, OTHER_EXIT_CODES, WarmctlError, error_class
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "exit-codes.md"
 
@@ -39,7 +39,10 @@ def test_every_error_class_has_its_own_code_in_the_one_table():
         assert c.__module__ == module and c.exit_code == code, c
     codes = [code for code, _ in EXIT_CODES.values()]
     assert len(set(codes)) == len(codes), "two classes share an exit code"
-    assert all(0 < c < 126 and c != 2 for c in codes)
+    assert all(0 < c < 126 and c not in OTHER_EXIT_CODES for c in codes)
+    from warmctl.foreground import ENGINE_DIED_EXIT
+
+    assert ENGINE_DIED_EXIT in OTHER_EXIT_CODES
     assert set(EXIT_CODES) == set(names), "a table row names no class"
 
 

@@ -7,8 +7,8 @@ Every :class:`WarmctlError` subclass, wherever it is defined, has its own exit c
 one place: :data:`EXIT_CODES` (class name -> (code, defining module)); the table in
 docs/exit-codes.md is the same list. A subclass takes its code from the table when it is
 defined (:meth:`WarmctlError.__init_subclass__`), and the agent client maps an error's class
-name, as a job reports it, back to the same class (:func:`error_class`). Codes 0 (success) and
-2 (command-line usage, from click) are not errors of this family; codes above 125 are the
+name, as a job reports it, back to the same class (:func:`error_class`). Codes 0 (success),
+2 and 7 (:data:`OTHER_EXIT_CODES`) are not errors of this family; codes above 125 are the
 shell's.
 """
 
@@ -24,7 +24,6 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "SnapshotNotFound": (4, "warmctl.errors"),
     "IntegrityError": (5, "warmctl.errors"),
     "StoreLocked": (6, "warmctl.store.lock"),
-    "LockLost": (7, "warmctl.store.lock"),
     "TrustError": (8, "warmctl.trust"),
     "ObjectNotFound": (9, "warmctl.store.backend"),
     "HostError": (10, "warmctl.errors"),
@@ -52,7 +51,11 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "GpuOutOfMemory": (32, "warmctl.checkpoint.cuda"),
     "IllegalState": (33, "warmctl.checkpoint.cuda"),
     "LockTimeout": (34, "warmctl.checkpoint.cuda"),
+    "LockLost": (35, "warmctl.store.lock"),
 }
+#: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
+#: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.
+OTHER_EXIT_CODES = {2: "command-line usage error (click)", 7: "up --foreground: the supervised engine died"}
 
 
 class WarmctlError(Exception):
