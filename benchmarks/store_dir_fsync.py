@@ -1,6 +1,7 @@
 """What the directory fsync of the local store costs (issue 14, item 2; docs/benchmarks.md).
 
-Side by side in one run, interleaved, ``--rounds`` times (medians printed): the store's own write
+Side by side in one run, interleaved (which goes first alternates), after one warm-up run,
+``--rounds`` times (medians printed): the store's own write
 paths on a fresh local store with the directory fsync after each rename (what the product does)
 and without it (``fsync_dir`` replaced by a no-op; each object's own fsync kept, as before):
 
@@ -60,8 +61,9 @@ def main() -> None:
         third = a.size_mib // 3 * mib
         payload = write_payload(base / "payload.img", [("random", third), ("text", third), ("zero", a.size_mib * mib - 2 * third)])
         res: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for _ in range(a.rounds):
-            for ds in (False, True):
+        one(base, payload, True)  # warm-up (page cache of the payload, first allocations), not counted
+        for r in range(a.rounds):
+            for ds in ((False, True) if r % 2 == 0 else (True, False)):  # alternate which goes first
                 res[ds].append(one(base, payload, ds))
         print(f"{a.size_mib} MiB payload, {a.rounds} rounds, medians (s):")
         for i, what in enumerate(("add_file", "copy")):
