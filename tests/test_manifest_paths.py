@@ -181,3 +181,23 @@ def test_up_refuses_bundled_file_under_etc(tmp_path, engine_ports):
     assert f"{target} is under /etc" in r.stderr and "nothing written" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert d
+
+
+def test_up_of_a_snapshot_whose_recorded_profile_does_not_validate_is_a_clear_error(tmp_path, engine_ports):
+    """No traceback for an expected failure: a manifest (well formed, fits this host, unsigned)
+    whose embedded profile is not a profile, and no profile of that name on disk."""
+    from warmctl.host import fingerprint
+
+    env = _env(tmp_path, engine_ports)
+    host = fingerprint().model_dump(mode="json")
+    src = tmp_path / "core.img"
+    src.write_bytes(b"x" * 100)
+    with open_store(tmp_path / "home" / "store") as s:
+        m = Manifest(name="nameless", profile_digest="sha256:" + "1" * 64, profile={"name": "nameless"}, host=host,
+                     canary=CanaryRecord(match="tokens", max_tokens=1, logprobs=0, completions=[]),
+                     files=[FileEntry(path="core.img", size=100, chunks=s.add_file(src))])
+        Catalog(s).publish(s.put_manifest(m), m)
+    r = warmctl("up", "nameless", "--insecure-skip-signature-check", "--cold-start", "never", env=env, check=False)
+    assert r.returncode == IntegrityError.exit_code, r.stdout + r.stderr
+    assert "the profile it records does not validate: engine: Field required" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from pydantic import ValidationError
 
 from warmctl import snapshot as snap
 from warmctl import fleet
@@ -294,7 +295,11 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     """The restore path of :func:`up` (see module doc, 3-6)."""
     m, digest = found.manifest, found.digest
     assert m is not None and digest is not None
-    prof = Profile.model_validate(m.profile)
+    try:
+        prof = Profile.model_validate(m.profile)
+    except ValidationError as e:  # the snapshot is unusable: say where and why, no traceback
+        why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
+        raise IntegrityError(f"snapshot {m.name} ({digest[:19]}): the profile it records does not validate: {why}") from None
     plan = CheckpointPlan.of(prof)
     host_, port = _public(prof, settings, public_port, public_host)
     require_port_free(host_, port, "public port")

@@ -162,6 +162,11 @@ class RankWeights(_Recorded):
     file: str
     bytes: int = Field(ge=0)
 
+    @field_validator("file")
+    @classmethod
+    def _file_ok(cls, v: str) -> str:
+        return check_relative_path(v)
+
 
 class WeightsRestore(_Recorded):
     """``restore.weights`` (profiles with ``checkpoint.weights_outside_image``): the weights kept
