@@ -155,4 +155,7 @@ def measure(a, env, root, prof, model, prompt, expected, cold, restore) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from warmctl.bench.shm import as_found
+
+    with as_found(Path(__file__).stem):  # leaves /dev/shm as it found it, or exits 1 naming what it left
+        main()

@@ -155,6 +155,30 @@ def test_409_names_the_holder_job(live):
     assert r.status_code == 202
 
 
+def test_the_same_up_while_one_is_under_way_answers_that_job(live):
+    """Two schedulers asking for the same up at once get one job (idempotent), not a 409."""
+    from warmctl.agent.app import UpRequest
+
+    release = threading.Event()
+
+    def blocking(rep, job):
+        release.wait(20)
+        return {"ok": True}
+
+    params = UpRequest(tag="latest").model_dump()
+    holder = live.agent.jobs.submit("up", "tiny", ["engine:tiny"], blocking, params)
+    try:
+        r = live.http.post("/v1/engines/tiny/up", json={})
+        assert r.status_code == 202 and r.json()["id"] == holder.id, r.text
+        assert r.headers["location"] == f"/v1/jobs/{holder.id}"
+        r = live.http.post("/v1/engines/tiny/up", json={"insecure": True})  # another request: refused
+        assert r.status_code == 409 and r.json()["holder"] == holder.id
+    finally:
+        release.set()
+    assert live.agent.jobs.wait(holder.id, 10).state == "succeeded"
+    assert [j.id for j in live.agent.jobs.list() if j.kind == "up"] == [holder.id]
+
+
 def test_up_without_snapshot_or_profile_fails_with_the_reason(live):
     c = AgentClient(live.url, TOKEN)
     with pytest.raises(SnapshotNotFound, match="no snapshot nosuch:latest"):

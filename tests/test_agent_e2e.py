@@ -137,8 +137,11 @@ def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, cl
         # a second operation on the same engine is refused, naming the holder
         r2 = h.post("/v1/engines/tiny/down")
         assert r2.status_code == 409 and r2.json()["holder"] == job["id"]
+        # the same up again follows the job under way (idempotent); another request is refused
         r3 = h.post("/v1/engines/tiny/up", json={})
-        assert r3.status_code == 409 and r3.json()["holder"] == job["id"]
+        assert r3.status_code == 202 and r3.json()["id"] == job["id"], r3.text
+        r4 = h.post("/v1/engines/tiny/up", json={"tag": "other"})
+        assert r4.status_code == 409 and r4.json()["holder"] == job["id"]
         seen_phases = set()
         deadline = time.monotonic() + 300
         while True:

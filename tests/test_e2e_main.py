@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -327,3 +328,101 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
     assert "gate: closed" in gate_log.read_text()
     assert not _listening(gate) and not _listening(engine)
 
+
+def test_two_concurrent_ups_of_one_name_restore_once(tiny_snapshot, wc_env, engine_ports):
+    """Issue 14, item 5: `up` of one name started twice at once (a scheduler and the boot unit):
+    one restores, the other waits for it and reports "already up" with exit 0; one engine tree."""
+    shm0 = _shm()
+    procs = [subprocess.Popen([*WARMCTL, "up", "tiny", "--json"], env=wc_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    res = [json.loads(o) for o, _ in outs]
+    assert sorted(r["already_up"] for r in res) == [False, True], res
+    assert {r["snapshot"] for r in res} == {tiny_snapshot["digest"]}
+    assert len({r["public"] for r in res}) == 1
+    st = json.loads(warmctl("status", "--json", env=wc_env).stdout)
+    assert len(st) == 1 and st[0]["healthy"] and st[0]["phase"] == "serving"
+    # /dev/shm accounting: the engine's files are counted and none of them is an orphan
+    assert st[0]["shm_count"] >= 2 and st[0]["shm_bytes"] > 0
+    orphans = {o["path"] for o in json.loads(warmctl("status", "--orphans", "--json", env=wc_env).stdout)}
+    assert not orphans & (_shm() - shm0), orphans
+    root = psutil.Process(st[0]["root_pid"])  # one engine tree: every engine process is in it
+    assert set(_our_engine_pids(wc_env)) <= {root.pid} | {c.pid for c in root.children(recursive=True)}
+    warmctl("down", "tiny", env=wc_env)
+    assert _shm() <= shm0
+
+
+def test_a_concurrent_up_reports_the_first_ones_failure(tiny_snapshot, wc_env, engine_ports):
+    """The second `up` of a name waits and reports the failure of the first (same exit code),
+    without trying again: the altered canary fails once, both exit 3, the port never opens."""
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    data = store.get_manifest(tiny_snapshot["digest"]).model_dump(mode="json")
+    data["canary"]["completions"][0]["logprobs"][2] += 1e-6
+    bad = Manifest.model_validate(data)
+    digest = store.put_manifest(bad)
+    Catalog(store).publish(digest, bad, tag="tampered2", signer=s.home / "keys" / "local.key")
+    shm0 = _shm()
+    try:
+        procs = [subprocess.Popen([*WARMCTL, "up", "tiny:tampered2"], env=wc_env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=900) for p in procs]
+        assert [p.returncode for p in procs] == [3, 3], outs
+        text = [" ".join((o + e).split()) for o, e in outs]
+        assert all("canary mismatch" in t for t in text)
+        assert sum("this one waited for" in t for t in text) == 1, text  # one restore, one report
+        assert sum(bool(re.search(r"ok restore\b", t)) for t in text) == 1  # one restore ran
+        assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
+        assert not _listening(engine_ports[1]) and _our_engine_pids(wc_env) == []
+        assert _shm() <= shm0
+    finally:
+        Catalog(store).remove("tiny", "tampered2", digest)
+
+
+def test_a_required_file_rewritten_with_the_same_size_is_refused_and_named(tiny_snapshot, wc_env, engine_ports, tmp_path):
+    """Issue 14, item 6: every required file (the venv's and the OS's libraries the engine maps)
+    has a content digest in the manifest; a file rewritten in place with other bytes of the
+    same size makes `up` refuse, naming it, before anything is written.
+
+    The shared venv must not be altered (other suites restore from it), so the rewritten file is
+    one added to the session snapshot's required files (a copy of a real venv library, re-signed
+    with this host's key): `up` runs the one check every required file goes through."""
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    m = store.get_manifest(tiny_snapshot["digest"])
+    req, digests = m.restore.required_files, m.restore.required_digests
+    assert len(req) > 50 and set(digests) == set(req)  # every mapped venv/OS file has its digest
+    assert all(d.startswith(("blake3:", "sha256:")) for d in digests.values())
+    src = min((p for p in req if p.endswith(".so") and 4096 < req[p] < 2**20), key=req.get)
+    lib = tmp_path / "venv-copy" / os.path.basename(src)
+    lib.parent.mkdir()
+    shutil.copyfile(src, lib)
+    from warmctl.checkpoint.filedigest import hash_file
+
+    data = m.model_dump(mode="json")
+    data["restore"]["required_files"][str(lib)] = lib.stat().st_size
+    data["restore"]["required_digests"][str(lib)] = hash_file(lib, digests[src].split(":")[0])
+    assert data["restore"]["required_digests"][str(lib)] == digests[src]  # the copy has the library's digest
+    changed = Manifest.model_validate(data)
+    digest = store.put_manifest(changed)
+    Catalog(store).publish(digest, changed, tag="libcheck", signer=s.home / "keys" / "local.key")
+    size = lib.stat().st_size
+    with open(lib, "r+b") as f:  # rewritten in place: other bytes, the same size
+        f.seek(size // 2)
+        b = f.read(16)
+        f.seek(size // 2)
+        f.write(bytes(x ^ 0xFF for x in b))
+    assert lib.stat().st_size == size
+    shm0 = _shm()
+    try:
+        r = warmctl("up", "tiny:libcheck", env=wc_env, check=False)
+        out = (r.stderr + r.stdout).replace("\n", " ")
+        assert r.returncode == 1, out
+        assert f"{lib}: content differs (same size, {size} bytes" in " ".join(out.split())
+        assert "1 file(s)" in out and src not in out  # only the changed file is named
+        assert re.search(r"failed materialize\b", out) and not re.search(r"(ok|failed) restore\b", out)
+        assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
+        assert not _listening(engine_ports[1]) and _shm() <= shm0
+    finally:
+        Catalog(store).remove("tiny", "libcheck", digest)

@@ -224,7 +224,8 @@ class AgentClient:
         from warmctl.lifecycle import EngineStatus
 
         rows = self.request("GET", "/v1/engines")
-        return [EngineStatus(EngineState.model_validate(r["state"]), r["engine_alive"], r["gate_alive"], r["healthy"])
+        return [EngineStatus(EngineState.model_validate(r["state"]), r["engine_alive"], r["gate_alive"], r["healthy"],
+                             r.get("shm_count", 0), r.get("shm_bytes", 0))
                 for r in rows if r.get("state") and (name is None or r["name"] == name)]
 
     def snapshot(self, profile: str, reporter: Reporter | None = None, *, tag: str = "latest") -> dict[str, Any]:

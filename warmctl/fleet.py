@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from warmctl import faults
 from warmctl.catalog import Catalog, CatalogEntry, DriverPolicy, Ref, nothing_fits, select
 from warmctl.config import Settings
 from warmctl.errors import SnapshotNotFound, WarmctlError
@@ -45,7 +46,13 @@ def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress |
     :class:`warmctl.errors.HostError` (disk full), the backends' errors (an outage that outlasts
     the retry window).
     """
-    report = copy_manifest(src, dst, entry.manifest, progress=progress)
+    def advance(n: int) -> None:
+        faults.point("transfer_chunks")  # a test's kill -9 amid the chunks
+        if progress is not None:
+            progress(n)
+
+    report = copy_manifest(src, dst, entry.manifest, progress=advance)
+    faults.point("transfer_catalog")  # chunks, manifest and signatures written; the name not yet
     profile = Catalog(src).profile(entry.name)
     Catalog(dst).add(entry.model_copy(update={"published": _now()}),
                      profile=profile["profile"] if profile and profile.get("profile_digest") == entry.profile_digest else None)

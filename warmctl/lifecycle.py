@@ -43,16 +43,17 @@ from pathlib import Path
 import httpx
 from pydantic import ValidationError
 
+from warmctl import enginelock, fleet
 from warmctl import snapshot as snap
-from warmctl import fleet
 from warmctl.catalog import Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import capture, criu
+from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
-from warmctl.errors import HostError, IntegrityError, SnapshotNotFound, WarmctlError
+from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.gate import drain as drain_gate
 from warmctl.gate import gate_enforces, require_port_free, settings_args
 from warmctl.gate import prestart as prestart_gate
@@ -100,7 +101,8 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
 
 
 def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCache, reporter: Reporter,
-                 cache=None, fetched: Fetched | None = None, protected: list[Path] = ()) -> CachedImage:
+                 cache=None, fetched: Fetched | None = None, protected: list[Path] = (),
+                 file_digests: DigestCache | None = None) -> CachedImage:
     """Write the manifest's files back: the CRIU image through the image cache (reused when
     this host already holds the verified image of ``digest``, :mod:`warmctl.checkpoint.imagecache`),
     weights linked from it into ``run.weights``, ``/dev/shm`` files copied from it (recorded on
@@ -109,18 +111,21 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
 
     ``cache``: a local store that keeps chunks read from a remote ``store``; ``fetched``:
     counts the stored bytes loaded from each. ``protected``: warmctl's own directories and
-    files (home, keys, config), where no bundled file may be written.
+    files (home, keys, config), where no bundled file may be written; ``file_digests``: the
+    host's digest cache of required files (:mod:`warmctl.checkpoint.filedigest`).
     Raises :class:`IntegrityError` (from the store) on a bad chunk or a bundled file whose
     destination is not one where bundled files may live (:func:`capture.bundled_target_problems`;
-    checked whatever the signature flags, before anything is written), :class:`HostError` when a
-    required file is missing/changed or a ``/dev/shm`` file of the snapshot already exists
+    checked whatever the signature flags, before anything is written), :class:`HostError` naming
+    every required file that is missing or differs (size or content digest) or when a
+    ``/dev/shm`` file of the snapshot already exists
     (another restore of it is running on this host). On failure the ``/dev/shm`` files written
     so far are removed.
     """
-    problems = capture.missing_or_changed(m.restore.required_files)
+    problems = capture.missing_or_changed(m.restore.required_files, m.restore.required_digests,
+                                          file_digests)
     if problems:
-        raise HostError("this host lacks files the snapshot's processes map (install the same engine "
-                        "environment at the same path):\n  " + "\n  ".join(problems[:10]))
+        raise HostError(f"{len(problems)} file(s) the snapshot's processes map are missing or differ on this host "
+                        "(install the same engine environment at the same path):\n  " + "\n  ".join(problems))
     unsafe = capture.bundled_target_problems(["/" + f.path for f in m.files if f.role == "file"], protected)
     if unsafe:
         raise IntegrityError(f"snapshot {m.name} ({digest[:19]}) would write bundled files where they may not "
@@ -193,7 +198,12 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
        profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
        snapshot_after: bool = False, insecure: bool = False) -> UpResult:
     """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
-    is left alone and reported (``already_up``).
+    (serving, ``/health`` answering) is left alone and reported (``already_up``).
+
+    One ``up``/``down`` of ``name`` at a time on this host (:mod:`warmctl.enginelock`): a second
+    ``up`` started meanwhile waits for the first, then reports ``already_up`` when the first
+    succeeded, or raises the first's error (same class and exit code) when it failed; an ``up``
+    that was killed is cleaned up after and tried again. Different names do not wait.
 
     The snapshot is chosen by the catalog's rules for this host's fingerprint (or pinned by
     ``digest``) and its signature verified before anything is written
@@ -205,9 +215,21 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     profile or ``settings.cold_start == "never"`` or a pinned ``digest``), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
     :class:`CheckpointError`, :class:`CanaryMismatch`.
     """
-    already = _adopt_or_clear(name, settings)
-    if already is not None:
-        return already
+    check_name("engine name", name, CatalogError)  # before the name becomes a lock file's name
+    with enginelock.hold(settings.run_dir, name, "up", on_wait=lambda o: reporter.info(
+            f"waiting for the {o.op if o else 'other'} of {name} already running"
+            + (f" (pid {o.pid})" if o else "") + " on this host")) as held:
+        if held.waited and held.previous is not None and held.previous.op == "up" and held.previous.ok is False:
+            raise held.previous.error(name)
+        already = _adopt_or_clear(name, settings, digest)
+        if already is not None:
+            return already
+        return _up(name, settings, reporter, tag, digest, profile, public_port, public_host, snapshot_after, insecure)
+
+
+def _up(name: str, settings: Settings, reporter: Reporter, tag: str, digest: str | None, profile: Profile | None,
+        public_port: int | None, public_host: str | None, snapshot_after: bool, insecure: bool) -> UpResult:
+    """:func:`up` once no engine ``name`` is serving (under its lock)."""
     found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure)
     try:
         if found.manifest is None:
@@ -224,16 +246,35 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         found.close()
 
 
-def _adopt_or_clear(name: str, settings: Settings) -> UpResult | None:
-    """``already-up`` if ``name`` is up (engine and gate alive); else tear down whatever a crash
-    or a dead engine left of it and return None."""
+def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) -> UpResult | None:
+    """``already-up`` if ``name`` is up (engine and gate alive, serving, ``/health`` answering);
+    else tear down whatever a crash or a dead engine left of it and return None. Raises
+    :class:`EngineError` when it is serving but ``/health`` does not answer (a live engine is
+    never killed by ``up``), :class:`HostError` when it serves another snapshot than the pinned
+    ``digest``."""
     existing = EngineRun.load(settings.run_dir, name)
     if existing is None:
         return None
-    if existing.alive() and existing.gate is not None and existing.gate.alive():
-        return UpResult(existing.state, existing.state.source, already_up=True)  # type: ignore[union-attr]
-    existing.teardown()
-    return None
+    st = existing.state
+    assert st is not None
+    if existing.alive() and existing.gate is not None and existing.gate.alive() and st.phase == "serving":
+        if not _healthy(st.internal_port):
+            raise EngineError(f"{name} is running (pid {st.root_pid}) but its /health does not answer on "
+                              f"127.0.0.1:{st.internal_port}; `warmctl down {name}` first")
+        if digest is not None and st.manifest_digest != digest:
+            raise HostError(f"{name} is up from {st.manifest_digest or 'a cold start'}, not {digest}; "
+                            f"`warmctl down {name}` first")
+        return UpResult(st, st.source, snapshot_digest=st.manifest_digest, already_up=True)
+    existing.teardown(strays=True)  # under the name's lock its owner is gone; strays: a root known
+    return None                     # only by engine.pid / restore.pid (identity-checked)
+
+
+def _healthy(port: int) -> bool:
+    """True if the engine on loopback ``port`` answers ``/health`` with 200 within 5 s."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @dataclass
@@ -375,7 +416,8 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
             img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
-                               fetched=found.fetched, protected=protected_paths(settings))
+                               fetched=found.fetched, protected=protected_paths(settings),
+                               file_digests=DigestCache.for_settings(settings))
             run.prepare()
             run.log_path.touch()
         run.record(st)
@@ -448,26 +490,33 @@ def down(name: str, settings: Settings, now: bool = False) -> EngineState | None
     """Stop ``name``: close the gate's listener and let in-flight requests finish (up to
     ``settings.gate_drain_s``; ``now``: no wait), kill the engine tree, remove its ``/dev/shm``
     files and state. Returns the state it stopped, or None if nothing of that name was recorded.
+    An ``up`` of ``name`` under way is waited for first (:mod:`warmctl.enginelock`).
     Raises :class:`~warmctl.catalog.CatalogError` for a name outside the name rule (:mod:`warmctl.names`)."""
     check_name("engine name", name, CatalogError)
-    run = EngineRun.load(settings.run_dir, name)
-    if run is None:
-        return None
-    st = run.state
-    if not now:
-        drain_gate(run.gate, settings.gate_drain_s)
-    run.teardown()
-    return st
+    with enginelock.hold(settings.run_dir, name, "down"):  # waits for an `up` of it under way
+        run = EngineRun.load(settings.run_dir, name)
+        if run is None:
+            return None
+        st = run.state
+        if not now:
+            drain_gate(run.gate, settings.gate_drain_s)
+        run.teardown()
+        return st
 
 
 @dataclass
 class EngineStatus:
-    """``state`` plus live facts: processes alive, ``/health`` answering."""
+    """``state`` plus live facts: processes alive, ``/health`` answering, and the ``/dev/shm``
+    files the engine holds (``shm_count`` files taking ``shm_bytes`` bytes of memory; see
+    :func:`warmctl.checkpoint.capture.shm_of`: what its processes map or hold open, and what
+    its run recorded)."""
 
     state: EngineState
     engine_alive: bool
     gate_alive: bool
     healthy: bool
+    shm_count: int = 0
+    shm_bytes: int = 0
 
 
 def status(settings: Settings, name: str | None = None, probe: bool = True) -> list[EngineStatus]:
@@ -475,15 +524,34 @@ def status(settings: Settings, name: str | None = None, probe: bool = True) -> l
     ``probe``: ask each live engine's ``/health`` (up to 2 s each); without it ``healthy`` is False."""
     if name is not None:
         check_name("engine name", name, CatalogError)
+    return [row for row, _ in _status_with_shm(settings, name, probe)]
+
+
+def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = True) -> list[tuple[EngineStatus, set]]:
     out = []
     for st in all_states(settings.run_dir):
         if name and st.name != name:
             continue
         healthy = False
-        if probe and st.engine_alive():
+        alive = st.engine_alive()
+        if probe and alive:
             try:
                 healthy = httpx.get(f"http://127.0.0.1:{st.internal_port}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
                 pass
-        out.append(EngineStatus(st, st.engine_alive(), st.gate_alive(), healthy))
+        shm = capture.shm_of(st.root_pid if alive else None, st.shm_inodes, [] if st.shm_inodes else st.shm_files)
+        out.append((EngineStatus(st, alive, st.gate_alive(), healthy, len(shm), capture.shm_bytes(shm)),
+                    set(shm) if alive else set()))
     return out
+
+
+def shm_orphans(settings: Settings) -> list[capture.ShmFile]:
+    """Files in ``/dev/shm`` that no live engine of this home holds (:func:`status`'s
+    ``shm_*``), oldest first, each with its size, age and the PIDs that use it (an empty
+    ``users``: nothing does -- what a killed engine left, which ``down`` of a recorded dead
+    engine, or a reboot, removes). An engine being restored right now holds files not recorded
+    yet: they are listed too, with users once CRIU has restored its tree."""
+    owned: set = set()
+    for _, keys in _status_with_shm(settings, probe=False):
+        owned |= keys
+    return capture.shm_not_owned(owned)

@@ -186,7 +186,10 @@ class RestoreInfo(_Recorded):
     snapshot host (CRIU reopens them at the same paths); ``internal_port``: the engine's
     loopback TCP port; ``required_files``: ``{absolute path: size in bytes}`` of files the tree
     maps from the interpreter and system directories (checked before anything is written,
-    :func:`warmctl.checkpoint.capture.missing_or_changed`); ``images_bytes``: size of the CRIU
+    :func:`warmctl.checkpoint.capture.missing_or_changed`); ``required_digests``:
+    ``{absolute path: "<algorithm>:<hex>"}``, the content digest of each of those files
+    (:mod:`warmctl.checkpoint.filedigest`; absent in manifests written before it, whose files
+    are then checked by size only); ``images_bytes``: size of the CRIU
     image files; ``gpu`` / ``weights``: present only for those checkpoint flavours. Every key
     is optional in the format (a manifest written without one reads with its default).
     """
@@ -195,6 +198,7 @@ class RestoreInfo(_Recorded):
     cwd: str | None = None
     internal_port: int | None = None
     required_files: dict[str, int] = {}
+    required_digests: dict[str, str] = {}
     images_bytes: int = Field(0, ge=0)
     gpu: GpuRestore | None = None
     weights: WeightsRestore | None = None

@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from warmctl import faults
 from warmctl.manifest import Phase
 
 
@@ -25,6 +26,7 @@ class Reporter:
 
     @contextmanager
     def phase(self, name: str, desc: str = "") -> Iterator[None]:
+        faults.point(name)  # a test's kill -9 at this phase (WARMCTL_TEST_KILL_AT_PHASE)
         t0 = time.monotonic()
         self.started(name, desc)
         ok = False

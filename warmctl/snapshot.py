@@ -2,7 +2,9 @@
 
 ``snapshot(profile)`` runs, each phase timed:
 
-1. pre-flight: CRIU usable, the engine's internal port free, no engine of that name running;
+1. pre-flight, holding the name's lock (:mod:`warmctl.enginelock`: one ``snapshot``/``up``/``down``
+   of a name at a time): CRIU usable, no engine of that name serving (what a killed run left is
+   torn down), the engine's internal port free; the engine is recorded as soon as it starts;
 2. cold start (:mod:`warmctl.engine.cold`): the engine tree in its own PID namespace with
    io_uring blocked, ``/health``, the start-up log parsed into phases (weights, torch.compile,
    ...); then the warm-up grid and the canary record;
@@ -34,9 +36,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl import fleet, host, trust
+from warmctl import enginelock, fleet, host, trust
 from warmctl.catalog import Catalog, Ref
-from warmctl.checkpoint import capture, criu
+from warmctl.checkpoint import capture, criu, filedigest
 from warmctl.config import Settings
 from warmctl.engine import cold
 from warmctl.engine.plan import CheckpointPlan
@@ -121,15 +123,18 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
     """
     _report_drift(profile, settings, tag, reporter)
     criu.check(settings.criu)
-    cold.preflight(profile, settings.run_dir)
-    run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
-    startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter)
-    try:
-        record = cold.warm_and_record(run, profile, reporter)
-    except BaseException:
-        run.teardown()
-        raise
-    return snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, push_to=push_to)
+    with enginelock.hold(settings.run_dir, profile.name, "snapshot",
+                         on_wait=lambda o: reporter.info(f"waiting for the {o.op if o else 'other'} of {profile.name} "
+                                                         "already running on this host")):
+        cold.preflight(profile, settings.run_dir)
+        run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
+        startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter)
+        try:
+            record = cold.warm_and_record(run, profile, reporter)
+        except BaseException:
+            run.teardown()
+            raise
+        return snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, push_to=push_to)
 
 
 def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
@@ -245,9 +250,12 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
                     startup: dict[str, float], reporter: Reporter, dumped: _Dumped,
                     weights: WeightsRestore | None, entries: list[FileEntry]) -> Manifest:
     """The manifest of the snapshot: profile, host fingerprint, canary, every phase so far, the
-    restore record and the files."""
+    restore record (with the content digest of every required file: seconds on the first
+    snapshot of a home, a ``stat`` each after, :mod:`warmctl.checkpoint.filedigest`) and the files."""
     restore = RestoreInfo(log_path=str(run.log_path), cwd=str(run.cwd), internal_port=run.internal_port,
-                          required_files=dumped.files.required, images_bytes=dumped.images_bytes)
+                          required_files=dumped.files.required, images_bytes=dumped.images_bytes,
+                          required_digests=filedigest.digests_of(dumped.files.required,
+                                                                 filedigest.DigestCache.for_settings(settings)))
     if dumped.gpu is not None:
         restore.gpu = dumped.gpu
     if weights is not None:

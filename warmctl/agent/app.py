@@ -114,8 +114,8 @@ class SnapshotRequest(BaseModel):
 
 class EngineView(BaseModel):
     """One engine: ``phase`` (see the module doc), the recorded ``state`` (``null`` when
-    nothing is recorded), whether its processes live and ``/health`` answers, the live job on
-    it (``job``), and per-phase seconds (``timings``: the recorded ones once serving, else the
+    nothing is recorded), whether its processes live and ``/health`` answers, the ``/dev/shm``
+    files it holds (``shm_count``, ``shm_bytes``), the live job on it (``job``), and per-phase seconds (``timings``: the recorded ones once serving, else the
     running job's phases so far, the current one with its elapsed time)."""
 
     name: str
@@ -131,6 +131,9 @@ class EngineView(BaseModel):
     #: (restarts within the last 10 minutes), or ``{"policy": "no", "gave_up": why}`` after the
     #: limit was reached; null when the engine is not supervised
     restart: dict[str, Any] | None = None
+    #: ``/dev/shm`` files the engine holds and the bytes of memory they take
+    shm_count: int = 0
+    shm_bytes: int = 0
 
 
 class SnapshotView(BaseModel):
@@ -448,6 +451,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
                        job_phase=job.progress.phase if job else None, restart=supervisor.view(name))
         if st is not None:
             v.state, v.engine_alive, v.gate_alive, v.healthy = st.state, st.engine_alive, st.gate_alive, st.healthy
+            v.shm_count, v.shm_bytes = st.shm_count, st.shm_bytes
             v.phase = st.state.phase
             if st.state.phase == "serving" and not (st.engine_alive and st.gate_alive):
                 v.phase = "dead"
@@ -475,11 +479,19 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         rows = [r for r in agent.engine_status() if r.state.name == name]
         return _view(name, rows[0] if rows else None)
 
-    def _submit(kind: str, target: str, resources: list[str], fn, params: dict, reporter=None) -> JSONResponse:
+    def _submit(kind: str, target: str, resources: list[str], fn, params: dict, reporter=None,
+                join_same: bool = False) -> JSONResponse:
+        """Submit a job; 409 naming the holder on a conflict, except with ``join_same`` when the
+        holder is the same request (kind, target, parameters): that job is answered instead, so
+        a repeated request follows the one under way and gets its outcome."""
         try:
             job = agent.jobs.submit(kind, target, resources, fn, params, reporter)  # type: ignore[arg-type]
         except Conflict as e:
-            raise ApiError(409, "conflict", str(e), e.holder.id if e.holder else None) from None
+            h = e.holder
+            if join_same and h is not None and (h.kind, h.target, h.params) == (kind, target, params):
+                job = h
+            else:
+                raise ApiError(409, "conflict", str(e), h.id if h else None) from None
         return JSONResponse(job.model_dump(mode="json"), status_code=202, headers={"Location": f"/v1/jobs/{job.id}"})
 
     def _port_conflict(name: str, port: int | None) -> None:
@@ -515,7 +527,10 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     def engine_up(req: UpRequest, name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
         """Start a job that brings ``name`` up: restore ``name:tag`` behind the canary, or
         cold-start the profile ``name`` when no snapshot fits (the job's result says which
-        and why). 409 when a job already works on this engine or its ports, naming it.
+        and why). The same request while its job is under way answers that job (202: follow it
+        for the outcome); 409 when another job works on this engine or its ports, naming it. An
+        ``up`` of the same name started outside the agent (``warmctl up``, the boot unit) is
+        waited for, then reported as already up or as its failure (:mod:`warmctl.enginelock`).
         With ``restart: on-failure`` the agent brings the engine up again when it dies."""
         return _start_up(name, req)
 
@@ -549,7 +564,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
                     agent.metrics.canary.labels("pass" if ok else "fail").inc()
             return JobReporter(agent.jobs, job_id, on_phase=on_phase, on_bytes=agent.metrics.bytes_pulled.inc)
 
-        return _submit("up", name, resources, run, req.model_dump(), reporter)
+        return _submit("up", name, resources, run, req.model_dump(), reporter, join_same=True)
 
     @app.post("/v1/engines/{name}/down", status_code=202, response_model=Job, tags=["engines"],
               responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])

@@ -11,8 +11,10 @@ open. A restore therefore needs:
   (``~/.cache/vllm/torch_compile_cache/.../*.so``): they travel with the snapshot (role
   ``file``) and are written back if missing or different.
 - *required files*: mapped files under the interpreter prefix and system directories (the
-  venv's ``.so`` files, libc...). CRIU checks their sizes at restore; warmctl records
-  (path, size) and checks them first, to fail with a clear message instead of CRIU's.
+  venv's ``.so`` files, libc...). CRIU checks only their sizes at restore; warmctl records
+  (path, size) and each file's content digest (:mod:`warmctl.checkpoint.filedigest`) and checks
+  both first, to fail with a clear message naming each file instead of CRIU's, or instead of
+  restoring onto a library rewritten with other bytes of the same size.
 """
 
 from __future__ import annotations
@@ -197,17 +199,38 @@ def group_hardlinks(paths: list[Path]) -> dict[Path, Path | None]:
     return out
 
 
-def missing_or_changed(required: dict[str, int]) -> list[str]:
-    """Human-readable problems with required files: missing, or size differs from the snapshot's."""
+def missing_or_changed(required: dict[str, int], digests: dict[str, str] | None = None, cache=None) -> list[str]:
+    """Human-readable problems with required files, one per file: missing, size differs from
+    the snapshot's, or (for the files ``digests`` names, ``{path: "<algorithm>:<hex>"}``) the
+    content differs. ``cache``: a :class:`warmctl.checkpoint.filedigest.DigestCache` (an
+    unchanged file then costs a ``stat``); it is saved. Empty when everything matches."""
+    from warmctl.checkpoint.filedigest import DigestCache
+
+    cache = cache if cache is not None else DigestCache(None)
+    digests = digests or {}
     problems = []
     for p, size in sorted(required.items()):
         try:
-            actual = os.stat(p).st_size
+            st = os.stat(p)
         except OSError:
             problems.append(f"{p}: missing")
             continue
-        if actual != size:
-            problems.append(f"{p}: size {actual} bytes, snapshot expects {size}")
+        if st.st_size != size:
+            problems.append(f"{p}: size {st.st_size} bytes, snapshot expects {size}")
+            continue
+        want = digests.get(p)
+        if want is None:
+            continue
+        try:
+            got = cache.digest(p, st, want.partition(":")[0])
+        except (OSError, ValueError) as e:
+            problems.append(f"{p}: cannot be read to check its content ({e})")
+            continue
+        if got != want:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(st.st_mtime))
+            problems.append(f"{p}: content differs (same size, {st.st_size} bytes; digest {got[:23]}..., "
+                            f"snapshot expects {want[:23]}...; file modified {when})")
+    cache.save()
     return problems
 
 
@@ -280,3 +303,95 @@ def bundled_target_problems(paths: list[str], protected: list[Path] = (), info_d
         if p in owned or real in owned:
             problems.append(f"{p if p in owned else real} belongs to an installed package (dpkg)")
     return problems
+
+
+def _shm_links(pid: int):
+    """``(st_dev, st_ino, stat)`` of every ``/dev/shm`` file process ``pid`` maps or has open
+    (``/proc/PID/map_files`` and ``/proc/PID/fd``; root only), deleted names included."""
+    for sub in ("map_files", "fd"):
+        try:
+            entries = os.listdir(f"/proc/{pid}/{sub}")
+        except OSError:
+            continue
+        for e in entries:
+            link = f"/proc/{pid}/{sub}/{e}"
+            try:
+                if os.readlink(link).startswith(str(SHM) + "/"):
+                    st = os.stat(link)
+                    yield (st.st_dev, st.st_ino), st
+            except OSError:
+                continue
+
+
+def shm_of(root_pid: int | None, recorded_inodes=(), recorded_files=()) -> dict[tuple[int, int], os.stat_result]:
+    """The ``/dev/shm`` files an engine holds, by (st_dev, st_ino): every file the tree of
+    ``root_pid`` (None: no live tree) maps or has open, deleted names included, and every file
+    recorded on its run (``recorded_inodes``: (st_dev, st_ino) pairs; ``recorded_files``:
+    paths) still in ``/dev/shm``."""
+    seen: dict[tuple[int, int], os.stat_result] = {}
+    if root_pid is not None:
+        for pid in tree_pids(root_pid):
+            for key, st in _shm_links(pid):
+                seen.setdefault(key, st)
+    wanted = {tuple(x) for x in recorded_inodes}
+    names = {str(p) for p in recorded_files}
+    for p in _shm_entries() if (wanted or names) else ():
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in wanted or str(p) in names:
+            seen.setdefault((st.st_dev, st.st_ino), st)
+    return seen
+
+
+def shm_bytes(files: dict[tuple[int, int], os.stat_result]) -> int:
+    """Bytes of memory ``files`` (:func:`shm_of`) take: ``st_blocks`` x 512 each (a sparse ring
+    buffer counts what was written, not its size)."""
+    return sum(st.st_blocks * 512 for st in files.values())
+
+
+def _shm_entries() -> list[Path]:
+    try:
+        return [p for p in SHM.iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
+@dataclass
+class ShmFile:
+    """A file in ``/dev/shm``: ``path``, ``size`` (bytes, ``st_size``), ``allocated`` (bytes of
+    memory it takes, ``st_blocks`` x 512), ``age_s`` (seconds since it was last written,
+    ``st_mtime``: tmpfs keeps no creation time that Python reads; for a file nothing writes any
+    more, how long it has been left), ``users``: PIDs of the
+    processes that map it or hold it open (empty: nothing uses it)."""
+
+    path: Path
+    size: int
+    allocated: int
+    age_s: float
+    users: list[int] = field(default_factory=list)
+
+
+def shm_not_owned(owned_inodes) -> list[ShmFile]:
+    """Every file in ``/dev/shm`` whose (st_dev, st_ino) is not in ``owned_inodes`` (the files of
+    the live engines, :func:`shm_of`), oldest first, with the processes of the host that use
+    each (every process's ``map_files`` and ``fd``; root sees them all)."""
+    owned = {tuple(x) for x in owned_inodes}
+    now = time.time()
+    files: dict[tuple[int, int], ShmFile] = {}
+    for p in _shm_entries():
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key not in owned and key not in files:
+            files[key] = ShmFile(p, st.st_size, st.st_blocks * 512, max(0.0, now - st.st_mtime))
+    if files:
+        for pid in psutil.pids():
+            for key, _ in _shm_links(pid):
+                f = files.get(key)
+                if f is not None and pid not in f.users:
+                    f.users.append(pid)
+    return sorted(files.values(), key=lambda f: -f.age_s)

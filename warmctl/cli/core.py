@@ -26,6 +26,17 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
+def _age(seconds: float) -> str:
+    """``42 s``, ``7 min``, ``3.5 h``, ``2.0 d``."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
 def register(app: typer.Typer) -> None:
     """Add the main-job commands to ``app``."""
 
@@ -195,13 +206,35 @@ def register(app: typer.Typer) -> None:
     def status(
         name: Optional[str] = typer.Argument(None, help="Only this engine."),
         json_out: bool = JsonOpt,
+        orphans: bool = typer.Option(False, "--orphans", help="List the /dev/shm files no live engine holds instead, "
+                                                               "with size, age (since last written) and the processes that use them."),
     ) -> None:
-        """Engines on this host: phase, processes, health, public port, restore timings; an engine
-        made from another version of its profile than the one on disk is named on stderr, with
-        the fields that changed."""
+        """Engines on this host: phase, processes, health, public port, /dev/shm held, snapshot;
+        an engine made from another version of its profile than the one on disk is named on
+        stderr, with the fields that changed.
+
+        With --orphans: every file in /dev/shm that no live engine of this host holds (oldest
+        first), its size, the memory it takes, how long ago it was last written and the PIDs
+        that use it ("none": what a killed engine left; `warmctl down NAME` of a recorded dead
+        engine removes its files)."""
         from warmctl.lifecycle import status as run_status
 
         settings = load_settings()
+        if orphans:
+            from warmctl.lifecycle import shm_orphans
+
+            files = shm_orphans(settings)
+            if json_out:
+                emit_json([{"path": str(f.path), "size": f.size, "allocated": f.allocated,
+                            "age_s": round(f.age_s, 1), "users": f.users} for f in files])
+                return
+            if not files:
+                _out().print("no /dev/shm files outside the live engines")
+                return
+            table(("file", "size", "in memory", "last written", "used by"),
+                  [(str(f.path), _human(f.size), _human(f.allocated), _age(f.age_s), ", ".join(map(str, f.users)) or "none")
+                   for f in files], title="/dev/shm files no live engine holds")
+            return
         if settings.agent_url:  # a configured agent answers (issue 5); same output
             from warmctl.client import AgentClient
             rows = AgentClient.from_settings(settings).status(name)
@@ -213,7 +246,8 @@ def register(app: typer.Typer) -> None:
         drifts = [of_engine(r.state, settings.store_dir, cache) for r in rows]
         if json_out:
             emit_json([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
-                        "gate_alive": r.gate_alive, "healthy": r.healthy, "profile": d.as_json()}
+                        "gate_alive": r.gate_alive, "healthy": r.healthy, "profile": d.as_json(),
+                        "shm_count": r.shm_count, "shm_bytes": r.shm_bytes}
                        for r, d in zip(rows, drifts)])
             if name and not rows:
                 raise typer.Exit(1)
@@ -227,9 +261,9 @@ def register(app: typer.Typer) -> None:
             phase = s.phase if r.engine_alive else f"{s.phase} (engine dead)"
             public = (f"{'https' if s.gate_tls else 'http'}://{s.public_host}:{s.public_port}"
                       f" ({'key' if s.gate_api_key else 'no key'})") if r.gate_alive else "closed"
-            lines.append((s.name, phase, s.source, str(s.root_pid), public,
-                          "yes" if r.healthy else "no", (s.manifest_digest or "")[:19]))
-        table(("name", "phase", "source", "pid", "public", "healthy", "snapshot"), lines)
+            lines.append((s.name, phase, s.source, str(s.root_pid), public, "yes" if r.healthy else "no",
+                          f"{_human(r.shm_bytes)} in {r.shm_count} files", (s.manifest_digest or "")[:19]))
+        table(("name", "phase", "source", "pid", "public", "healthy", "/dev/shm", "snapshot"), lines)
         for r, d in zip(rows, drifts):  # warnings: stderr, one whole line each
             s = r.state
             note = d.message(f"engine {s.name} ({'snapshot ' + s.manifest_digest[:19] if s.manifest_digest else s.source})")

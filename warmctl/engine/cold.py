@@ -18,6 +18,7 @@ from warmctl.gate import require_port_free
 from warmctl.manifest import CanaryRecord
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
+from warmctl.state import EngineState
 
 
 def resolve_model(profile: Profile, models_dir: Path) -> str:
@@ -33,18 +34,23 @@ def resolve_model(profile: Profile, models_dir: Path) -> str:
 
 
 def preflight(profile: Profile, run_dir: Path) -> None:
-    """Refuse early (:class:`HostError`): an engine of this name recorded as running in
-    ``run_dir``, or the profile's internal port taken."""
+    """Refuse early (:class:`HostError`): an engine of this name serving in ``run_dir``, or
+    the profile's internal port taken. A recorded engine that is not serving is what a killed
+    ``snapshot`` or ``up`` left (the caller holds the name's lock, :mod:`warmctl.enginelock`,
+    so nothing else is starting it): it is torn down first."""
     run = EngineRun.load(run_dir, profile.name)
-    if run is not None and run.alive():
+    if run is not None and run.alive() and run.state is not None and run.state.phase == "serving":
         raise HostError(f"engine {profile.name} is running (pid {run.root_pid}); `warmctl down {profile.name}` first")
+    if run is not None:
+        run.teardown(strays=True)  # also a root known only by engine.pid / restore.pid
     require_port_free("127.0.0.1", profile.engine.port, f"engine port for {profile.name}:")
 
 
 def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter) -> dict[str, float]:
     """Launch ``profile``'s engine (model path ``model``) as ``run`` and wait until healthy.
 
-    Returns the start-up phases in seconds, parsed from the log
+    The run is recorded (``<run>/state.json``, phase ``starting``, no public port yet) as soon
+    as its root process exists. Returns the start-up phases in seconds, parsed from the log
     (:func:`warmctl.engine.vllm.parse_startup_phases`: its stages and ``other``; launch to
     healthy is the ``cold_start`` phase, so its ``total`` is left out: ``total`` is each
     pipeline's own sum). On failure the run is torn down and :class:`EngineError` raised (with
@@ -54,6 +60,11 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter) -> d
     offset = run.log_path.stat().st_size if run.log_path.exists() else 0
     eng = vllm.start(profile, model, run.log_path, cwd=run.cwd)
     run.set_root(eng.root_pid)
+    if run.state is None:  # recorded at once: a killed warmctl leaves a tree the next run finds
+        run.record(EngineState(name=profile.name, phase="starting", source="cold", profile_digest=profile.digest(),
+                               started_at=run.started_at, internal_port=profile.engine.port, public_host="",
+                               public_port=0, served_model_name=profile.engine.served_model_name,
+                               log_path=str(run.log_path)))
     try:
         with reporter.phase("cold_start", f"starting {profile.engine.kind} for {profile.name} (log: {run.log_path})"):
             total = vllm.wait_healthy(run, profile.engine.startup_timeout_s)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from warmctl import faults
 from warmctl.errors import IntegrityError
 from warmctl.manifest import ChunkRef
 from warmctl.store import chunks as ck
@@ -111,6 +112,7 @@ def gc(store: Store, keep: Iterable[str] | None = None, grace: float = 300.0, dr
                         for a in store.backend.list(prefix):
                             store.backend.remove(a.key)
                     store.backend.remove(manifest_key(d))
+                    faults.point("gc_manifests")  # a test's kill -9 after a manifest went
                 rep.manifests_removed.append(d)
                 continue
             live |= store.get_manifest(d).chunk_digests()
@@ -131,6 +133,7 @@ def gc(store: Store, keep: Iterable[str] | None = None, grace: float = 300.0, dr
                 continue
             if not dry_run:
                 store.remove_chunk(d)
+                faults.point("gc_chunks")  # a test's kill -9 after a chunk went
             rep.chunks_removed += 1
             rep.bytes_removed += o.size
         for o in store.backend.list_tmp():

@@ -1,0 +1,66 @@
+"""Content digests of required files (:mod:`warmctl.checkpoint.filedigest`) and the check
+``up`` runs before a restore (:func:`warmctl.checkpoint.capture.missing_or_changed`), on real
+files: a rewrite with other bytes of the same size is named, an unchanged file is not re-hashed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from warmctl.checkpoint.capture import missing_or_changed
+from warmctl.checkpoint.filedigest import DigestCache, digests_of, hash_file
+
+
+def _lib(tmp_path, name="libfake.so", size=3 * (1 << 20) + 17):
+    p = tmp_path / name
+    p.write_bytes(os.urandom(size))
+    return p
+
+
+def test_hash_file_is_the_stores_digest_of_the_bytes(tmp_path):
+    p = _lib(tmp_path)
+    assert hash_file(p, "sha256") == "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest()
+    assert hash_file(p).startswith("blake3:") and len(hash_file(p)) == len("blake3:") + 64
+
+
+def test_an_unchanged_file_costs_a_stat_and_a_rewrite_of_the_same_size_is_named(tmp_path):
+    lib, other = _lib(tmp_path), _lib(tmp_path, "libother.so", 4096)
+    cache_file = tmp_path / "cache" / "file-digests.json"
+    required = {str(lib): lib.stat().st_size, str(other): 4096}
+    digests = digests_of(required, DigestCache(cache_file))
+    assert cache_file.is_file()
+
+    again = DigestCache(cache_file)  # a later `up`: a new process reads the cache
+    assert missing_or_changed(required, digests, again) == [] and again.hashed == []
+
+    st = lib.stat()
+    with open(lib, "r+b") as f:  # rewritten in place: other bytes, the same size
+        f.seek(1 << 20)
+        f.write(b"\xff" * 64)
+    os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with its mtime put back (ctime moves)
+    assert lib.stat().st_size == st.st_size and lib.stat().st_mtime_ns == st.st_mtime_ns
+    later = DigestCache(cache_file)
+    problems = missing_or_changed(required, digests, later)
+    assert len(problems) == 1 and problems[0].startswith(f"{lib}: content differs (same size, {st.st_size} bytes")
+    assert "snapshot expects " + digests[str(lib)][:23] in problems[0]
+    assert later.hashed == [str(lib)]  # the unchanged file was not read
+
+
+def test_missing_and_resized_files_are_named_each(tmp_path):
+    a, b = _lib(tmp_path, "a.so", 100), _lib(tmp_path, "b.so", 100)
+    required = {str(a): 100, str(b): 100, str(tmp_path / "gone.so"): 5}
+    digests = digests_of([str(a), str(b)], DigestCache(None))
+    b.write_bytes(b"x" * 101)
+    problems = missing_or_changed(required, digests)
+    assert problems == [f"{b}: size 101 bytes, snapshot expects 100", f"{tmp_path / 'gone.so'}: missing"]
+
+
+def test_a_manifest_without_digests_is_checked_by_size_and_a_damaged_cache_is_rebuilt(tmp_path):
+    lib = _lib(tmp_path, size=10)
+    assert missing_or_changed({str(lib): 10}) == []
+    cache_file = tmp_path / "file-digests.json"
+    cache_file.write_text("{not json")
+    c = DigestCache(cache_file)
+    assert c.entries == {} and c.digest(str(lib)) == hash_file(lib)
+    c.save()
+    assert DigestCache(cache_file).entries[str(lib)][5] == hash_file(lib)
