@@ -194,6 +194,7 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     files = capture.referenced_files(run.root_pid, exclude=[run.dir])
     run.shm_files = [str(p) for p in files.shm]
     run.shm_inodes = [(st.st_dev, st.st_ino) for st in map(Path.stat, files.shm)]
+    run.save()  # recorded before CRIU runs: the dump kills the tree, its files stay in /dev/shm
     out = _Dumped(files)
     shutil.rmtree(run.images, ignore_errors=True)
     with reporter.phase("criu_dump", f"CRIU dump of pid {run.root_pid} and its children"), \
@@ -223,6 +224,7 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     out.items += [(p, "file", str(p).lstrip("/")) for p in files.bundled]
     if plan.weights_outside_image:
         out.items += [(p, "weights", f"weights/{p.name}") for p in sorted(run.weights.iterdir())]
+    run.save()  # with CRIU's link_remap inodes: what a killed snapshot leaves, the next run removes
     return out
 
 
