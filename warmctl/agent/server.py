@@ -20,13 +20,13 @@ import ipaddress
 import logging
 import os
 import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from warmctl.config import Settings
 from warmctl.errors import HostError
 from warmctl.private import private_dir
+from warmctl.sdnotify import notify
 
 #: seconds a connection may take to send a request's line and headers, counted from the
 #: connection (first request) or from the request's first byte (later ones); then it is closed
@@ -97,22 +97,13 @@ def read_token(path: Path, create: bool = True) -> str:
 
 
 def sd_notify(message: str, env: dict[str, str] | None = None) -> bool:
-    """Send ``message`` (e.g. ``"READY=1"``) to systemd over ``$NOTIFY_SOCKET`` (a path, or
-    ``@name`` for an abstract socket). Returns False when there is no socket to tell;
-    a send error is logged, never raised."""
-    addr = (env if env is not None else os.environ).get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall(message.encode())
-        return True
-    except OSError as e:
-        log.warning("sd_notify(%r) to %s failed: %s", message, addr, e)
-        return False
+    """Send ``message`` (e.g. ``"READY=1"``) to systemd over ``$NOTIFY_SOCKET`` (see
+    :func:`warmctl.sdnotify.notify`). Returns False when there is no socket or the send failed;
+    a failed send is logged, never raised."""
+    sent = notify(message, env=env)
+    if not sent and (env if env is not None else os.environ).get("NOTIFY_SOCKET"):
+        log.warning("sd_notify(%r) failed", message)
+    return sent
 
 
 def is_loopback(host: str) -> bool:

@@ -103,22 +103,7 @@ def shm_inodes_of(root_pid: int) -> set[tuple[int, int]]:
     never names ``sem.mp-*`` itself; the inode is what ties that file to the tree, and
     :func:`remove_by_inode` then finds every name it has.
     """
-    out: set[tuple[int, int]] = set()
-    for pid in tree_pids(root_pid):
-        for sub in ("map_files", "fd"):
-            try:
-                entries = os.listdir(f"/proc/{pid}/{sub}")
-            except OSError:
-                continue
-            for e in entries:
-                link = f"/proc/{pid}/{sub}/{e}"
-                try:
-                    if os.readlink(link).startswith(str(SHM) + "/"):
-                        st = os.stat(link)
-                        out.add((st.st_dev, st.st_ino))
-                except OSError:
-                    continue
-    return out
+    return {key for pid in tree_pids(root_pid) for key, _ in _shm_links(pid)}
 
 
 def shm_names() -> set[str]:
