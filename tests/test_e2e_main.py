@@ -23,6 +23,7 @@ from tests.conftest import WARMCTL, warmctl
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
 from warmctl.catalog import Catalog
 from warmctl.config import load_settings
+from warmctl.errors import HostError
 from warmctl.manifest import Manifest
 from warmctl.store import chunk_key, open_store
 
@@ -438,7 +439,7 @@ def test_a_required_file_rewritten_with_the_same_size_is_refused_and_named(tiny_
     try:
         r = warmctl("up", "tiny:libcheck", env=wc_env, check=False)
         out = (r.stderr + r.stdout).replace("\n", " ")
-        assert r.returncode == 1, out
+        assert r.returncode == HostError.exit_code, out
         assert f"{lib}: content differs (same size, {size} bytes" in " ".join(out.split())
         assert "1 file(s)" in out and src not in out  # only the changed file is named
         assert re.search(r"failed materialize\b", out) and not re.search(r"(ok|failed) restore\b", out)

@@ -81,12 +81,17 @@ class Held:
     previous: Outcome | None
 
 
+#: The directory of the lock files inside the run directory (not an engine: a leading dot is
+#: outside the name rule, and agent recovery passes it by).
+LOCKS = ".locks"
+
+
 def lock_path(run_dir: Path, name: str) -> Path:
     """``<run_dir>/.locks/NAME.lock``. Raises ValueError for a name that is not one file name
     (callers check the name rule first, :mod:`warmctl.names`)."""
     if not name or "/" in name or "\0" in name or name in (".", ".."):
         raise ValueError(f"engine name {name!r} cannot name a lock file")
-    return Path(run_dir) / ".locks" / f"{name}.lock"
+    return Path(run_dir) / LOCKS / f"{name}.lock"
 
 
 def _read(fd: int) -> Outcome | None:

@@ -42,6 +42,7 @@ from pydantic import BaseModel
 from warmctl.checkpoint import capture
 from warmctl.config import Settings
 from warmctl.engine.run import EngineRun
+from warmctl.enginelock import LOCKS
 from warmctl.catalog import NAME_RE
 from warmctl.private import untrusted
 from warmctl.state import EngineState
@@ -81,6 +82,8 @@ def recover(settings: Settings, interrupted: list[Job]) -> RecoveryReport:
     if why not in (None, "missing"):
         report.actions.append(RecoveryAction(action="ignored", engine="*", detail=f"{run_dir}: {why}; nothing in it is touched"))
     for name in entries:
+        if name == LOCKS:  # the per-name locks of up/down/snapshot (warmctl.enginelock), not an engine
+            continue
         d = run_dir / name
         if not (d.is_dir() or d.is_symlink()):
             continue
