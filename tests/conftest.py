@@ -27,6 +27,25 @@ def warmctl(*args: str, env: dict[str, str], check: bool = True, timeout: float 
     return r
 
 
+def shm_names() -> set[str]:
+    """Names in ``/dev/shm`` now."""
+    return set(os.listdir("/dev/shm"))
+
+
+def shm_leaked(before: set[str]) -> set[str]:
+    """/dev/shm files that appeared since ``before`` and that no process uses, twice 2 s apart:
+    what a run leaked. Files of live processes (other engines on a shared host) and another
+    run's passing CRIU files are not counted."""
+    import time
+
+    from warmctl.bench.shm import left_since
+
+    first = {f.path.name for f in left_since(before)}
+    if not first:
+        return first
+    time.sleep(2)
+    return first & {f.path.name for f in left_since(before)}
+
 @pytest.fixture(scope="session")
 def engine_ports() -> tuple[int, int]:
     """(internal engine port, public gate port) used by the shared ``tiny`` profile."""

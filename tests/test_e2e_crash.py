@@ -12,12 +12,12 @@ under its own tag; ``push``, ``pull`` and ``gc`` work on that snapshot with a di
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 
 import psutil
 import pytest
+from conftest import shm_leaked, shm_names
 
 from tests.conftest import warmctl
 from tests.test_e2e_main import _settings
@@ -26,23 +26,6 @@ from warmctl.store import open_store
 pytestmark = pytest.mark.e2e
 
 KILL = "WARMCTL_TEST_KILL_AT_PHASE"
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def _left(before: set[str]) -> set[str]:
-    """/dev/shm files that appeared since ``before`` and that no process uses, twice 2 s apart:
-    what a run leaked. Files of live processes (other engines on a shared host) and another
-    run's passing CRIU files are not counted."""
-    from warmctl.bench.shm import left_since
-
-    first = {f.path.name for f in left_since(before)}
-    if not first:
-        return first
-    time.sleep(2)
-    return first & {f.path.name for f in left_since(before)}
 
 
 def _listening(port: int) -> bool:
@@ -81,7 +64,7 @@ def _verify(env, *extra: str) -> None:
 @pytest.mark.parametrize("phase", ["materialize", "restore", "health", "canary", "gate"])
 def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     engine, gate = engine_ports
-    shm0 = _shm()
+    shm0 = shm_names()
     _killed(["up", "tiny"], wc_env, phase)
     # no public port in front of an engine whose canary did not pass (the gate's process, started
     # beside the restore, exits when warmctl's end of its pipe closes; it never listened)
@@ -101,13 +84,13 @@ def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
     # the snapshot's own files, by name (not link_remap.N: every tiny snapshot has link_remap.246,
     # and another suite's restore on this host may hold it right now; _left counts those)
-    assert not {f.path for f in m.files if f.role == "shm" and not f.path.startswith("link_remap.")} & _shm()
-    assert not _left(shm0), _left(shm0)
+    assert not {f.path for f in m.files if f.role == "shm" and not f.path.startswith("link_remap.")} & shm_names()
+    assert not shm_leaked(shm0), shm_leaked(shm0)
 
 
 def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, engine_ports, tmp_path):
     engine, _ = engine_ports
-    shm0 = _shm()
+    shm0 = shm_names()
     remote, other = tmp_path / "remote", tmp_path / "other-store"
     # snapshot: killed while the engine starts (a live tree it had just recorded), and after the
     # dump (the engine gone, images in the run directory, nothing stored yet)
@@ -118,7 +101,7 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
     out = warmctl("snapshot", "tiny", "--tag", "crash", env=wc_env, timeout=1500).stdout
     assert "tiny:crash" in " ".join(out.split())
     assert _ours(wc_env) == [] and not _listening(engine)
-    assert not _left(shm0), _left(shm0)
+    assert not shm_leaked(shm0), shm_leaked(shm0)
     _verify(wc_env)
 
     # push to a directory remote: killed amid the chunks, and before the name is written

@@ -18,6 +18,7 @@ import time
 import httpx
 import psutil
 import pytest
+from conftest import shm_leaked, shm_names
 
 from tests.conftest import WARMCTL, warmctl
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
@@ -47,23 +48,6 @@ def _down_after(wc_env):
     """Whatever a test leaves up (a failed assertion mid-test), the next one starts clean."""
     yield
     warmctl("down", "tiny", env=wc_env, check=False)
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def _left(before: set[str]) -> set[str]:
-    """/dev/shm files that appeared since ``before`` and that no process uses, twice 2 s apart:
-    what a run leaked. Files of live processes (other engines on a shared host) and another
-    run's passing CRIU files are not counted."""
-    from warmctl.bench.shm import left_since
-
-    first = {f.path.name for f in left_since(before)}
-    if not first:
-        return first
-    time.sleep(2)
-    return first & {f.path.name for f in left_since(before)}
 
 
 def _completion(port: int, prompt: str, max_tokens: int = 12) -> dict:
@@ -98,14 +82,14 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     assert {"image", "shm"} <= roles
     assert m.canary.completions and all(len(c.token_ids) == m.canary.max_tokens for c in m.canary.completions)
     # nothing of the snapshot's engine is left running or in /dev/shm (semaphores included)
-    assert not any(f.path in _shm() for f in m.files if f.role == "shm")
+    assert not any(f.path in shm_names() for f in m.files if f.role == "shm")
     assert tiny_snapshot["shm_left"] == set()
 
 
 def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_ports):
     """Cold path (empty tag) and restore path give bit-identical greedy output."""
     _, gate = engine_ports
-    shm0 = _shm()
+    shm0 = shm_names()
     # cold path: a tag with no snapshot -> up says why and cold-starts from the profile
     r = warmctl("up", "tiny:none", "--json", env=wc_env, timeout=900)
     res = json.loads(r.stdout)
@@ -117,7 +101,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     cold = [_completion(gate, p) for p in PROMPTS]
     warmctl("down", "tiny", env=wc_env)
     assert not _listening(gate)
-    assert _shm() <= shm0, f"down of a cold engine left {_shm() - shm0} in /dev/shm"
+    assert shm_names() <= shm0, f"down of a cold engine left {shm_names() - shm0} in /dev/shm"
 
     r = warmctl("up", "tiny", "--json", env=wc_env)
     res = json.loads(r.stdout)
@@ -140,12 +124,12 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
     assert st["phase"] == "serving" and st["healthy"] and st["gate_alive"]
 
-    shm_before_down = _shm()
+    shm_before_down = shm_names()
     warmctl("down", "tiny", env=wc_env)
     assert not _listening(gate)
     m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
-    assert not ({f.path for f in m.files if f.role == "shm"} & _shm())
-    assert _shm() <= shm_before_down
+    assert not ({f.path for f in m.files if f.role == "shm"} & shm_names())
+    assert shm_names() <= shm_before_down
 
     # a second up from the same snapshot after down works too, from the image the first one
     # verified and kept (not rewritten: same inodes), and leaves it in place
@@ -179,13 +163,13 @@ def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports)
     for e in cache.entries():
         shutil.rmtree(e.path)
     try:
-        shm0 = _shm()
+        shm0 = shm_names()
         r = warmctl("up", "tiny", env=wc_env, check=False)
         assert r.returncode != 0
         assert chunk.digest.split(":")[1][:16] in (r.stderr + r.stdout)
         assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))  # nothing half-written kept
         assert not _listening(engine_ports[1])
-        assert _shm() <= shm0
+        assert shm_names() <= shm0
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
     finally:
         path.write_bytes(original)
@@ -213,7 +197,7 @@ def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engin
 
     t = threading.Thread(target=watch)
     t.start()
-    shm0 = _shm()
+    shm0 = shm_names()
     try:
         r = warmctl("up", "tiny:tampered", env=wc_env, check=False)
     finally:
@@ -224,7 +208,7 @@ def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engin
     assert "canary mismatch" in out and "position 3" in out
     assert not opened, "public port accepted a connection before/without a passing canary"
     assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
-    assert _shm() <= shm0
+    assert shm_names() <= shm0
     assert _our_engine_pids(wc_env) == []
     Catalog(store).remove("tiny", "tampered", digest)
 
@@ -353,7 +337,7 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
 def test_two_concurrent_ups_of_one_name_restore_once(tiny_snapshot, wc_env, engine_ports):
     """Issue 14, item 5: `up` of one name started twice at once (a scheduler and the boot unit):
     one restores, the other waits for it and reports "already up" with exit 0; one engine tree."""
-    shm0 = _shm()
+    shm0 = shm_names()
     procs = [subprocess.Popen([*WARMCTL, "up", "tiny", "--json"], env=wc_env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
@@ -367,11 +351,11 @@ def test_two_concurrent_ups_of_one_name_restore_once(tiny_snapshot, wc_env, engi
     # /dev/shm accounting: the engine's files are counted and none of them is an orphan
     assert st[0]["shm_count"] >= 2 and st[0]["shm_bytes"] > 0
     orphans = {o["path"] for o in json.loads(warmctl("status", "--orphans", "--json", env=wc_env).stdout)}
-    assert not orphans & (_shm() - shm0), orphans
+    assert not orphans & (shm_names() - shm0), orphans
     root = psutil.Process(st[0]["root_pid"])  # one engine tree: every engine process is in it
     assert set(_our_engine_pids(wc_env)) <= {root.pid} | {c.pid for c in root.children(recursive=True)}
     warmctl("down", "tiny", env=wc_env)
-    assert not _left(shm0)
+    assert not shm_leaked(shm0)
 
 
 def test_a_concurrent_up_reports_the_first_ones_failure(tiny_snapshot, wc_env, engine_ports):
@@ -384,7 +368,7 @@ def test_a_concurrent_up_reports_the_first_ones_failure(tiny_snapshot, wc_env, e
     bad = Manifest.model_validate(data)
     digest = store.put_manifest(bad)
     Catalog(store).publish(digest, bad, tag="tampered2", signer=s.home / "keys" / "local.key")
-    shm0 = _shm()
+    shm0 = shm_names()
     try:
         procs = [subprocess.Popen([*WARMCTL, "up", "tiny:tampered2"], env=wc_env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -396,7 +380,7 @@ def test_a_concurrent_up_reports_the_first_ones_failure(tiny_snapshot, wc_env, e
         assert sum(bool(re.search(r"ok restore\b", t)) for t in text) == 1  # one restore ran
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
         assert not _listening(engine_ports[1]) and _our_engine_pids(wc_env) == []
-        assert not _left(shm0)
+        assert not shm_leaked(shm0)
     finally:
         Catalog(store).remove("tiny", "tampered2", digest)
 
@@ -435,7 +419,7 @@ def test_a_required_file_rewritten_with_the_same_size_is_refused_and_named(tiny_
         f.seek(size // 2)
         f.write(bytes(x ^ 0xFF for x in b))
     assert lib.stat().st_size == size
-    shm0 = _shm()
+    shm0 = shm_names()
     try:
         r = warmctl("up", "tiny:libcheck", env=wc_env, check=False)
         out = (r.stderr + r.stdout).replace("\n", " ")
@@ -444,6 +428,6 @@ def test_a_required_file_rewritten_with_the_same_size_is_refused_and_named(tiny_
         assert "1 file(s)" in out and src not in out  # only the changed file is named
         assert re.search(r"failed materialize\b", out) and not re.search(r"(ok|failed) restore\b", out)
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
-        assert not _listening(engine_ports[1]) and not _left(shm0)
+        assert not _listening(engine_ports[1]) and not shm_leaked(shm0)
     finally:
         Catalog(store).remove("tiny", "libcheck", digest)
