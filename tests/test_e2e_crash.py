@@ -17,7 +17,7 @@ import time
 
 import psutil
 import pytest
-from conftest import shm_leaked, shm_names
+from tests.conftest import shm_leaked, shm_names
 
 from tests.conftest import warmctl
 from tests.test_e2e_main import _settings

@@ -18,7 +18,7 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import shm_leaked, shm_names
+from tests.conftest import shm_leaked, shm_names
 
 from tests.conftest import WARMCTL, warmctl
 from warmctl.checkpoint.imagecache import ImageCache, entry_name

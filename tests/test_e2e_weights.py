@@ -17,13 +17,12 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import tiny_profile, warmctl
+from tests.conftest import shm_leaked, shm_names, tiny_profile, warmctl
 from tests.test_e2e_main import (
     _completion,
     _listening,
     _our_engine_pids,
     _settings,
-    _shm,
 )
 from warmctl.catalog import Catalog
 from warmctl.manifest import FileEntry, Manifest
@@ -41,7 +40,7 @@ def wx(wc_env, engine_ports):
     snapshot}; the engine is down afterwards."""
     text = tiny_profile(*engine_ports, name=NAME, extra="\n[checkpoint]\nweights_outside_image = true\n")
     (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{NAME}.toml").write_text(text)
-    shm0 = _shm()
+    shm0 = shm_names()
     try:
         r = warmctl("up", NAME, "--snapshot-after", "--json", env=wc_env, timeout=1500, check=False)
         if r.returncode != 0 and "weights_outside_image refused" in r.stderr:
@@ -127,14 +126,14 @@ def test_restored_engine_depends_on_the_loaded_weights(manifest, wc_env, engine_
     bad = Manifest.model_validate(data)
     digest = store.put_manifest(bad)
     Catalog(store).publish(digest, bad, tag="zeroed", signer=s.home / "keys" / "local.key")
-    shm0 = _shm()
+    shm0 = shm_names()
     try:
         r = warmctl("up", f"{NAME}:zeroed", env=wc_env, check=False)
         out = r.stderr + r.stdout
         assert r.returncode == 3, out
         assert "canary mismatch" in out
         assert not _listening(engine_ports[1])
-        assert _shm() <= shm0 and _our_engine_pids(wc_env) == []
+        assert not shm_leaked(shm0) and _our_engine_pids(wc_env) == []
     finally:
         Catalog(store).remove(NAME, "zeroed", digest)
 
@@ -143,7 +142,8 @@ def test_down_leaves_nothing_in_dev_shm(wx, wc_env):
     """After the snapshotted source engine and the restores are down, /dev/shm holds no new name
     (the source's semaphores are mapped under removed names: found by inode)."""
     warmctl("down", NAME, env=wc_env)
-    assert _shm() <= wx["shm0"], f"left in /dev/shm: {_shm() - wx['shm0']}"
+    left = shm_leaked(wx["shm0"])
+    assert not left, f"left in /dev/shm: {left}"
 
 
 def test_weights_outside_image_refused_when_weights_are_packed(wc_env, engine_ports):

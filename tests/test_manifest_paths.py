@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from conftest import isolated_env, warmctl
+from tests.conftest import isolated_env, warmctl
 
 from warmctl.catalog import Catalog, CatalogEntry, compat_key
 from warmctl.checkpoint import capture
