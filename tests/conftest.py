@@ -46,6 +46,25 @@ def shm_leaked(before: set[str]) -> set[str]:
     time.sleep(2)
     return first & {f.path.name for f in left_since(before)}
 
+def wait_agent_ready(url: str, proc: subprocess.Popen, log_text, timeout_s: float = 60) -> None:
+    """Poll ``url``/readyz every 0.1 s until it answers 200; fails with the agent's log
+    (``log_text()``) if ``proc`` exits first or ``timeout_s`` (seconds) pass."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, f"agent exited: {log_text()}"
+        assert time.monotonic() < deadline, f"agent not ready after {timeout_s:.0f} s: {log_text()}"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def engine_ports() -> tuple[int, int]:
     """(internal engine port, public gate port) used by the shared ``tiny`` profile."""

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import warmctl
+from tests.conftest import wait_agent_ready, warmctl
 from tests.test_agent_api import free_port
 
 pytestmark = pytest.mark.e2e
@@ -36,16 +36,7 @@ class Agent:
         self.log = open(self.home.parent / f"agent-{self.port}-{time.time():.0f}.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "warmctl", "agent", "--port", str(self.port)], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, f"agent exited: {self.logtext()}"
-            assert time.monotonic() < deadline, f"agent not ready: {self.logtext()}"
-            time.sleep(0.2)
+        wait_agent_ready(self.url, self.proc, self.logtext, timeout_s=120)
         token = (self.home / "agent" / "token").read_text().strip()
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import wait_agent_ready
 from tests.test_agent_api import TOKEN, LiveAgent
 from warmctl.proc import kill_child
 from warmctl.state import EngineState, save as save_state
@@ -180,16 +181,7 @@ class AgentProc:
         self.log = home / "agent.log"
         self.proc = subprocess.Popen([sys.executable, "-m", "warmctl", "agent", "--port", str(self.port), *args],
                                      env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.1)
+        wait_agent_ready(self.url, self.proc, self.log.read_text)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
 
     def stop(self) -> None:
