@@ -113,3 +113,16 @@ def tiny_snapshot(wc_env) -> dict:
     m = re.search(r"tiny:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
     assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
     return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 6 MiB tmpfs at ``tmp_path/small`` (a disk that fills up), unmounted after the test;
+    the test is skipped, with mount's reason, where mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "--lazy", str(mnt)], check=True)

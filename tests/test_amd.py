@@ -13,16 +13,15 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 from fake_kfd import GIB, FakeGpu, gpu_ids, make_tree, set_process_vram
 
+from tests.test_criu import _tree, marker_plugins
 from warmctl.catalog import AMDGPU_PLUGIN, KNOWN_BAD, RULES, check, compat_key, select
 from warmctl.checkpoint import criu, kfd
 from warmctl.engine.plan import CheckpointPlan
@@ -392,27 +391,6 @@ def test_process_vram_from_kfd_proc(tmp_path):
 
 # --------------------------------------------------------------------------- CRIU's plugin directory
 
-# A CRIU plugin in the pre-descriptor form CRIU still loads; it leaves "<marker>.<name>.<stage>".
-NAMED_MARKER_PLUGIN = r"""
-#include <fcntl.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <unistd.h>
-int cr_plugin_init(int stage)
-{
-    const char *m = getenv("WARMCTL_TEST_PLUGIN_MARKER");
-    if (m) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s.%s.%d", m, PLUGIN_NAME, stage);
-        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (fd >= 0) close(fd);
-    }
-    return 0;
-}
-void cr_plugin_fini(void) {}
-"""
-
-
 def test_plugin_libdir_links_only_the_named_plugin(tmp_path, monkeypatch):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
@@ -436,31 +414,11 @@ def test_plugin_libdir_links_only_the_named_plugin(tmp_path, monkeypatch):
 def test_real_criu_loads_only_the_amdgpu_plugin(tmp_path, monkeypatch):
     """With real CRIU: an AMD plan's dump and restore load amdgpu_plugin.so from CRIU's plugin
     directory and not the cuda_plugin.so beside it (marker plugins stand in for both)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (tmp_path / "marker.c").write_text(NAMED_MARKER_PLUGIN)
-    for n in ("amdgpu", "cuda"):
-        subprocess.run([cc, "-shared", "-fPIC", f'-DPLUGIN_NAME="{n}"', "-o", plugins / f"{n}_plugin.so",
-                        tmp_path / "marker.c"], check=True)
-    marker = tmp_path / "loaded"
-    monkeypatch.setenv("CRIU_LIBS_DIR", str(plugins))
-    monkeypatch.setenv("WARMCTL_TEST_PLUGIN_MARKER", str(marker))
+    marker_plugins(tmp_path, monkeypatch, {"amdgpu": AMDGPU_PLUGIN, "cuda": "cuda_plugin.so"})
     plan = CheckpointPlan.of(load_profile("ling31-flash-mi355x"))
-    log = open(tmp_path / "out.log", "ab")
-    launcher = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", "while :; do sleep 0.1; done"],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-    root = new_root = None
+    launcher, root = _tree(tmp_path)
+    new_root = None
     try:
-        for _ in range(100):
-            kids = psutil.Process(launcher.pid).children()
-            if kids:
-                root = kids[0].pid
-                break
-            time.sleep(0.05)
-        assert root, "namespace root did not appear"
         criu.dump(root, tmp_path / "img", plugins=plan.criu_plugins)
         launcher.wait(10)
         dumped = sorted(p.name for p in tmp_path.glob("loaded.*"))
@@ -479,4 +437,3 @@ def test_real_criu_loads_only_the_amdgpu_plugin(tmp_path, monkeypatch):
                 kill_tree(ProcessId.of(root))
             launcher.kill()
             launcher.wait()
-        log.close()

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -127,7 +128,7 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
 
 # A CRIU plugin in the pre-descriptor form CRIU still loads (criu/plugin.c generates a
 # descriptor when CR_PLUGIN_DESC is missing and calls cr_plugin_init): it only leaves a marker
-# file saying it was loaded, and in which stage.
+# file "<$WARMCTL_TEST_PLUGIN_MARKER>.<PLUGIN_NAME>.<stage>" saying it was loaded, and in which stage.
 MARKER_PLUGIN = r"""
 #include <fcntl.h>
 #include <stdio.h>
@@ -138,7 +139,7 @@ int cr_plugin_init(int stage)
     const char *m = getenv("WARMCTL_TEST_PLUGIN_MARKER");
     if (m) {
         char path[4096];
-        snprintf(path, sizeof path, "%s.%d", m, stage);
+        snprintf(path, sizeof path, "%s.%s.%d", m, PLUGIN_NAME, stage);
         int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         if (fd >= 0) close(fd);
     }
@@ -148,13 +149,11 @@ void cr_plugin_fini(void) {}
 """
 
 
-def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
-    """warmctl's dump and restore load no CRIU plugin (a host's cuda_plugin would restore and
-    unlock the CUDA ranks inside `criu restore`, before warmctl's checks; docs/gpu.md). A marker
-    plugin in $CRIU_LIBS_DIR (where CRIU looks when --libdir is not given) is loaded by a plain
-    `criu dump` and by neither of warmctl's calls."""
+def marker_plugins(tmp_path: Path, monkeypatch, names: dict[str, str]) -> Path:
+    """Compile :data:`MARKER_PLUGIN` once per ``{PLUGIN_NAME: file name}`` into
+    ``tmp_path/plugins``, make that CRIU's plugin directory ($CRIU_LIBS_DIR) and point the
+    markers at ``tmp_path/loaded``; returns the plugin directory. Skips without a C compiler."""
     import shutil
-    import tempfile
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -162,10 +161,22 @@ def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (tmp_path / "marker.c").write_text(MARKER_PLUGIN)
-    subprocess.run([cc, "-shared", "-fPIC", "-o", plugins / "marker.so", tmp_path / "marker.c"], check=True)
-    marker = tmp_path / "loaded"
+    for name, file in names.items():
+        subprocess.run([cc, "-shared", "-fPIC", f'-DPLUGIN_NAME="{name}"', "-o", plugins / file,
+                        tmp_path / "marker.c"], check=True)
     monkeypatch.setenv("CRIU_LIBS_DIR", str(plugins))
-    monkeypatch.setenv("WARMCTL_TEST_PLUGIN_MARKER", str(marker))
+    monkeypatch.setenv("WARMCTL_TEST_PLUGIN_MARKER", str(tmp_path / "loaded"))
+    return plugins
+
+
+def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
+    """warmctl's dump and restore load no CRIU plugin (a host's cuda_plugin would restore and
+    unlock the CUDA ranks inside `criu restore`, before warmctl's checks; docs/gpu.md). A marker
+    plugin in $CRIU_LIBS_DIR (where CRIU looks when --libdir is not given) is loaded by a plain
+    `criu dump` and by neither of warmctl's calls."""
+    import tempfile
+
+    marker_plugins(tmp_path, monkeypatch, {"marker": "marker.so"})
     before = set(os.listdir(tempfile.gettempdir()))
 
     # Control: CRIU itself loads the plugin from $CRIU_LIBS_DIR (so this test can fail).

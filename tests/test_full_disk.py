@@ -19,18 +19,6 @@ from warmctl.store import open_store
 from warmctl.trust import generate_keypair
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 6 MiB tmpfs at ``tmp_path/small``, unmounted after the test."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "--lazy", str(mnt)], check=True)
-
-
 def test_full_disk_during_pull_names_the_disk_and_names_nothing(tmp_path, small_fs):
     remote = open_store(tmp_path / "remote")
     key = generate_keypair(tmp_path / "keys", "a")

@@ -301,31 +301,20 @@ def test_local_backend_ranges_list_stat(tmp_path):
         b.save("../escape", b"")
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
-
-
-def test_full_disk_aborts_cleanly_naming_bytes(tmp_path, tiny_fs):
+def test_full_disk_aborts_cleanly_naming_bytes(tmp_path, small_fs):
     big = write_payload(tmp_path / "big.img", [("random", 3 * CHUNK_SIZE)])
-    store = open_store(tiny_fs / "store")
+    store = open_store(small_fs / "store")
     with pytest.raises(HostError) as ei:
         store.add_file(big)
     msg = str(ei.value)
-    assert "disk full" in msg and "needed" in msg and str(tiny_fs) in msg
-    assert list((tiny_fs / "store" / "tmp").iterdir()) == []
+    assert "disk full" in msg and "needed" in msg and str(small_fs) in msg
+    assert list((small_fs / "store" / "tmp").iterdir()) == []
     # read_file refuses before writing when the destination is too small
     src = open_store(tmp_path / "store")
     refs = src.add_file(big)
     with pytest.raises(HostError, match=f"needed {3 * CHUNK_SIZE:,} bytes"):
-        src.read_file(refs, tiny_fs / "out.img")
-    assert not list(tiny_fs.glob("*.tmp")) and not (tiny_fs / "out.img").exists()
+        src.read_file(refs, small_fs / "out.img")
+    assert not list(small_fs.glob("*.tmp")) and not (small_fs / "out.img").exists()
 
 
 def test_digest_helpers():
