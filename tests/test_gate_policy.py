@@ -269,7 +269,7 @@ def _make_ca_and_cert(d, cn="gate-1"):
           .sign(ca_key, hashes.SHA256()))
     (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
 
-    def leaf(name: str):
+    def leaf(name: str, key_mode: int = 0o600):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
                 .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -278,6 +278,7 @@ def _make_ca_and_cert(d, cn="gate-1"):
                 .sign(ca_key, hashes.SHA256()))
         (d / "tls.key.new").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                           serialization.NoEncryption()))
+        (d / "tls.key.new").chmod(key_mode)
         (d / "tls.crt.new").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         os.replace(d / "tls.key.new", d / "tls.key")
         os.replace(d / "tls.crt.new", d / "tls.crt")
@@ -318,6 +319,18 @@ def test_tls_streams_token_by_token_and_reloads_its_certificate(start_gate, key_
     while _peer_cn(g.port, ctx) != "gate-2" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _peer_cn(g.port, ctx) == "gate-2"
+    reissue("gate-3", key_mode=0o644)  # a private key group/others may read: not loaded, and logged why
+    deadline = time.monotonic() + 10
+    while f"TLS private key {key}: mode 0644" not in g.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f"keeping the previous certificate: TLS private key {key}: mode 0644" in g.log.read_text()
+    assert f"chmod 600 {key}" in g.log.read_text()
+    assert _peer_cn(g.port, ctx) == "gate-2"
+    key.chmod(0o600)  # fixed: picked up without a SIGHUP
+    deadline = time.monotonic() + 10
+    while _peer_cn(g.port, ctx) != "gate-3" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _peer_cn(g.port, ctx) == "gate-3"
 
 
 def test_rotating_the_key_file_keeps_open_streams(start_gate, key_file):
@@ -390,16 +403,76 @@ def test_bad_key_or_certificate_files_are_clear_errors(tmp_path):
     with pytest.raises(HostError, match="cannot read"):
         gate.policy_args(api_key_file=tmp_path / "missing")
     (tmp_path / "empty").write_text("# none yet\n")
+    (tmp_path / "empty").chmod(0o600)
     with pytest.raises(HostError, match="no key"):
         gate.policy_args(api_key_file=tmp_path / "empty")
     (tmp_path / "spaced").write_text("two words\n")
+    (tmp_path / "spaced").chmod(0o600)
     with pytest.raises(HostError, match="line 1"):
         gate.policy_args(api_key_file=tmp_path / "spaced")
     (tmp_path / "c.pem").write_text("not a certificate")
+    (tmp_path / "c.pem").chmod(0o600)
     with pytest.raises(HostError, match="c.pem"):
         gate.policy_args(tls_cert=tmp_path / "c.pem", tls_key=tmp_path / "c.pem")
     with pytest.raises(HostError, match="both"):
         gate.policy_args(tls_cert=tmp_path / "c.pem")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o601])
+def test_key_files_open_to_group_or_others_are_refused(tmp_path, mode):
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}\n")
+    keys.chmod(mode)
+    with pytest.raises(HostError, match=rf"API key file {keys}: mode {mode:04o} .*run: chmod 600 {keys}"):
+        gate.policy_args(api_key_file=keys)
+    _, cert, tls_key, _ = _make_ca_and_cert(tmp_path)
+    tls_key.chmod(mode)
+    with pytest.raises(HostError, match=rf"TLS private key {tls_key}: mode {mode:04o} .*run: chmod 600 {tls_key}"):
+        gate.policy_args(tls_cert=cert, tls_key=tls_key)
+    keys.chmod(0o400)
+    tls_key.chmod(0o400)
+    assert "--api-key-file" in gate.policy_args(api_key_file=keys, tls_cert=cert, tls_key=tls_key)
+    # the gate process itself refuses too (started by hand, without policy_args)
+    keys.chmod(mode)
+    r = subprocess.run([sys.executable, "-m", "warmctl.gate", "--listen", f"127.0.0.1:{_free_port()}",
+                        "--upstream", "127.0.0.1:9", "--api-key-file", str(keys)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and f"chmod 600 {keys}" in r.stderr
+
+
+def test_key_files_of_another_user_are_refused(tmp_path):
+    st = os.stat_result((0o100600, 0, 0, 1, 12345, 0, 10, 0, 0, 0))  # (mode, ino, dev, nlink, uid, gid, size, ...)
+    assert "uid 12345" in gate.private_file_problem(st)
+    assert gate.private_file_problem(os.stat_result((0o100600, 0, 0, 1, 0, 0, 10, 0, 0, 0))) is None  # root's
+    assert gate.private_file_problem(os.stat_result((0o100600, 0, 0, 1, os.geteuid(), 0, 10, 0, 0, 0))) is None
+    if os.geteuid() == 0:  # a real file owned by someone else (only root can give a file away)
+        keys = tmp_path / "keys"
+        keys.write_text(f"{KEY_A}\n")
+        keys.chmod(0o600)
+        os.chown(keys, 65534, 65534)
+        with pytest.raises(HostError, match=rf"API key file {keys}: it belongs to uid 65534.*run: chown 0 {keys}"):
+            gate.policy_args(api_key_file=keys)
+
+
+def test_a_reload_that_finds_a_bad_mode_keeps_the_old_keys(start_gate, key_file):
+    g = start_gate(api_key_file=key_file)
+    key_file.write_text(f"{KEY_C}\n")
+    key_file.chmod(0o644)  # rotated, but left open to everyone: not taken
+    deadline = time.monotonic() + 10
+    while "keeping the previous keys" not in g.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"keeping the previous keys: API key file {key_file}: mode 0644" in g.log.read_text()
+    assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_A)).status_code == 200
+    assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_C)).status_code == 401
+    os.kill(g.pid, signal.SIGHUP)  # a SIGHUP does not take it either
+    time.sleep(0.3)
+    assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_C)).status_code == 401
+    key_file.chmod(0o600)  # fixed: the change of mode alone reloads it
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_C)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_C)).status_code == 200
+    assert httpx.get(f"{g.url}/v1/models", headers=_auth(KEY_A)).status_code == 401
 
 
 def test_drain_closes_idle_keep_alive_connections_at_once(start_gate, key_file):

@@ -34,6 +34,7 @@ import posixpath
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -72,14 +73,45 @@ class GateConfigError(HostError):
     invalid (the message names the file)."""
 
 
+def private_file_problem(st: os.stat_result) -> str | None:
+    """Why a file with status ``st`` may not hold a secret (API keys, a TLS private key), or
+    None: like OpenSSH for private keys, it must not be readable, writable or executable by
+    group or others (``mode & 0o077``), and must belong to root or to this process's user."""
+    if st.st_mode & 0o077:
+        return f"mode {stat.S_IMODE(st.st_mode):04o} is open to group or others (0600 or tighter needed)"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"it belongs to uid {st.st_uid}, not to root or to this user (uid {os.geteuid()})"
+    return None
+
+
+def _check_private(path: Path, what: str, st: os.stat_result | None = None) -> None:
+    """Raise :class:`GateConfigError` naming ``what``, ``path``, the problem and its fix if
+    ``path`` (status ``st``, else stat'ed here) is not private (:func:`private_file_problem`).
+    A file that cannot be stat'ed is left to its reader to report."""
+    if st is None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+    if (why := private_file_problem(st)) is not None:
+        fix = f"chmod 600 {path}" if st.st_mode & 0o077 else f"chown {os.geteuid()} {path}"
+        raise GateConfigError(f"{what} {path}: {why}; run: {fix}")
+
+
 def read_keys(path: Path) -> list[bytes]:
     """API keys from ``path``: one per line, surrounding whitespace stripped, blank lines and
     lines starting with ``#`` skipped. Raises :class:`GateConfigError` naming the file if it
-    cannot be read, holds no key, or a key contains whitespace."""
+    cannot be read, is not private (group/others may read it, or another user owns it:
+    :func:`private_file_problem`, checked on the open file), holds no key, or a key contains
+    whitespace."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            _check_private(path, "API key file", os.fstat(f.fileno()))
+            text = f.read().decode()
     except OSError as e:
         raise GateConfigError(f"API key file {path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise GateConfigError(f"API key file {path}: not UTF-8 text") from None
     keys = []
     for n, line in enumerate(text.splitlines(), 1):
         k = line.strip()
@@ -97,7 +129,10 @@ def tls_context(cert: Path, key: Path, into: ssl.SSLContext | None = None) -> ss
     """A TLS server context (TLS 1.2+, ALPN ``http/1.1``) holding ``cert`` (PEM chain) and
     ``key`` (PEM). With ``into``, the pair is first checked in a throwaway context and then
     loaded into ``into`` (new handshakes use it, established ones keep theirs). Raises
-    :class:`GateConfigError` naming the files if they cannot be read or do not match."""
+    :class:`GateConfigError` naming the files if they cannot be read or do not match, or
+    naming ``key`` if group/others may read it or another user owns it (:func:`private_file_problem`)."""
+    _check_private(key, "TLS private key")
+
     def load(ctx: ssl.SSLContext) -> None:
         try:
             ctx.load_cert_chain(str(cert), str(key))
@@ -475,15 +510,16 @@ class Gate:
         out = []
         for p in [self.key_file, *(self.tls or ())]:
             try:
-                st = os.stat(p) if p else None
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino) if st else None)
+                st = os.stat(p) if p else None  # mode and owner too: a chmod 600 is a reason to retry
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid) if st else None)
             except OSError:
                 out.append(None)
         return tuple(out)
 
     def reload(self, why: str) -> None:
-        """Re-read the key file and the certificate pair; on an error keep what was loaded
-        (logged), so a half-written file never opens or closes the door by accident."""
+        """Re-read the key file and the certificate pair; on an error (including a key file or
+        private key that group/others may read) keep what was loaded and log why, so a
+        half-written or exposed file never opens or closes the door by accident."""
         self._stamps = self._file_stamps()
         if self.key_file is not None:
             try:
