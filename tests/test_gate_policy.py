@@ -232,6 +232,55 @@ def test_every_request_of_a_keep_alive_connection_is_checked(start_gate, key_fil
     s.close()
 
 
+def _read_chunked_response(f) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a chunked body from ``f``: (status, body)."""
+    status = int(f.readline().split()[1])
+    headers = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    assert headers.get("transfer-encoding") == "chunked", headers
+    body = b""
+    while size := int(f.readline().split(b";")[0], 16):
+        body += f.read(size)
+        assert f.read(2) == b"\r\n"
+    assert f.readline() == b"\r\n"  # no trailers
+    return status, body
+
+
+@pytest.mark.parametrize("second,status", [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 401),  # no key
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\r\n", 401),  # wrong key
+    (b"POST /sleep HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode()
+     + b"\r\nContent-Length: 0\r\n\r\n", 403),  # control route
+    (b"GET /v1/models HTTP/1.1\nHost: x\r\n\r\n", 400),  # malformed head
+    (b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode()
+     + b"\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),  # malformed body: its head reached the engine
+])
+def test_a_refused_request_pipelined_behind_one_in_flight_is_answered_after_it(start_gate, key_file, upstream,
+                                                                                second, status):
+    g = start_gate(api_key_file=key_file)
+    _, calls = upstream
+    before = len(calls)
+    body = json.dumps({"max_tokens": 5, "gap": 0.1}).encode()
+    first = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode()
+             + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s = _raw(g.port, first + second)  # both in one write: the second is read while the first streams
+    f = s.makefile("rb")
+    got, streamed = _read_chunked_response(f)  # the in-flight response first, whole
+    assert got == 200
+    assert [json.loads(x[6:])["choices"][0]["text"] for x in streamed.decode().split("\n\n") if x.startswith("data: {")] \
+        == [f"t{i}" for i in range(5)]
+    assert streamed.endswith(b"data: [DONE]\n\n")
+    got, headers, err = _read_response(f)  # then the refusal
+    assert got == status and headers["connection"] == "close"
+    assert json.loads(err)["error"]["message"]
+    assert f.read() == b""  # then the gate closes the connection
+    s.close()
+    if b"chunked" not in second:
+        assert calls[before:] == ["/v1/completions"]  # the refused request never reached the engine
+
+
 def test_engine_closing_an_idle_connection_does_not_close_the_clients(start_gate, key_file):
     g = start_gate(api_key_file=key_file)
     s = _raw(g.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode() + b"\r\n\r\n")

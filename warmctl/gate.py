@@ -13,7 +13,8 @@ request body is relayed as bytes, following its framing (``Content-Length`` or c
 to find where the next request head starts. The engine-to-client direction (responses,
 SSE streams) is relayed as bytes, unparsed and unbuffered. A refused request gets an
 OpenAI-style JSON error (401 + ``WWW-Authenticate: Bearer`` for a missing/wrong key, 403 for
-a control route, 400/431 for a malformed head) and the connection is closed after it, so a
+a control route, 400/431 for a malformed head), after the responses to the requests before it
+on the connection (pipelining keeps its order), and the connection is closed after it, so a
 client pipelining behind a refused request never receives another request's response.
 
 Run as ``python -m warmctl.gate --listen HOST:PORT --upstream HOST:PORT --engine-pid PID
@@ -403,6 +404,9 @@ class ResponseTracker:
         self.state = self.HEAD
         self.left = 0
         self.buf = b""
+        #: (n, future): the future is set (result None) once at most n forwarded requests are
+        #: still unanswered (their responses not relayed whole); see :meth:`answered`
+        self.waiter: tuple[int, asyncio.Future] | None = None
 
     @property
     def idle(self) -> bool:
@@ -412,6 +416,18 @@ class ResponseTracker:
         if self.methods:
             self.methods.pop(0)
         self.state = self.HEAD
+        if self.waiter is not None and len(self.methods) <= self.waiter[0] and not self.waiter[1].done():
+            self.waiter[1].set_result(None)
+
+    def answered(self, pending: int = 0) -> asyncio.Future:
+        """A future set once at most ``pending`` forwarded requests await (the rest of) their
+        response, the others' responses relayed whole (at once if that is so already)."""
+        fut = asyncio.get_running_loop().create_future()
+        if len(self.methods) <= pending and self.state == self.HEAD and not self.buf:
+            fut.set_result(None)
+        else:
+            self.waiter = (pending, fut)
+        return fut
 
     def feed(self, data: bytes) -> None:
         """Account for ``data``, the next bytes the engine sent on this connection."""
@@ -545,6 +561,7 @@ class Gate:
         self.conns[task] = (tracker, c_writer)  # type: ignore[index]
         u_writer = None
         responses = None
+        in_body = False  # relaying a request body: the engine has this request's head
         try:
             sock = c_writer.get_extra_info("socket")
             if sock is not None:
@@ -575,17 +592,19 @@ class Gate:
                     responses = asyncio.create_task(_responses(u_reader, c_writer, tracker))
                 tracker.methods.append(req.method)
                 u_writer.write(head)
+                in_body = True
                 if req.chunked:
                     await _copy_chunked(c_reader, u_writer)
                 elif req.content_length:
                     await _copy(c_reader, u_writer, req.content_length)
                 else:
                     await u_writer.drain()
+                in_body = False
                 if req.upgrade:  # e.g. a WebSocket: the rest of the connection is opaque
                     await _pipe(c_reader, u_writer)
                     break
         except Refused as r:
-            await self._refuse(r, c_reader, c_writer, responses)
+            await self._refuse(r, c_reader, c_writer, responses, tracker, in_body)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ssl.SSLError):
             pass
         finally:
@@ -597,12 +616,28 @@ class Gate:
             c_writer.close()
             self.conns.pop(task, None)  # type: ignore[arg-type]
 
-    async def _refuse(self, r: Refused, c_reader, c_writer, responses) -> None:
+    async def _refuse(self, r: Refused, c_reader, c_writer, responses, tracker: ResponseTracker,
+                      in_body: bool) -> None:
         """Send ``r``'s response and close: half-close, then read and drop what the client
         still sends for up to 2 s (at most 1 MiB), so closing does not reset the connection
-        before the client has read the response."""
+        before the client has read the response.
+
+        Responses come in request order (HTTP/1.1 pipelining): if requests forwarded before the
+        refused one are still being answered, their responses are relayed whole first, however
+        long they stream (a drain's deadline still applies). ``in_body``: the refused request's
+        head was forwarded already (its chunked body turned out malformed); the engine's answer
+        to it is not waited for, only the earlier ones. The refusal is not sent if the engine
+        closed first, or the client's stream is not at a response boundary."""
+        pending = 1 if in_body else 0
         if responses is not None and not responses.done():
+            await asyncio.wait({responses, tracker.answered(pending)}, return_when=asyncio.FIRST_COMPLETED)
             responses.cancel()
+            await asyncio.wait({responses})  # its outcome is read below; our own cancellation still propagates
+        if responses is not None and not responses.cancelled() and responses.exception() is None \
+                and not responses.result():
+            return  # the engine closed mid-response: the client's side is closed already
+        if tracker.state != tracker.HEAD or tracker.buf or len(tracker.methods) > pending:
+            return  # cut mid-response, or an earlier request unanswered: a refusal now would be misread
         try:
             c_writer.write(r.response())
             await c_writer.drain()
