@@ -16,13 +16,38 @@ alternating, so every side sees the same machine load. Every request carries the
 and the ratios side/direct (1.000 = no cost). Then ``--clients`` (256) concurrent streaming
 clients through the gate: how many got every token and ``[DONE]``, and every error.
 
+``--alt haproxy,nginx`` adds the alternatives the issue asked to measure, as further sides of
+the same interleaved rounds, each started and configured here (config files in the work dir,
+one process/worker thread each like the gate, stopped at the end) with the same key:
+
+- ``haproxy+key``: HAProxy in HTTP mode, ``http-request deny deny_status 401`` unless the
+  Authorization header equals ``Bearer KEY`` (ACL ``req.hdr(authorization) -m str``, exact and
+  case-sensitive; ``http-request return`` with ``WWW-Authenticate``), 403 for paths under
+  :data:`warmctl.gate.CONTROL_PATHS` (``path_beg -i``), keep-alive to the engine
+  (``http-reuse always``; ``retry-on empty-response``: see :data:`ENGINE_KEEP_ALIVE_S`),
+  ``option http-no-delay`` (without it HAProxy sends with ``MSG_MORE``
+  and SSE chunks arrive in pairs: seen here, first chunk 0.26 s late with 0.2 s between chunks).
+- ``nginx+key``: nginx, ``map $http_authorization`` (a case-sensitive regex ``^Bearer KEY$``:
+  plain map strings ignore case) -> ``return 401`` otherwise, a regex ``location`` returning 403
+  for the control paths, ``proxy_buffering off`` and ``proxy_request_buffering off`` (SSE passes
+  unbuffered), HTTP/1.1 upstream with ``keepalive`` (idle ones closed before the engine does).
+
+These configs check the same key and deny the same route prefixes; they do not reproduce every
+rule of :class:`warmctl.gate.Policy` (e.g. the gate's case folding and ``%``-decoding of paths):
+they measure what such a proxy costs, not that it is as strict. Not installed by
+scripts/install*.sh (no test uses them); on Debian/Ubuntu: ``apt-get install -y haproxy nginx-light``
+(a distribution's nginx service, if it starts one, is not used: this script runs its own nginx
+with ``-p WORKDIR``).
+
 Usage::
 
     python benchmarks/gate_overhead.py [--concurrency 8,64] [--rounds 8] [--max-tokens 32]
-        [--clients 256] [--tls] [--keep-home DIR]
+        [--clients 256] [--tls] [--alt haproxy,nginx] [--keep-home DIR]
 
 Ports: $WARMCTL_TEST_ENGINE_PORT / $WARMCTL_TEST_GATE_PORT when set (else 18600/18680);
-the TLS gate listens on the gate port + 1.
+the TLS gate listens on the gate port + 1, HAProxy on the engine port + 1, nginx on the
+engine port + 2. Every process the script starts (engine, gates, HAProxy, nginx) is stopped
+when it ends, also on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -32,6 +57,8 @@ import asyncio
 import json
 import os
 import shutil
+import signal
+import socket
 import ssl
 import statistics
 import subprocess
@@ -112,6 +139,176 @@ async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: l
     return out
 
 
+ALTS = ("haproxy", "nginx")
+#: Seconds vLLM's server keeps an idle connection (its VLLM_HTTP_TIMEOUT_KEEP_ALIVE default). A
+#: proxy reusing an upstream connection the engine is closing gets no response: HAProxy retries
+#: such a request (``retry-on empty-response``), nginx cannot retry an unbuffered POST, so its
+#: idle upstream connections are dropped 1 s before the engine's.
+ENGINE_KEEP_ALIVE_S = 5
+
+
+def haproxy_config(port: int, engine_port: int, key: str, control_paths) -> str:
+    """HAProxy 2.x configuration (one thread) for :data:`ALTS` ``haproxy`` (module docstring)."""
+    paths = " ".join(control_paths)
+    return f"""global
+    maxconn 8192
+    nbthread 1
+
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 600s
+    timeout server 600s
+    timeout http-keep-alive 75s
+    option http-no-delay
+    retries 3
+    retry-on conn-failure empty-response
+
+frontend public
+    bind 127.0.0.1:{port}
+    acl key_ok req.hdr(authorization) -m str "Bearer {key}"
+    acl control path_beg -i {paths}
+    http-request deny deny_status 403 if control
+    http-request return status 401 content-type application/json string '{{"error":{{"code":"invalid_api_key"}}}}' hdr www-authenticate 'Bearer realm="warmctl"' if !key_ok !{{ path /health }}
+    default_backend engine
+
+backend engine
+    http-reuse always
+    server engine 127.0.0.1:{engine_port}
+"""
+
+
+def nginx_config(port: int, engine_port: int, key: str, control_paths, workdir: Path) -> str:
+    """nginx configuration (one worker) for :data:`ALTS` ``nginx`` (module docstring); every
+    file it writes (pid, error log, temp dirs) is under ``workdir``."""
+    alternation = "|".join(p.lstrip("/").replace(".", r"\.") for p in control_paths)
+    tmp = workdir / "nginx-tmp"
+    return f"""daemon off;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    map $http_authorization $warmctl_key_ok {{
+        default 0;
+        "~^Bearer {key}$" 1;
+    }}
+    upstream engine {{
+        server 127.0.0.1:{engine_port};
+        keepalive 256;
+        keepalive_timeout {max(1, ENGINE_KEEP_ALIVE_S - 1)}s;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=1024;
+        keepalive_timeout 75s;
+        keepalive_requests 1000000;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+        proxy_request_buffering off;
+        proxy_read_timeout 600s;
+        proxy_send_timeout 600s;
+        location ~* ^/({alternation})(/|$) {{ return 403; }}
+        location = /health {{ proxy_pass http://engine; }}
+        location / {{
+            if ($warmctl_key_ok = 0) {{
+                add_header WWW-Authenticate 'Bearer realm="warmctl"' always;
+                return 401;
+            }}
+            proxy_pass http://engine;
+        }}
+    }}
+}}
+"""
+
+
+class Processes:
+    """Processes this script started (each in its own session): :meth:`stop_all` ends each
+    one's process group (SIGTERM, then SIGKILL after 5 s) and reaps it."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], log: Path) -> subprocess.Popen:
+        with open(log, "ab") as f:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def stop_all(self) -> None:
+        for _, p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for name, p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                print(f"{name} (pid {p.pid}) ignored SIGTERM: killing it", flush=True)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs.clear()
+
+
+def wait_listening(port: int, proc: subprocess.Popen, name: str, log: Path, timeout_s: float = 15) -> None:
+    """Return once ``127.0.0.1:port`` accepts; exit naming ``name`` and its log if ``proc``
+    exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited ({proc.returncode}) before listening:\n{log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{name} did not listen on 127.0.0.1:{port} within {timeout_s:.0f} s:\n{log.read_text()[-2000:]}")
+
+
+def start_alt(name: str, port: int, root: Path, procs: Processes) -> str:
+    """Start the alternative ``name`` (:data:`ALTS`) on ``127.0.0.1:port`` in front of the
+    engine; return its base URL once it listens and enforces the key."""
+    from warmctl.gate import CONTROL_PATHS
+
+    exe = shutil.which(name)
+    if exe is None:
+        raise SystemExit(f"--alt {name}: {name} is not installed (apt-get install -y haproxy nginx-light)")
+    log = root / f"{name}.log"
+    if name == "haproxy":
+        cfg = root / "haproxy.cfg"
+        cfg.write_text(haproxy_config(port, ENGINE_PORT, KEY, CONTROL_PATHS))
+        argv = [exe, "-db", "-f", str(cfg)]
+    else:
+        cfg = root / "nginx.conf"
+        for d in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (root / "nginx-tmp" / d).mkdir(parents=True, exist_ok=True)
+        cfg.write_text(nginx_config(port, ENGINE_PORT, KEY, CONTROL_PATHS, root))
+        argv = [exe, "-p", str(root), "-e", str(root / "nginx-error.log"), "-c", str(cfg)]
+    check = subprocess.run([*argv, "-c" if name == "haproxy" else "-t"],
+                           capture_output=True, text=True)
+    if check.returncode:
+        raise SystemExit(f"{name} refused its configuration {cfg}:\n{check.stdout}{check.stderr}")
+    p = procs.start(name, argv, log)
+    wait_listening(port, p, name, log)
+    url = f"http://127.0.0.1:{port}"
+    codes = (httpx.get(f"{url}/v1/models").status_code,
+             httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code,
+             httpx.post(f"{url}/sleep", headers={"Authorization": f"Bearer {KEY}"}).status_code)
+    if codes != (401, 200, 403):
+        raise SystemExit(f"{name} on {url}: no key / key / /sleep answered {codes}, not (401, 200, 403)")
+    return url
+
+
 async def many_clients(url: str, verify, n: int, max_tokens: int) -> tuple[int, list[str]]:
     """``n`` streaming clients at once, each on its own connection: (streams that ended with
     ``[DONE]``, errors)."""
@@ -132,8 +329,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--clients", type=int, default=256, help="concurrent streaming clients through the gate (0: skip)")
     ap.add_argument("--tls", action="store_true", help="also measure a second gate with TLS (CA made here)")
+    ap.add_argument("--alt", default="", help=f"also measure these alternatives, comma-separated: {','.join(ALTS)}")
     ap.add_argument("--keep-home", type=Path, default=None)
     a = ap.parse_args()
+    alts = [x for x in a.alt.split(",") if x]
+    if bad := [x for x in alts if x not in ALTS]:
+        ap.error(f"--alt: unknown {','.join(bad)} (choose from {','.join(ALTS)})")
     from tests.conftest import isolated_env
 
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-gate-"))
@@ -148,12 +349,15 @@ def main() -> None:
     from warmctl.config import load_settings
     from warmctl.store import open_store
 
-    if Catalog(open_store(load_settings().store_dir)).newest("tiny") is None:
-        print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
-        wc(env, "snapshot", "tiny", "--quiet")
-    wc(env, "up", "tiny")
+    procs = Processes()
     tls_gate = None
+    is_up = False
     try:
+        if Catalog(open_store(load_settings().store_dir)).newest("tiny") is None:
+            print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
+            wc(env, "snapshot", "tiny", "--quiet")
+        is_up = True  # from here on, whatever happens: down
+        wc(env, "up", "tiny")
         r = httpx.get(f"http://127.0.0.1:{GATE_PORT}/v1/models")
         assert r.status_code == 401, f"the gate did not enforce the key: {r.status_code}"
         sides: dict = {"direct": (f"http://127.0.0.1:{ENGINE_PORT}", False),
@@ -168,13 +372,22 @@ def main() -> None:
             tls_gate = gate.start("127.0.0.1", GATE_PORT + 1, ENGINE_PORT, st.root_pid, root / "tls-gate.log",
                                   args=gate.policy_args(key_file, cert, tkey))
             sides["gate+key+TLS"] = (f"https://127.0.0.1:{GATE_PORT + 1}", ssl.create_default_context(cafile=str(ca)))
+        for i, name in enumerate(alts, 1):
+            sides[f"{name}+key"] = (start_alt(name, ENGINE_PORT + i, root, procs), False)
         levels = [int(x) for x in a.concurrency.split(",")]
         res = asyncio.run(measure(sides, levels, a.rounds, a.max_tokens))
         many = asyncio.run(many_clients(*sides["gate+key"], a.clients, 8)) if a.clients else None
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        procs.stop_all()
         if tls_gate is not None:
-            subprocess.run(["kill", str(tls_gate)], check=False)
-        wc(env, "down", "tiny", "--now", check=False)
+            try:
+                os.kill(tls_gate, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if is_up:
+            wc(env, "down", "tiny", "--now", check=False)
         if a.keep_home is None:
             shutil.rmtree(root, ignore_errors=True)
     for conc, by in res.items():
@@ -183,7 +396,7 @@ def main() -> None:
         for k, v in by.items():
             ratio = "" if k == "direct" else (f"   x{v['ttft_ms'] / d['ttft_ms']:.3f} TTFT, x{v['itl_ms'] / d['itl_ms']:.3f} ITL,"
                                               f" x{v['tok_s'] / d['tok_s']:.3f} tok/s")
-            print(f"  {k:>13}: TTFT {v['ttft_ms']:8.2f} ms  ITL {v['itl_ms']:7.2f} ms  {v['tok_s']:8.1f} tok/s{ratio}")
+            print(f"  {k:>14}: TTFT {v['ttft_ms']:8.2f} ms  ITL {v['itl_ms']:7.2f} ms  {v['tok_s']:8.1f} tok/s{ratio}")
     if many is not None:
         ok, errors = many
         print(f"{a.clients} concurrent streaming clients through the gate: {ok} complete ([DONE]), {len(errors)} errors")
@@ -193,8 +406,14 @@ def main() -> None:
                       "clients": {"n": a.clients, "complete": many[0], "errors": len(many[1])} if many else None}))
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # SIGTERM cleans up like Ctrl-C (main's finally)
+
+
 if __name__ == "__main__":
     from warmctl.bench.shm import as_found
+
+    signal.signal(signal.SIGTERM, _interrupted)
 
     with as_found(Path(__file__).stem):  # leaves /dev/shm as it found it, or exits 1 naming what it left
         main()
