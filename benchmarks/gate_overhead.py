@@ -12,6 +12,9 @@ alternating, so every side sees the same machine load. Every request carries the
 - TTFT: median over requests of the time to the first token chunk;
 - ITL: median over requests of (last chunk - first chunk) / (chunks - 1);
 - throughput: median over rounds of output tokens / wall seconds of the round;
+- chunks: median over requests of the SSE token events a stream arrived in (fewer than
+  ``--max-tokens``: vLLM merged tokens a slow reader had not taken yet, and ITL then counts
+  the gaps between those merged events);
 
 and the ratios side/direct (1.000 = no cost). Then ``--clients`` (256) concurrent streaming
 clients through the gate: how many got every token and ``[DONE]``, and every error.
@@ -107,7 +110,7 @@ async def one_round(client: httpx.AsyncClient, url: str, conc: int, max_tokens: 
     except Exception as e:
         raise RuntimeError(f"{client.base_url}: {type(e).__name__}: {e}") from e
     wall = time.perf_counter() - t0
-    return res, sum(r[2] for r in res) / wall
+    return res, conc * max_tokens / wall  # ignore_eos: every stream carries max_tokens tokens
 
 
 async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: list[int], rounds: int,
@@ -121,6 +124,7 @@ async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: l
         ttft = {k: [] for k in sides}
         itl = {k: [] for k in sides}
         tput = {k: [] for k in sides}
+        chunks = {k: [] for k in sides}
         try:
             for k in sides:  # warm each path (connections, engine)
                 await one_round(clients[k], "/v1/completions", conc, max_tokens)
@@ -131,11 +135,12 @@ async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: l
                     ttft[k] += [x[0] for x in res]
                     itl[k] += [x[1] for x in res]
                     tput[k].append(tps)
+                    chunks[k] += [x[2] for x in res]
         finally:
             for c in clients.values():
                 await c.aclose()
         out[conc] = {k: {"ttft_ms": 1e3 * statistics.median(ttft[k]), "itl_ms": 1e3 * statistics.median(itl[k]),
-                         "tok_s": statistics.median(tput[k])} for k in sides}
+                         "tok_s": statistics.median(tput[k]), "chunks": statistics.median(chunks[k])} for k in sides}
     return out
 
 
@@ -351,12 +356,10 @@ def main() -> None:
 
     procs = Processes()
     tls_gate = None
-    is_up = False
     try:
         if Catalog(open_store(load_settings().store_dir)).newest("tiny") is None:
             print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
             wc(env, "snapshot", "tiny", "--quiet")
-        is_up = True  # from here on, whatever happens: down
         wc(env, "up", "tiny")
         r = httpx.get(f"http://127.0.0.1:{GATE_PORT}/v1/models")
         assert r.status_code == 401, f"the gate did not enforce the key: {r.status_code}"
@@ -386,8 +389,8 @@ def main() -> None:
                 os.kill(tls_gate, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        if is_up:
-            wc(env, "down", "tiny", "--now", check=False)
+        # always: an interrupted snapshot or up may have left an engine; down cleans up after both
+        wc(env, "down", "tiny", "--now", check=False)
         if a.keep_home is None:
             shutil.rmtree(root, ignore_errors=True)
     for conc, by in res.items():
@@ -396,7 +399,8 @@ def main() -> None:
         for k, v in by.items():
             ratio = "" if k == "direct" else (f"   x{v['ttft_ms'] / d['ttft_ms']:.3f} TTFT, x{v['itl_ms'] / d['itl_ms']:.3f} ITL,"
                                               f" x{v['tok_s'] / d['tok_s']:.3f} tok/s")
-            print(f"  {k:>14}: TTFT {v['ttft_ms']:8.2f} ms  ITL {v['itl_ms']:7.2f} ms  {v['tok_s']:8.1f} tok/s{ratio}")
+            print(f"  {k:>14}: TTFT {v['ttft_ms']:8.2f} ms  ITL {v['itl_ms']:7.2f} ms  {v['tok_s']:8.1f} tok/s"
+                  f"  {v['chunks']:4.0f} chunks{ratio}")
     if many is not None:
         ok, errors = many
         print(f"{a.clients} concurrent streaming clients through the gate: {ok} complete ([DONE]), {len(errors)} errors")
