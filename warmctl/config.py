@@ -81,8 +81,9 @@ class Settings(BaseModel):
     - ``gate_host``/``gate_port``: override the profile's public address when set.
     - ``gate_api_key_file``: API keys the public port requires (``Authorization: Bearer KEY``),
       one per line; re-read on change and on SIGHUP to the gate. Unset: no key is required.
+      Must be private (mode 0600 or tighter, owned by root or this user), else ``up`` refuses it.
     - ``gate_tls_cert``/``gate_tls_key``: PEM certificate chain and private key; when set the
-      public port speaks TLS only (both re-read on change).
+      public port speaks TLS only (both re-read on change). The key must be private too.
     - ``gate_public_paths``: decoded paths answered without a key (default ``["/health"]``).
     - ``gate_deny_paths``: paths refused on the public port in addition to vLLM's control and
       development routes (:data:`warmctl.gate.CONTROL_PATHS`, always refused).
