@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Callable, Iterator
 
 from warmctl import faults
@@ -67,12 +68,21 @@ class ConsoleReporter(Reporter):
 
     def __init__(self, quiet: bool = False) -> None:
         super().__init__()
+        self.quiet = quiet
+        self._status = None
+
+    @cached_property
+    def console(self):
+        """The stderr console (:func:`warmctl.cli.output.err`), made on first use: a quiet
+        reporter (``up --json``) never imports rich (issue 12)."""
         from warmctl.cli.output import err
 
-        self.console = err()
-        self.quiet = quiet
-        self.live = self.console.is_terminal
-        self._status = None
+        return err()
+
+    @cached_property
+    def live(self) -> bool:
+        """stderr is a terminal: spinners and byte progress."""
+        return self.console.is_terminal
 
     def started(self, name: str, desc: str) -> None:
         if not self.quiet and self.live:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.markup import escape
 
 from warmctl.errors import WarmctlError
 
@@ -46,6 +45,8 @@ def main() -> None:
     try:
         app()
     except WarmctlError as e:
+        from rich.markup import escape
+
         # soft_wrap: one line however long (no wrapping at the terminal's or 80 columns)
         err().print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         _exit(e.exit_code)

@@ -11,14 +11,13 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import httpx
 import typer
 
 from warmctl.cli import output as _output
 from warmctl.errors import EngineError
 
-out = _output.out()
-err = _output.err()
+# httpx and the consoles are made by the command that runs, not when `warmctl` registers its
+# commands (issue 12: every `warmctl` paid for httpx here).
 
 
 def resolve_target(target: str) -> str:
@@ -87,10 +86,13 @@ def register(app: typer.Typer) -> None:
 
         Example: `warmctl bench matrix tiny -c 64,256 -n 1,2,4 -d 2 -o /tmp/b`
         """
+        import httpx
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from warmctl.bench.matrix import MatrixOptions, run_matrix
         from warmctl.bench.report import markdown, write_matrix
+
+        out, err = _output.out(), _output.err()
 
         url = resolve_target(target)
         opts = MatrixOptions(contexts=_ints(contexts), concurrency=_ints(concurrency), duration_s=duration,
@@ -137,6 +139,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.profile import load_profile
         from warmctl.progress import ConsoleReporter
 
+        out = _output.out()
         settings = load_settings()
         prof = load_profile(profile, settings.profile_dirs)
 
@@ -179,6 +182,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.bench import probes
         from warmctl.bench.metrics import engine_info
 
+        out, err = _output.out(), _output.err()
         kinds = ["needle", "agent", "spec"] if kind == "all" else [kind]
         if any(k not in ("needle", "agent", "spec") for k in kinds):
             raise typer.BadParameter(f"KIND must be needle, agent, spec or all, not {kind!r}")

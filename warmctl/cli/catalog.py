@@ -41,9 +41,14 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _say(line: str) -> None:
+    """Print ``line`` on stdout as it is (no markup, highlighting or wrapping). The console is
+    made per call, not when the commands are registered (issue 12: no rich for `--help`)."""
+    _out(highlight=False, soft_wrap=True, markup=False).print(line)
+
+
 def register(app: typer.Typer) -> None:
     """Add this area's commands to ``app``."""
-    out = _out(highlight=False, soft_wrap=True, markup=False)
 
     @app.command()
     def host(
@@ -58,30 +63,30 @@ def register(app: typer.Typer) -> None:
         if as_json:
             emit_json(fp.model_dump(mode="json"))
             return
-        out.print(f"host         {fp.hostname} ({fp.arch}, kernel {fp.kernel})")
+        _say(f"host         {fp.hostname} ({fp.arch}, kernel {fp.kernel})")
         if fp.gpus and fp.gpu_vendor == "amd":
-            out.print(f"gpus         {len(fp.gpus)} x AMD, amdgpu driver {fp.driver_version} (from {fp.gpu_source})")
+            _say(f"gpus         {len(fp.gpus)} x AMD, amdgpu driver {fp.driver_version} (from {fp.gpu_source})")
             for g in fp.gpus:
-                out.print(
+                _say(
                     f"  [{g.index}] {g.name}  {_size(g.memory_bytes)}  {g.uuid}  {g.model_key()}  "
                     f"kfd node {g.kfd_node} gpu_id {g.kfd_gpu_id}  fw {g.fw_version} sdma fw {g.sdma_fw_version}  "
                     f"renderD{g.drm_render_minor}"
                 )
             plugins = ", ".join(fp.criu_plugins or []) or "none"
-            out.print(f"criu plugins {fp.criu_plugin_dir}: {plugins}")
+            _say(f"criu plugins {fp.criu_plugin_dir}: {plugins}")
         elif fp.gpus:
-            out.print(f"gpus         {fp.gpu_summary()}, driver {fp.driver_version}, CUDA {fp.cuda_driver_version}")
+            _say(f"gpus         {fp.gpu_summary()}, driver {fp.driver_version}, CUDA {fp.cuda_driver_version}")
             for g in fp.gpus:
-                out.print(
+                _say(
                     f"  [{g.index}] {g.name}  {_size(g.memory_bytes)}  {g.uuid}  "
                     f"cc {g.compute_capability or '?'}  persistence {'on' if g.persistence_mode else 'off'}"
                 )
         else:
-            out.print(f"gpus         none ({fp.gpu_reason})")
-        out.print(f"cpu          {fp.cpu.model or '?'} x{fp.cpu.count} ({fp.cpu.vendor or '?'}), {len(fp.cpu.flags)} flags")
-        out.print(f"criu         {fp.criu_version or 'not found (' + s.criu + ')'}")
-        out.print(f"engine       {fp.engine} {fp.engine_version or 'not installed'} (python {fp.python_version})")
-        out.print(f"environment  {fp.env_digest}")
+            _say(f"gpus         none ({fp.gpu_reason})")
+        _say(f"cpu          {fp.cpu.model or '?'} x{fp.cpu.count} ({fp.cpu.vendor or '?'}), {len(fp.cpu.flags)} flags")
+        _say(f"criu         {fp.criu_version or 'not found (' + s.criu + ')'}")
+        _say(f"engine       {fp.engine} {fp.engine_version or 'not installed'} (python {fp.python_version})")
+        _say(f"environment  {fp.env_digest}")
 
     cat = typer.Typer(help="Published snapshots: names x tags x hosts.", no_args_is_help=True)
     app.add_typer(cat, name="catalog")
@@ -104,7 +109,7 @@ def register(app: typer.Typer) -> None:
             emit_json([e.model_dump(mode="json") for _, _, e in rows])
             return
         if not rows:
-            out.print(f"no snapshots published in the catalog at {c.location()}")
+            _say(f"no snapshots published in the catalog at {c.location()}")
             return
         from warmctl.host import HostFingerprint
 
@@ -115,7 +120,7 @@ def register(app: typer.Typer) -> None:
             except ValueError:
                 hs = "(unreadable fingerprint)"
             lines.append((name, tag, e.manifest[:19], e.created.strftime("%Y-%m-%d %H:%M"), _size(e.size), hs))
-        table(("name", "tag", "manifest", "created", "size", "host"), lines, console_=out)
+        table(("name", "tag", "manifest", "created", "size", "host"), lines, console_=_out(highlight=False, soft_wrap=True, markup=False))
 
     @cat.command("show")
     def catalog_show(
@@ -160,10 +165,10 @@ def register(app: typer.Typer) -> None:
             )
             return
         if not entries and not prof:
-            out.print(f"{name}:{tag}: nothing published in the catalog at {c.location()}")
+            _say(f"{name}:{tag}: nothing published in the catalog at {c.location()}")
             raise typer.Exit(4)
-        out.print(f"{name}:{tag}  profile {prof['profile_digest'] if prof else '(none)'}  [{c.location()}]")
-        out.print(f"this host: {fp.summary()}")
+        _say(f"{name}:{tag}  profile {prof['profile_digest'] if prof else '(none)'}  [{c.location()}]")
+        _say(f"this host: {fp.summary()}")
         from warmctl.host import HostFingerprint
 
         for e in entries:
@@ -172,13 +177,13 @@ def register(app: typer.Typer) -> None:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
-            out.print(f"{mark} {e.manifest}  created {e.created:%Y-%m-%d %H:%M}  {_size(e.size)}")
-            out.print(f"    host: {hs}")
-            out.print(f"    signature: {signature_summary(c.store, e.manifest, s.keys_dir)}")
-            out.print("    fits this host" + (" (chosen)" if mark == "*" else "") if e.manifest not in why
+            _say(f"{mark} {e.manifest}  created {e.created:%Y-%m-%d %H:%M}  {_size(e.size)}")
+            _say(f"    host: {hs}")
+            _say(f"    signature: {signature_summary(c.store, e.manifest, s.keys_dir)}")
+            _say("    fits this host" + (" (chosen)" if mark == "*" else "") if e.manifest not in why
                       else f"    rejected ({why[e.manifest].rule}): {why[e.manifest].reason}")
         if not entries:
-            out.print("  no snapshots under this tag")
+            _say("  no snapshots under this tag")
 
     @app.command()
     def keygen(
@@ -190,9 +195,9 @@ def register(app: typer.Typer) -> None:
         from warmctl.trust import generate_keypair
 
         kp = generate_keypair(directory, name, overwrite=force)
-        out.print(f"private key  {kp.private}  (mode 0600; set signing_key to it on the publishing host)")
-        out.print(f"public key   {kp.public}  (copy into keys_dir on every host that restores)")
-        out.print(f"key id       {kp.key_id}")
+        _say(f"private key  {kp.private}  (mode 0600; set signing_key to it on the publishing host)")
+        _say(f"public key   {kp.public}  (copy into keys_dir on every host that restores)")
+        _say(f"key id       {kp.key_id}")
 
     cfg = typer.Typer(help="The effective configuration.", no_args_is_help=True)
     app.add_typer(cfg, name="config")
@@ -210,4 +215,4 @@ def register(app: typer.Typer) -> None:
             return
         table(("setting", "value", "source"),
               [(f, "-" if v is None else (", ".join(v) if isinstance(v, list) else str(v)), src) for f, v, src in rows],
-              console_=out)
+              console_=_out(highlight=False, soft_wrap=True, markup=False))

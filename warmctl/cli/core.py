@@ -12,10 +12,11 @@ import warmctl
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _err
 from warmctl.cli.output import out as _out
-from warmctl.config import load_settings
 from warmctl.errors import WarmctlError
-from warmctl.profile import ProfileError, load_profile
-from warmctl.progress import ConsoleReporter
+
+# The library (config, profile, progress: pydantic models) is imported by the command that runs,
+# not when the commands are registered: `--help`, `version` and the other areas' commands stay
+# cheap (issue 12).
 
 
 def _human(n: float) -> str:
@@ -64,6 +65,9 @@ def register(app: typer.Typer) -> None:
         Example: `warmctl snapshot tiny`, or `WARMCTL_REMOTE_STORE=s3://fleet/warmctl warmctl snapshot tiny`
         """
         from warmctl.snapshot import snapshot as run_snapshot
+        from warmctl.config import load_settings
+        from warmctl.profile import load_profile
+        from warmctl.progress import ConsoleReporter
 
         settings = load_settings()
         prof = load_profile(profile, settings.profile_dirs)
@@ -124,6 +128,9 @@ def register(app: typer.Typer) -> None:
         """
         from warmctl.catalog import Ref
         from warmctl.lifecycle import up as run_up
+        from warmctl.config import load_settings
+        from warmctl.profile import ProfileError, load_profile
+        from warmctl.progress import ConsoleReporter
 
         overrides = {}
         if cold_start is not None:
@@ -193,6 +200,7 @@ def register(app: typer.Typer) -> None:
         Safe to repeat: an engine that is not up is reported as such.
         """
         from warmctl.lifecycle import down as run_down
+        from warmctl.config import load_settings
 
         settings = load_settings()
         if settings.agent_url:  # a configured agent does the work (issue 5); same output
@@ -218,6 +226,7 @@ def register(app: typer.Typer) -> None:
         that use it ("none": what a killed engine left; `warmctl down NAME` of a recorded dead
         engine removes its files)."""
         from warmctl.lifecycle import status as run_status
+        from warmctl.config import load_settings
 
         settings = load_settings()
         if orphans:
@@ -280,6 +289,7 @@ def register(app: typer.Typer) -> None:
         made from another version of its profile than the one on disk is named on stderr, with
         the fields that changed (`up` would cold-start instead of restoring it)."""
         from warmctl.fleet import snapshots
+        from warmctl.config import load_settings
 
         settings = load_settings()
         if remote and not settings.remote_store:
@@ -332,6 +342,7 @@ def register(app: typer.Typer) -> None:
         """
         from warmctl.catalog import Ref
         from warmctl.fleet import remove_snapshot
+        from warmctl.config import load_settings
 
         settings = load_settings()
         r = Ref.parse(ref)
@@ -347,5 +358,6 @@ def register(app: typer.Typer) -> None:
     def build_tiny() -> None:
         """Build the `tiny` model (2-layer Llama, fixed seed, local tokenizer) if missing; print its path."""
         from warmctl import tinymodel
+        from warmctl.config import load_settings
 
         _out().print(str(tinymodel.build(tinymodel.model_dir(load_settings().models_dir))))

@@ -24,10 +24,12 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
+
+if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or `up --json` (issue 12)
+    from rich.console import Console
 
 #: The ``--json`` option: ``flag: bool = JsonOpt`` in a command's signature.
 JsonOpt: Any = typer.Option(False, "--json", help="Print the result as JSON on stdout (schema: docs/cli-json.md).")
@@ -58,6 +60,8 @@ def console(stderr: bool = False, **kwargs: Any) -> Console:
         opts["color_system"] = None
         opts["no_color"] = True
     opts.update(kwargs)
+    from rich.console import Console
+
     return Console(**opts)
 
 

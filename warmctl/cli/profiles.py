@@ -10,24 +10,15 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from warmctl.cli.output import JsonOpt, emit_json
-
-from warmctl.config import load_settings
 from warmctl.errors import SnapshotNotFound
-from warmctl.profile import (
-    Profile,
-    ProfileError,
-    _flatten,
-    diff_profiles,
-    find_profile,
-    list_profiles,
-    load_profile_file,
-    search_dirs,
-)
+
+if TYPE_CHECKING:  # config and profile (pydantic models) are imported by the command that runs (issue 12)
+    from warmctl.profile import Profile
 
 
 def _echo(line: str = "") -> None:
@@ -39,6 +30,9 @@ def _json(doc: object) -> None:
 
 
 def _load(name: str) -> tuple[Path, Profile]:
+    from warmctl.config import load_settings
+    from warmctl.profile import find_profile, load_profile_file
+
     settings = load_settings()
     path = find_profile(name, settings.profile_dirs)
     return path, load_profile_file(path)
@@ -71,6 +65,9 @@ def register(app: typer.Typer) -> None:
         configured profile_dirs ($WARMCTL_PROFILE_DIRS), /etc/warmctl/profiles, then the
         profiles shipped in the package. A file hidden by an earlier one of the same name is
         named too. Files are not validated here (`warmctl profile check`)."""
+        from warmctl.config import load_settings
+        from warmctl.profile import list_profiles, search_dirs
+
         settings = load_settings()
         rows = list_profiles(settings.profile_dirs)
         if json_out:
@@ -89,6 +86,8 @@ def register(app: typer.Typer) -> None:
              json_out: bool = JsonOpt) -> None:
         """The profile as warmctl reads it: its file, its digest, and every field with the
         defaults the file leaves out filled in (one `field = value` line each, values as JSON)."""
+        from warmctl.profile import _flatten
+
         path, prof = _load(name)
         data = prof.model_dump(mode="json")
         if json_out:
@@ -105,6 +104,9 @@ def register(app: typer.Typer) -> None:
         """Validate profiles without starting anything: TOML syntax, every field's type and
         range, unknown keys (with the closest real one: `warmup.concurency`: did you mean
         'concurrency'?). Prints `FILE: ok` or one line per problem; exits 1 if any fails."""
+        from warmctl.config import load_settings
+        from warmctl.profile import ProfileError, find_profile, load_profile_file
+
         settings = load_settings()
         results = []
         for f in files:
@@ -135,6 +137,8 @@ def register(app: typer.Typer) -> None:
         without launching it: the variables warmctl sets on top of its own environment (the
         engine inherits the rest), then the command, shell-quoted on one line. The engine binds
         engine.port on 127.0.0.1; the public host, port, API key and TLS are the gate's."""
+        from warmctl.config import load_settings
+
         _, prof = _load(name)
         launch = engine_launch(prof, load_settings().models_dir)
         if json_out:
@@ -153,6 +157,8 @@ def register(app: typer.Typer) -> None:
         `field: snapshot -> disk` line each. Exits 0 when they are the same, 1 when they differ
         (as diff(1)); no snapshot of NAME: exit 4 (not found)."""
         from warmctl.catalog import Catalog
+        from warmctl.config import load_settings
+        from warmctl.profile import diff_profiles
         from warmctl.store import open_store
 
         settings = load_settings()

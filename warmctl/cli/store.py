@@ -14,14 +14,6 @@ from typing import Optional
 import dataclasses
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _console
@@ -36,6 +28,8 @@ def byte_progress(desc: str, total: int | None) -> Iterator[Callable[[int], None
     if not _console().is_terminal:
         yield lambda n: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
