@@ -27,8 +27,6 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-import httpx
-
 from warmctl.progress import ConsoleReporter
 from warmctl.sdnotify import notify, watchdog_interval_s
 
@@ -68,6 +66,8 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 
 
 def _healthy(port: int) -> bool:
+    import httpx  # after READY=1, not before (issue 12)
+
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     except httpx.HTTPError:

@@ -40,7 +40,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from pydantic import ValidationError
 
 from warmctl import enginelock, fleet
@@ -271,6 +270,8 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
 
 def _healthy(port: int) -> bool:
     """True if the engine on loopback ``port`` answers ``/health`` with 200 within 5 s."""
+    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback (issue 12)
+
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
@@ -535,6 +536,8 @@ def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = 
         healthy = False
         alive = st.engine_alive()
         if probe and alive:
+            import httpx
+
             try:
                 healthy = httpx.get(f"http://127.0.0.1:{st.internal_port}/health", timeout=2).status_code == 200
             except httpx.HTTPError:

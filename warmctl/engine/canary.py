@@ -9,8 +9,7 @@ exactly through ``repr``, so a logprob compared "bit for bit" is compared as the
 
 from __future__ import annotations
 
-import httpx
-
+from warmctl.engine.loopback import Connection, LoopbackError
 from warmctl.errors import CanaryMismatch, EngineError
 from warmctl.manifest import CanaryCompletion, CanaryRecord
 from warmctl.profile import CanarySpec
@@ -33,17 +32,18 @@ def _request(spec: CanarySpec, model: str, prompt: str) -> dict:
 def run(base_url: str, spec: CanarySpec, model: str, timeout_s: float = 120.0) -> CanaryRecord:
     """Run every canary prompt once against ``base_url`` and return what the engine produced.
 
-    Raises :class:`EngineError` on an HTTP error or a response without token ids.
+    Raises :class:`EngineError` on an HTTP error or a response without token ids. The requests
+    go over one keep-alive connection (:mod:`warmctl.engine.loopback`); ``timeout_s`` bounds
+    connecting and each read.
     """
     out = []
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+    with Connection(base_url, timeout_s) as client:
         for prompt in spec.prompts:
             try:
-                r = client.post("/v1/completions", json=_request(spec, model, prompt))
-                r.raise_for_status()
-            except httpx.HTTPError as e:
+                answer = client.post_json("/v1/completions", _request(spec, model, prompt))
+            except LoopbackError as e:
                 raise EngineError(f"canary request to {base_url} failed: {e}") from None
-            choice = r.json()["choices"][0]
+            choice = answer["choices"][0]
             ids = choice.get("token_ids")
             if ids is None:
                 raise EngineError("engine returned no token_ids (needs vLLM with return_token_ids)")

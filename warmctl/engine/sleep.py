@@ -40,11 +40,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import httpx
+from typing import TYPE_CHECKING, Literal
 
 from warmctl.errors import EngineError
+
+if TYPE_CHECKING:  # imported by the client that uses it: `up` of a snapshot without kept weights never does (issue 12)
+    import httpx
 
 SleepLevel = Literal[0, 1, 2]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -78,6 +79,8 @@ class SleepClient:
     weights to host RAM: size it accordingly)."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
+        import httpx
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, headers=headers)
 
@@ -91,6 +94,8 @@ class SleepClient:
         self.close()
 
     def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        import httpx
+
         try:
             r = self._http.request(method, path, **kw)
         except httpx.HTTPError as e:

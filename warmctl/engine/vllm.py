@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 
+from warmctl.engine.loopback import Connection, LoopbackError
 from warmctl.errors import EngineError
 from warmctl.proc import kill_child, pid_alive
 from warmctl.profile import Profile
@@ -165,13 +165,13 @@ def wait_healthy(eng, timeout_s: float, progress=None, interval_s: float = 0.2) 
     """
     t0 = time.monotonic()
     last = 0.0
-    with httpx.Client(timeout=2.0) as client:
+    with Connection(eng.base_url, 2.0) as client:  # http.client, not httpx: see warmctl.engine.loopback
         while True:
             elapsed = time.monotonic() - t0
             try:
-                if client.get(eng.base_url + "/health").status_code == 200:
+                if client.status("/health") == 200:
                     return elapsed
-            except httpx.HTTPError:
+            except LoopbackError:
                 pass
             if not eng.alive():
                 raise EngineError(f"engine exited during start-up; log {eng.log_path}:\n{tail(eng.log_path)}")

@@ -13,8 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import httpx
-
 from warmctl.errors import EngineError
 from warmctl.profile import WarmupSpec
 
@@ -35,6 +33,8 @@ def run_grid(base_url: str, model: str, spec: WarmupSpec,
     ``progress(done, total, cell)`` is called after each cell. Raises :class:`EngineError`
     naming the cell if any request fails (a warm-up that fails would snapshot a cold shape).
     """
+    import httpx  # here, not at the top: `up` imports this module (cold path) without warming up (issue 12)
+
     cells = spec.cells()
     t0 = time.monotonic()
     n_req = 0
