@@ -11,6 +11,10 @@ snapshot of the ``tiny`` profile (the machine is shared: the ratio of medians is
 - **up**: the real ``warmctl up tiny --json`` CLI (a fresh Python process, as a user runs it),
   then the same prompt on the *public* port (the gate). Its ``--json`` phase timings and the
   seconds outside any phase (Python start-up, fingerprint, catalog, pre-flight) are reported.
+  ``--restore-pages lazy|eager|auto`` chooses how ``up`` restores the memory (the
+  ``restore_pages`` setting, default here ``eager``, as in the numbers recorded before lazy
+  restores existed); the raw side is always the eager ``criu restore``, so ``--restore-pages
+  lazy`` puts ``up`` with lazy pages beside the raw eager restore.
 
 "Correct" means the returned token id equals the first token of the snapshot's canary record.
 Beside the two sides the script measures, in this process, the fixed costs ``up`` pays before
@@ -21,7 +25,7 @@ included). Each is the median of ``--micro`` repeats.
 Usage::
 
     python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] [--first-up] [--cold] [--via-agent PORT] \\
-        [--engine-port 18600 --gate-port 18680] [--json FILE]
+        [--restore-pages eager|lazy|auto] [--engine-port 18600 --gate-port 18680] [--json FILE]
 
 Leaves nothing behind: every engine is brought down (``warmctl down`` / the raw tree killed and
 its ``/dev/shm`` files removed by inode), and the work directory is removed unless
@@ -152,6 +156,8 @@ def main() -> None:
                     help="run `warmctl agent` on this loopback port and send up/down through it (WARMCTL_AGENT_URL)")
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches) before each run of each side")
+    ap.add_argument("--restore-pages", choices=("eager", "lazy", "auto"), default="eager",
+                    help="how `up` restores the engine's memory (restore_pages setting; the raw side is always eager)")
     a = ap.parse_args()
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-upraw-"))
     try:
@@ -165,6 +171,7 @@ def run_all(a, root: Path) -> None:
     from tests.conftest import isolated_env
 
     env = isolated_env(root, a.engine_port, a.gate_port)
+    env["WARMCTL_RESTORE_PAGES"] = a.restore_pages  # the CLI's and the agent's setting alike
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
 
     from warmctl.catalog import Catalog
@@ -279,14 +286,14 @@ def run_all(a, root: Path) -> None:
     keys = list(dict.fromkeys(k for p in up_phases for k in p))
     med_phases = {k: statistics.median([p.get(k, 0.0) for p in up_phases]) for k in keys}
     print(f"\nmedian over {a.runs} runs: raw restore {mr:.2f} s (criu restore {statistics.median(raw_criu):.2f} s), "
-          f"warmctl up {mu:.2f} s; ratio up/raw = {mu / mr:.2f}x")
+          f"warmctl up ({a.restore_pages} pages) {mu:.2f} s; ratio up/raw = {mu / mr:.2f}x")
     print("up's phases (medians): " + ", ".join(f"{k} {v:.2f} s" for k, v in med_phases.items())
           + f", outside phases {statistics.median(up_outside):.2f} s")
     print(f"image: {image_bytes / 2**30:.2f} GiB apparent size; snapshot {manifest.total_size() / 2**30:.2f} GiB")
     if a.json:
         a.json.write_text(json.dumps({"raw_s": raw, "raw_criu_restore_s": raw_criu, "up_s": up,
                                       "up_phases_s": up_phases, "up_outside_phases_s": up_outside,
-                                      "fixed_s": fixed, "ratio": mu / mr}, indent=1))
+                                      "fixed_s": fixed, "ratio": mu / mr, "restore_pages": a.restore_pages}, indent=1))
 
 
 if __name__ == "__main__":

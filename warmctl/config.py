@@ -51,6 +51,7 @@ ENV_VARS = {
     "match_driver": "WARMCTL_MATCH_DRIVER",
     "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
     "cold_start": "WARMCTL_COLD_START",
+    "restore_pages": "WARMCTL_RESTORE_PAGES",
 }
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
@@ -100,6 +101,13 @@ class Settings(BaseModel):
     - ``cold_start``: what ``up`` does when no snapshot fits this host: ``fallback`` (default:
       say why, then cold-start from the profile) or ``never`` (fail, naming every candidate
       and why it was rejected: a fleet node should not silently spend a 14-minute cold start).
+    - ``restore_pages``: how ``up`` restores a snapshot's memory: ``lazy`` (``criu restore
+      --lazy-pages``: pages copied from the image on first touch and the rest in the background
+      by a ``criu lazy-pages`` daemon the gate watches; the engine answers before the whole
+      image is read), ``eager`` (every page copied before the engine runs), or ``auto``
+      (default: lazy when ``criu check --feature uffd-noncoop`` passes on this host, cached
+      per CRIU binary and kernel; eager otherwise). A profile whose checkpoint plan loads CRIU
+      plugins (AMD) always restores eagerly: lazy pages with plugins are not verified.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -127,6 +135,7 @@ class Settings(BaseModel):
     match_driver: Literal["exact", "major"] = "exact"
     s3_outage_s: float = Field(60.0, ge=0)
     cold_start: Literal["fallback", "never"] = "fallback"
+    restore_pages: Literal["auto", "lazy", "eager"] = "auto"
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 

@@ -52,6 +52,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "IllegalState": (33, "warmctl.checkpoint.cuda"),
     "LockTimeout": (34, "warmctl.checkpoint.cuda"),
     "LockLost": (35, "warmctl.store.lock"),
+    "LazyPagesError": (36, "warmctl.checkpoint.criu"),
 }
 #: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
 #: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.

@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from warmctl.errors import HostError
-from warmctl.proc import create_time, kill_child, signal_process
+from warmctl.proc import ProcessId, create_time, kill_child, kill_tree, signal_process
 
 BUF = 256 * 1024
 #: Longest request head (request line + headers) accepted, bytes; longer gets 431.
@@ -653,8 +653,75 @@ class Gate:
             pass
 
 
+@dataclass
+class LazyWatch:
+    """What the gate watches of a lazy restore (:func:`warmctl.checkpoint.criu.lazy_restore`):
+    the ``criu lazy-pages`` daemon (``daemon``: its recorded identity), its ``log``, the
+    engine's root (``engine``: recorded identity, killed with its tree if the daemon exits
+    before its copy ended) and ``failed``: the file the gate writes the reason to then (read
+    by ``warmctl status``). Sent by ``up`` as JSON after ``open PID`` (:meth:`PendingGate.open`)."""
+
+    daemon: "ProcessId"
+    log: Path
+    engine: "ProcessId"
+    failed: Path
+
+    def to_json(self) -> str:
+        return json.dumps({"daemon": self.daemon.as_record(), "log": str(self.log),
+                           "engine": self.engine.as_record(), "failed": str(self.failed)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "LazyWatch":
+        d = json.loads(text)
+        ids = [ProcessId.recorded(x["pid"], x["ctime"], x.get("exe"), x.get("cmdline")) for x in (d["daemon"], d["engine"])]
+        if None in ids:
+            raise ValueError("a process record without pid/ctime")
+        return cls(ids[0], Path(d["log"]), ids[1], Path(d["failed"]))  # type: ignore[arg-type]
+
+    def attach(self) -> tuple[int | None, str | None]:
+        """Open a pidfd on the daemon (:func:`os.pidfd_open`). Returns (pidfd, None) while it
+        runs; (None, None) when it has already exited with its copy complete; (None, reason)
+        when it exited before the copy ended (the gate must not open)."""
+        from warmctl.checkpoint.criu import lazy_log_status
+
+        try:
+            fd = os.pidfd_open(self.daemon.pid)
+        except ProcessLookupError:
+            fd = None
+        if fd is not None and self.daemon.alive():  # the pidfd names *that* process, not a reuse of its PID
+            return fd, None
+        if fd is not None:
+            os.close(fd)
+        st = lazy_log_status(self.log)
+        return None, (None if st.complete else st.reason)
+
+    def incomplete(self) -> str | None:
+        """Once the daemon has exited: None if its log shows the copy complete, else why not."""
+        from warmctl.checkpoint.criu import lazy_log_status
+
+        st = lazy_log_status(self.log)
+        if st.complete:
+            print(f"gate: the lazy-pages daemon (pid {self.daemon.pid}) finished: {st.copied:,} pages copied into "
+                  f"{len(st.processes)} processes", flush=True)
+            return None
+        return st.reason
+
+
 async def _serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, ready_fd: int | None = None,
-                 drain_s: float = 30.0) -> None:
+                 drain_s: float = 30.0, lazy: LazyWatch | None = None) -> None:
+    pidfd = None
+    if lazy is not None:
+        pidfd, why = lazy.attach()
+        if why is not None:  # the daemon died during the restore, health or canary: never listen
+            print(f"gate: not opening: the lazy-pages daemon (pid {lazy.daemon.pid}) exited before it had copied "
+                  f"every page: {why}", flush=True)
+            if ready_fd is not None:
+                os.write(ready_fd, f"refused lazy-pages {why}\n".encode())
+                os.close(ready_fd)
+            return
+        if pidfd is None:
+            print(f"gate: the lazy-pages daemon (pid {lazy.daemon.pid}) had finished its copy before the port opened",
+                  flush=True)
     server = await asyncio.start_server(gate.handle, listen[0], listen[1], reuse_address=True, backlog=1024,
                                         limit=MAX_HEAD, ssl=gate.ssl)
     print("ready", flush=True)
@@ -686,6 +753,31 @@ async def _serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, re
             gate.check_files()
             await asyncio.sleep(1.0)
 
+    def on_daemon_exit() -> None:
+        # the kernel made the pidfd readable: the lazy-pages daemon exited (no polling)
+        assert lazy is not None and pidfd is not None
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        why = lazy.incomplete()
+        if why is None:
+            return
+        msg = (f"the lazy-pages daemon (pid {lazy.daemon.pid}) exited before it had copied every page into the "
+               f"engine ({why}): pages never copied read as zeros")
+        print(f"gate: {msg}; closing the public port, aborting {len(gate.conns)} connection(s), killing the engine "
+              f"(pid {lazy.engine.pid})", flush=True)
+        server.close()  # no new connection from here on
+        for _, c_writer in list(gate.conns.values()):
+            c_writer.transport.abort()  # in-flight answers may come from wrong memory: cut them
+        try:
+            lazy.failed.write_text(msg + "\n")
+        except OSError as e:
+            print(f"gate: cannot write {lazy.failed}: {e.strerror}", flush=True)
+        kill_tree(lazy.engine, timeout_s=5)
+        now.set()
+        stop.set()
+
+    if pidfd is not None:
+        loop.add_reader(pidfd, on_daemon_exit)
     watcher = asyncio.create_task(watch())
     await stop.wait()
     watcher.cancel()
@@ -791,18 +883,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"gate: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     engine_pid = a.engine_pid
+    lazy = None
     if a.wait_open:
-        line = sys.stdin.readline().split()
-        if len(line) != 2 or line[0] != "open":  # the caller gave up (EOF): never listen
+        line = sys.stdin.readline().split(maxsplit=2)
+        if len(line) < 2 or line[0] != "open":  # the caller gave up (EOF): never listen
             sys.exit(0)
         engine_pid = int(line[1])
+        if len(line) == 3:
+            lazy = LazyWatch.from_json(line[2])
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvicorn[standard] ships it
         uvloop = None
     run = uvloop.run if uvloop is not None else asyncio.run
     try:
-        run(_serve(_hostport(a.listen), g, engine_pid, a.ready_fd, a.drain_s))
+        run(_serve(_hostport(a.listen), g, engine_pid, a.ready_fd, a.drain_s, lazy))
     except OSError as e:
         print(f"gate: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr, flush=True)
         sys.exit(2 if e.errno == errno.EADDRINUSE else 1)
@@ -863,24 +958,34 @@ class PendingGate:
         except OSError:
             return ""
 
-    def open(self, engine_pid: int, timeout_s: float = 15.0) -> int:
+    def open(self, engine_pid: int, timeout_s: float = 15.0, lazy: LazyWatch | None = None) -> int:
         """Tell the gate to listen in front of ``engine_pid``; return its PID once it accepts
-        connections. Raises :class:`HostError` (with the gate's own message) if it cannot."""
+        connections. ``lazy``: the engine was restored with lazy pages; the gate watches the
+        daemon from now on (see :class:`LazyWatch`). Raises :class:`HostError` (with the
+        gate's own message) if it cannot listen, :class:`warmctl.checkpoint.criu.LazyPagesError`
+        if it refused because the daemon had already exited before its copy ended."""
         import select
 
         try:
-            self.proc.stdin.write(f"open {engine_pid}\n".encode())
+            extra = f" {lazy.to_json()}" if lazy is not None else ""
+            self.proc.stdin.write(f"open {engine_pid}{extra}\n".encode())
             self.proc.stdin.close()
         except OSError:
             pass  # it died already: reported below
         try:
             ready, _, _ = select.select([self._ready_r], [], [], timeout_s)
-            data = os.read(self._ready_r, 64) if ready else b""
+            data = os.read(self._ready_r, 4096) if ready else b""
         finally:
             self._close_pipe()
         if b"ready" in data:
             return self.proc.pid
         kill_child(self.proc)
+        if data.startswith(b"refused lazy-pages "):
+            from warmctl.checkpoint.criu import LazyPagesError
+
+            raise LazyPagesError(f"the lazy-pages daemon exited before it had copied every page into the engine: "
+                                 f"{data[len(b'refused lazy-pages '):].decode(errors='replace').strip()}; "
+                                 "the public port was not opened")
         msg = self._output().strip().splitlines()[-1:] or [f"no answer within {timeout_s:.0f} s"]
         raise HostError(f"the gate could not open {self.listen}: {msg[0]}")
 

@@ -53,6 +53,7 @@ from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
 from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
+from warmctl.gate import LazyWatch
 from warmctl.gate import drain as drain_gate
 from warmctl.gate import gate_enforces, require_port_free, settings_args
 from warmctl.gate import prestart as prestart_gate
@@ -347,7 +348,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
-    criu.check(settings.criu)
+    pages = restore_pages(settings, criu.check(settings.criu), plan.criu_plugins, reporter)
     plan.before_restore(m.restore, reporter)  # AMD: free VRAM per GPU (the amdgpu plugin allocates it in CRIU)
 
     run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd)
@@ -357,23 +358,29 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     st = EngineState(name=found.name, phase="restoring", source="restore", manifest_digest=digest,
                      started_at=run.started_at, profile_digest=m.profile_digest, internal_port=prof.engine.port,
                      public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
-                     **gate_enforces(gate_args),
+                     **gate_enforces(gate_args), restore_pages=pages,
                      log_path=str(run.log_path))
     images = ImageCache.for_settings(settings)
     img = None
+    lazy = None
     try:
-        img = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins)
+        img, lazy = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins, pages)
         run.save(phase="health")
         plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
                            [x.uuid for x in found.fp.gpus], reporter)
         with reporter.phase("health", "waiting for /health"):
             vllm.wait_healthy(run, 120, interval_s=0.01)
+        if lazy is not None:
+            lazy.check("while the engine came up")
         plan.wake(run, m.restore, reporter)
         run.save(phase="canary")
         with reporter.phase("canary", "replaying the canary, bit for bit"):
             canary.verify(m.canary, run.base_url, prof.canary, prof.engine.served_model_name)
         with reporter.phase("gate", f"opening {host_}:{port}"):
-            run.set_gate(pending_gate.open(run.root_pid))
+            if lazy is not None:  # the canary may have passed on pages that were never copied
+                lazy.check("during the canary")
+            watch = None if lazy is None else LazyWatch(lazy.ident, lazy.log, run.root, run.lazy_failed)  # type: ignore[arg-type]
+            run.set_gate(pending_gate.open(run.root_pid, lazy=watch))
     except BaseException:
         pending_gate.cancel()
         run.teardown()
@@ -405,13 +412,39 @@ def _keep_locally(found: _Found, reporter: Reporter) -> None:
         reporter.info(f"[yellow]the restored snapshot is not named in the local store: {e}[/]")
 
 
+def restore_pages(settings: Settings, binary: str, plugins: tuple[str, ...], reporter: Reporter) -> str:
+    """``"lazy"`` or ``"eager"``: how this restore copies the engine's memory (the
+    ``restore_pages`` setting; ``auto``: lazy when ``criu check --feature uffd-noncoop``
+    passes, cached per CRIU binary and kernel, :func:`warmctl.checkpoint.criu.uffd_supported`).
+    A plan that loads CRIU plugins (``plugins``) restores eagerly: lazy pages with the amdgpu or
+    CUDA plugin are not verified. Raises :class:`HostError` when ``lazy`` is asked for on a host
+    whose kernel lacks non-cooperative userfaultfd."""
+    want = settings.restore_pages
+    if want == "eager":
+        return "eager"
+    if plugins:
+        if want == "lazy":
+            reporter.info(f"restore_pages lazy: not with CRIU plugins ({', '.join(plugins)}); restoring eagerly")
+        return "eager"
+    if criu.uffd_supported(binary, settings.cache_dir):
+        return "lazy"
+    if want == "lazy":
+        raise HostError(f"restore_pages is lazy ({settings.sources.get('restore_pages', 'flag')}), but "
+                        f"`{binary} check --feature uffd-noncoop` fails on this host (kernel "
+                        f"{os.uname().release}: userfaultfd with fork/remove events needed); use eager or auto")
+    return "eager"
+
+
 def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
-                             settings: Settings, reporter: Reporter, plugins: tuple[str, ...] = ()) -> CachedImage:
+                             settings: Settings, reporter: Reporter, plugins: tuple[str, ...] = (),
+                             pages: str = "eager") -> tuple[CachedImage, "criu.LazyPages | None"]:
     """The "materialize" and "restore" phases, under the host's CRIU lock: one CRIU operation
     per host from the first ``/dev/shm`` file written until CRIU has consumed its link_remap
     files (see :func:`warmctl.checkpoint.criu.host_lock`). The run is recorded before CRIU
     starts, with the ``/dev/shm`` files written; its root once CRIU returns it. ``plugins``:
-    the CRIU plugins the restore loads (the plan's ``criu_plugins``)."""
+    the CRIU plugins the restore loads (the plan's ``criu_plugins``). ``pages``: ``lazy``
+    starts a ``criu lazy-pages`` daemon first (recorded on the run the moment it runs) and
+    returns it; ``eager`` returns None beside the image."""
     m = found.manifest
     assert m is not None
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
@@ -422,10 +455,19 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
             run.prepare()
             run.log_path.touch()
         run.record(st)
-        with reporter.phase("restore", "CRIU restore of the process tree"):
+        with reporter.phase("restore", f"CRIU restore of the process tree ({pages} pages)"):
+            if pages == "lazy":
+                run.lazy_failed.unlink(missing_ok=True)
+                pid, lazy, _ = criu.lazy_restore(img.images, run.criu_pidfile, run.dir, log_file=run.restore_log,
+                                                 daemon_log=run.lazy_log, binary=settings.criu,
+                                                 on_daemon=lambda lp: run.set_lazy(lp.ident))
+                run.adopt_restored(pid)
+                if lazy.oom_note:
+                    reporter.info(f"[yellow]{lazy.oom_note}[/]")
+                return img, lazy
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins)[0])
-    return img
+    return img, None
 
 
 def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,
@@ -510,7 +552,10 @@ class EngineStatus:
     """``state`` plus live facts: processes alive, ``/health`` answering, and the ``/dev/shm``
     files the engine holds (``shm_count`` files taking ``shm_bytes`` bytes of memory; see
     :func:`warmctl.checkpoint.capture.shm_of`: what its processes map or hold open, and what
-    its run recorded)."""
+    its run recorded). ``lazy_copy``: for a lazy restore, ``"running"`` while the lazy-pages
+    daemon still copies pages in the background, ``"done"`` once it has exited (None for an
+    eager restore or a cold start). ``failure``: why the gate took the engine down (the
+    daemon exited before its copy ended: the engine's memory would read zeros), else empty."""
 
     state: EngineState
     engine_alive: bool
@@ -518,6 +563,8 @@ class EngineStatus:
     healthy: bool
     shm_count: int = 0
     shm_bytes: int = 0
+    lazy_copy: str | None = None
+    failure: str = ""
 
 
 def status(settings: Settings, name: str | None = None, probe: bool = True) -> list[EngineStatus]:
@@ -543,7 +590,14 @@ def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = 
             except httpx.HTTPError:
                 pass
         shm = capture.shm_of(st.root_pid if alive else None, st.shm_inodes, [] if st.shm_inodes else st.shm_files)
-        out.append((EngineStatus(st, alive, st.gate_alive(), healthy, len(shm), capture.shm_bytes(shm)),
+        lazy = st.lazy
+        lazy_copy = None if lazy is None else ("running" if lazy.alive() else "done")
+        try:
+            failure = (settings.run_dir / st.name / "lazy-pages.failed").read_text().strip()
+        except OSError:
+            failure = ""
+        out.append((EngineStatus(st, alive, st.gate_alive(), healthy, len(shm), capture.shm_bytes(shm), lazy_copy,
+                                 failure),
                     set(shm) if alive else set()))
     return out
 

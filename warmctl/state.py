@@ -60,6 +60,15 @@ class EngineState(BaseModel):
     log_path: str
     started_at: float = 0.0
     timings: dict[str, float] = {}
+    #: How the restore copied the engine's memory: ``lazy`` (a ``criu lazy-pages`` daemon copies
+    #: pages on demand and in the background, see :func:`warmctl.checkpoint.criu.lazy_restore`),
+    #: ``eager``, or None (a cold start, or a record written before this was kept).
+    restore_pages: str | None = None
+    #: The lazy-pages daemon as recorded (PID, creation time, executable, argv); None without one.
+    lazy_pid: int | None = None
+    lazy_ctime: float | None = None
+    lazy_exe: str | None = None
+    lazy_cmdline: list[str] = []
 
     def set_root(self, ident: ProcessId | None) -> None:
         """Record the engine tree's root process (PID, creation time, executable, argv)."""
@@ -78,6 +87,15 @@ class EngineState(BaseModel):
     def gate(self) -> ProcessId | None:
         """The gate process as recorded (None before it opened)."""
         return ProcessId.recorded(self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline)
+
+    def set_lazy(self, ident: ProcessId | None) -> None:
+        """Record the lazy-pages daemon (PID, creation time, executable, argv)."""
+        self.lazy_pid, self.lazy_ctime, self.lazy_exe, self.lazy_cmdline = _fields(ident)
+
+    @property
+    def lazy(self) -> ProcessId | None:
+        """The lazy-pages daemon as recorded (None for an eager restore or a cold start)."""
+        return ProcessId.recorded(self.lazy_pid, self.lazy_ctime, self.lazy_exe, self.lazy_cmdline)
 
     def engine_alive(self) -> bool:
         """True if the recorded root PID still is *our* process (same creation time) and alive."""

@@ -36,10 +36,12 @@ import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from warmctl.errors import CheckpointError, HostError
+from warmctl.proc import ProcessId, kill_child
 
 SHM = Path("/dev/shm")
 #: Prefix of the hard links the post-dump script makes to CRIU's link_remap files.
@@ -247,3 +249,232 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
         cmd += ["-W", str(work_dir)]
     secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s, plugins)
     return int(pidfile.read_text().strip()), secs
+
+
+# --- lazy restore (userfaultfd: pages copied on first touch, the rest in the background) --------
+
+#: Name of the UNIX socket ``criu lazy-pages`` listens on in its work directory (CRIU 4.2,
+#: ``criu/uffd.c``: ``LAZY_PAGES_SOCK_NAME``); ``criu restore --lazy-pages -W DIR`` connects to it.
+LAZY_SOCKET = "lazy-pages.socket"
+#: The daemon's log level: its per-process summary (``UFFD transferred pages: (N/M)``) and the
+#: ``Found N pages to be handled by UFFD`` line are debug messages (``lp_debug``), printed at -v4.
+LAZY_LOG_LEVEL = "-v4"
+
+
+class LazyPagesError(CheckpointError):
+    """The lazy-pages daemon of a lazy restore failed to start, or exited before it had copied
+    every page into the restored processes (those pages would read as zeros)."""
+
+
+@dataclass
+class LazyPages:
+    """The ``criu lazy-pages`` daemon of one lazy restore: ``proc`` (our child while we run),
+    ``ident`` (its identity, :class:`warmctl.proc.ProcessId`, for anyone else who watches or
+    stops it) and ``log`` (its log file, parsed by :func:`lazy_log_status`)."""
+
+    proc: subprocess.Popen
+    ident: ProcessId
+    log: Path
+    #: why its ``oom_score_adj`` could not be set to -1000 (empty when it was)
+    oom_note: str = ""
+
+    def finished(self) -> "LazyLogStatus | None":
+        """None while the daemon runs; once it has exited, what its log says."""
+        if self.proc.poll() is None and self.ident.alive():
+            return None
+        return lazy_log_status(self.log)
+
+    def check(self, when: str) -> None:
+        """Raise :class:`LazyPagesError` (``when``: what was going on, for the message) if the
+        daemon has exited without having transferred every page."""
+        done = self.finished()
+        if done is not None and not done.complete:
+            raise LazyPagesError(f"the lazy-pages daemon (pid {self.ident.pid}) exited {when} before it had copied "
+                                 f"every page (exit {self.proc.returncode}): {done.reason}; its log: {self.log}")
+
+    def stop(self) -> None:
+        """Kill the daemon (if it still runs) and reap it."""
+        kill_child(self.proc, timeout_s=2)
+
+
+@dataclass
+class LazyLogStatus:
+    """What a lazy-pages daemon's log says about its copy: ``complete`` (every process it
+    served had all its pages copied, or discarded them itself), ``processes`` (PIDs it
+    served), ``pages`` (pages copied / pages it was to copy, summed over the processes that
+    finished) and ``reason`` (why not complete; empty when complete)."""
+
+    complete: bool
+    processes: list[int]
+    copied: int
+    total: int
+    reason: str = ""
+
+
+_LP_FOUND = re.compile(r"\b(\d+)-\d+: Found (\d+) pages to be handled by UFFD")
+_LP_FORK = re.compile(r"\b(\d+)-\d+: FORK: child")
+_LP_DONE = re.compile(r"\b(\d+)-\d+: UFFD transferred pages: \((\d+)/(\d+)\)")
+_LP_DROP = re.compile(r"\b(\d+)-\d+: (?:EXIT|REMOVE:|UNMAP:)")
+
+
+def parse_lazy_log(text: str) -> LazyLogStatus:
+    """Decide from a ``criu lazy-pages`` log (CRIU 4.2 at ``-v4``) whether it transferred every page.
+
+    The messages (``criu/uffd.c``): ``PID-FD: Found N pages to be handled by UFFD`` once per
+    process served (``FORK: child`` adds one more, same PID); ``PID-FD: UFFD transferred pages:
+    (COPIED/TOTAL)`` once per process, printed only when the daemon has nothing left to copy or
+    queued for that process, so a daemon that was killed or crashed lacks it for some process.
+    Complete: at least one process was served, each has its summary line(s), and each summary
+    shows COPIED == TOTAL -- or less where the process itself discarded memory or exited
+    (``REMOVE:``/``UNMAP:``/``EXIT`` lines: CRIU drops those ranges from its copy list but not
+    from TOTAL). Pure function of the text; see :func:`lazy_log_status` for a file.
+    """
+    served: dict[int, int] = {}
+    for m in _LP_FOUND.finditer(text):
+        served[int(m.group(1))] = served.get(int(m.group(1)), 0) + 1
+    for m in _LP_FORK.finditer(text):
+        served[int(m.group(1))] = served.get(int(m.group(1)), 0) + 1
+    done: dict[int, list[tuple[int, int]]] = {}
+    for m in _LP_DONE.finditer(text):
+        done.setdefault(int(m.group(1)), []).append((int(m.group(2)), int(m.group(3))))
+    dropped = {int(m.group(1)) for m in _LP_DROP.finditer(text)}
+    copied = sum(c for v in done.values() for c, _ in v)
+    total = sum(t for v in done.values() for _, t in v)
+    procs = sorted(served)
+    if not served:
+        return LazyLogStatus(False, procs, copied, total, "it served no process (no 'Found N pages to be handled by "
+                             "UFFD' line: it died before the restore connected, or it did not log at -v4)")
+    unfinished = [p for p in procs if len(done.get(p, ())) < served[p]]
+    if unfinished:
+        return LazyLogStatus(False, procs, copied, total, f"no 'UFFD transferred pages' summary for process(es) "
+                             f"{', '.join(map(str, unfinished))}: their copy did not end")
+    short = [f"{p} ({c}/{t})" for p in procs for c, t in done[p] if c < t and p not in dropped]
+    if short:
+        return LazyLogStatus(False, procs, copied, total, f"pages missing for process(es) {', '.join(short)}")
+    return LazyLogStatus(True, procs, copied, total)
+
+
+def lazy_log_status(log: Path) -> LazyLogStatus:
+    """:func:`parse_lazy_log` of the file ``log`` (an unreadable file: not complete)."""
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError as e:
+        return LazyLogStatus(False, [], 0, 0, f"cannot read its log {log}: {e.strerror}")
+    return parse_lazy_log(text)
+
+
+def uffd_supported(binary: str, cache_dir: Path | None = None) -> bool:
+    """True if ``criu check --feature uffd-noncoop`` passes (what a lazy restore of a
+    multi-process tree needs: the fork/remove/unmap events of non-cooperative userfaultfd).
+
+    The answer is cached in ``cache_dir/criu-uffd.json`` per CRIU binary (path, size, mtime)
+    and kernel release (``uname -r``), so ``up`` pays the check (~10-50 ms) once per host and
+    CRIU/kernel upgrade, then one small file read. Without ``cache_dir``: not cached.
+    """
+    import json
+
+    try:
+        st = os.stat(binary)
+    except OSError:
+        return False
+    key = f"{os.path.realpath(binary)}|{st.st_size}|{st.st_mtime_ns}|{os.uname().release}"
+    cache = Path(cache_dir) / "criu-uffd.json" if cache_dir is not None else None
+    if cache is not None:
+        try:
+            d = json.loads(cache.read_text())
+            if d.get("key") == key:
+                return bool(d["uffd_noncoop"])
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            pass
+    try:
+        ok = subprocess.run([binary, "check", "--feature", "uffd-noncoop"], capture_output=True,
+                            timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, "uffd_noncoop": ok}))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    return ok
+
+
+def _start_lazy_daemon(binary: str, images_dir: Path, work_dir: Path, log_file: Path, libdir: list[str],
+                       timeout_s: float) -> LazyPages:
+    """Start ``criu lazy-pages`` serving ``images_dir``, its socket in ``work_dir``; return once
+    the socket exists. The daemon gets ``oom_score_adj`` -1000 (the OOM killer takes the engine
+    before it: the engine's memory depends on it); where that is not permitted (no
+    CAP_SYS_RESOURCE, e.g. in a container) it keeps its default and :attr:`LazyPages.oom_note`
+    says so: its few MiB still rank far below the engine's GiBs in the OOM killer's choice.
+    Raises :class:`LazyPagesError` with its log."""
+    sock = work_dir / LAZY_SOCKET
+    sock.unlink(missing_ok=True)
+    log_file.unlink(missing_ok=True)
+    with open(os.devnull, "rb") as devnull:
+        proc = subprocess.Popen([binary, "lazy-pages", "-D", str(images_dir), "-W", str(work_dir), "-o", str(log_file),
+                                 LAZY_LOG_LEVEL, *libdir], stdin=devnull, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        ident = ProcessId.child(proc)
+        oom_note = ""
+        try:
+            Path(f"/proc/{proc.pid}/oom_score_adj").write_text("-1000\n")
+        except OSError as e:  # lowering it needs CAP_SYS_RESOURCE
+            oom_note = f"oom_score_adj of the lazy-pages daemon (pid {proc.pid}) left as it was: {e.strerror}"
+        deadline = time.monotonic() + timeout_s
+        while not sock.exists():
+            if proc.poll() is not None or ident is None:
+                raise LazyPagesError(f"criu lazy-pages exited {proc.returncode} before listening; "
+                                     f"{log_file}:\n{_log_tail(log_file)}")
+            if time.monotonic() > deadline:
+                raise LazyPagesError(f"criu lazy-pages did not listen on {sock} within {timeout_s:.0f} s")
+            time.sleep(0.002)
+    except BaseException:
+        kill_child(proc, timeout_s=2)
+        raise
+    return LazyPages(proc, ProcessId.of(proc.pid) or ident, log_file, oom_note)
+
+
+def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: Path | None = None,
+                 daemon_log: Path | None = None, timeout_s: float = 600, binary: str | None = None,
+                 on_daemon=None) -> tuple[int, LazyPages, float]:
+    """Restore the tree in ``images_dir`` detached, its memory on demand: start ``criu
+    lazy-pages`` (its socket and ``stats`` in ``work_dir``, its log ``daemon_log``, default
+    ``work_dir/lazy-pages.log``), then ``criu restore --lazy-pages``. Private anonymous memory
+    comes back empty, registered with userfaultfd: a page is copied from the image when a
+    process first touches it, the daemon copies the rest in the background and exits when done.
+
+    Returns (host PID of the root, the daemon's :class:`LazyPages`, seconds). ``on_daemon(lp)``
+    is called as soon as the daemon runs (to record its identity before anything else can
+    fail). Until the daemon's copy has ended, the restored memory depends on it: see
+    :func:`parse_lazy_log` for how to tell whether it ended complete. No CRIU plugins (a plan
+    that needs them restores eagerly). Raises :class:`LazyPagesError` if the daemon cannot
+    start, :class:`CheckpointError` if the restore fails (the daemon is then stopped).
+    """
+    images_dir, work_dir, pidfile = Path(images_dir), Path(work_dir), Path(pidfile)
+    log_file = Path(log_file or images_dir / "restore.log")
+    daemon_log = Path(daemon_log or work_dir / "lazy-pages.log")
+    pidfile.unlink(missing_ok=True)
+    bin_ = check(binary)
+    t0 = time.monotonic()
+    with _plugin_libdir((), bin_) as libdir:
+        lp = _start_lazy_daemon(bin_, images_dir, work_dir, daemon_log, libdir, min(timeout_s, 30))
+        try:
+            if on_daemon is not None:
+                on_daemon(lp)
+            cmd = [bin_, "restore", "-D", str(images_dir), "-W", str(work_dir), "-o", str(log_file), "-v2",
+                   "--restore-detached", "--pidfile", str(pidfile), "--lazy-pages", *RESTORE_FLAGS, *libdir]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise CheckpointError(f"criu restore --lazy-pages from {images_dir} did not finish in {timeout_s:.0f} s") from None
+            if r.returncode != 0:
+                raise CheckpointError(f"criu restore --lazy-pages from {images_dir} failed (exit {r.returncode}); "
+                                      f"{log_file}:\n{_log_tail(log_file)}")
+        except BaseException:
+            lp.stop()
+            raise
+    return int(pidfile.read_text().strip()), lp, time.monotonic() - t0

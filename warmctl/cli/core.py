@@ -106,6 +106,9 @@ def register(app: typer.Typer) -> None:
                                                     help="API keys the public port requires, one per line (config: gate_api_key_file)."),
         tls_cert: Optional[Path] = typer.Option(None, "--tls-cert", help="PEM certificate chain: TLS on the public port (config: gate_tls_cert)."),
         tls_key: Optional[Path] = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (config: gate_tls_key)."),
+        restore_pages: Optional[str] = typer.Option(None, "--restore-pages", metavar="lazy|eager|auto",
+                                                    help="How the restore copies the engine's memory: lazy (on demand, the rest in the "
+                                                         "background), eager (all before it runs), auto. Default: the restore_pages setting."),
         foreground: bool = typer.Option(False, "--foreground",
                                         help="Stay in the foreground as the engine's supervisor (systemd Type=notify: READY=1 after "
                                              "the canary and the open port, WATCHDOG=1 while healthy); exit 7 when the engine dies, "
@@ -137,11 +140,18 @@ def register(app: typer.Typer) -> None:
             if cold_start not in ("fallback", "never"):
                 raise typer.BadParameter(f"{cold_start!r}: use fallback or never", param_hint="--cold-start")
             overrides["cold_start"] = cold_start
+        if restore_pages is not None:
+            if restore_pages not in ("lazy", "eager", "auto"):
+                raise typer.BadParameter(f"{restore_pages!r}: use lazy, eager or auto", param_hint="--restore-pages")
+            overrides["restore_pages"] = restore_pages
         gate_flags = {"gate_api_key_file": api_key_file, "gate_tls_cert": tls_cert, "gate_tls_key": tls_key}
         settings = load_settings(None, {**overrides, **gate_flags})
         if settings.agent_url and foreground:
             raise typer.BadParameter("with an agent (agent_url), the agent supervises engines: ask it with "
                                      "POST /v1/engines/NAME/up {\"restart\": \"on-failure\"}", param_hint="--foreground")
+        if settings.agent_url and restore_pages is not None:
+            raise typer.BadParameter("with an agent, restore_pages is the agent's setting (in its config)",
+                                     param_hint="--restore-pages")
         if settings.agent_url and any(gate_flags.values()):
             raise typer.BadParameter("with an agent, the gate's key and TLS files are the agent's settings "
                                      "(gate_api_key_file, gate_tls_cert, gate_tls_key in its config)")
@@ -256,7 +266,8 @@ def register(app: typer.Typer) -> None:
         if json_out:
             emit_json([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
                         "gate_alive": r.gate_alive, "healthy": r.healthy, "profile": d.as_json(),
-                        "shm_count": r.shm_count, "shm_bytes": r.shm_bytes}
+                        "shm_count": r.shm_count, "shm_bytes": r.shm_bytes, "lazy_copy": r.lazy_copy,
+                        "failure": r.failure or None}
                        for r, d in zip(rows, drifts)])
             if name and not rows:
                 raise typer.Exit(1)
@@ -268,6 +279,10 @@ def register(app: typer.Typer) -> None:
         for r in rows:
             s = r.state
             phase = s.phase if r.engine_alive else f"{s.phase} (engine dead)"
+            if r.failure:
+                phase = "failed"
+            elif r.lazy_copy == "running":
+                phase += " (copying pages)"
             public = (f"{'https' if s.gate_tls else 'http'}://{s.public_host}:{s.public_port}"
                       f" ({'key' if s.gate_api_key else 'no key'})") if r.gate_alive else "closed"
             lines.append((s.name, phase, s.source, str(s.root_pid), public, "yes" if r.healthy else "no",
@@ -275,6 +290,8 @@ def register(app: typer.Typer) -> None:
         table(("name", "phase", "source", "pid", "public", "healthy", "/dev/shm", "snapshot"), lines)
         for r, d in zip(rows, drifts):  # warnings: stderr, one whole line each
             s = r.state
+            if r.failure:
+                typer.echo(f"engine {s.name} failed: {r.failure}", err=True)
             note = d.message(f"engine {s.name} ({'snapshot ' + s.manifest_digest[:19] if s.manifest_digest else s.source})")
             if note:
                 typer.echo(note, err=True)

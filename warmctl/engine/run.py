@@ -15,6 +15,9 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/restore.pid   the bare root PID ``criu restore --pidfile`` writes; removed once
                         ``engine.pid`` holds the root's identity (:meth:`EngineRun.adopt_restored`)
     <run>/restore.log   CRIU's restore log
+    <run>/lazy-pages.pid     the lazy-pages daemon's identity (JSON, as engine.pid), lazy restores only
+    <run>/lazy-pages.log     its log (``-v4``: the per-process copy summaries the gate checks)
+    <run>/lazy-pages.failed  why the gate took the engine down (the daemon exited before its copy ended)
     <run>/gate.log      the gate's output
     <run>/state.json    the persisted record (:mod:`warmctl.state`), while the run is recorded
 
@@ -80,6 +83,11 @@ class EngineRun:
         self.criu_pidfile = self.dir / "restore.pid"
         self.restore_log = self.dir / "restore.log"
         self.gate_log = self.dir / "gate.log"
+        self.lazy_pidfile = self.dir / "lazy-pages.pid"
+        self.lazy_log = self.dir / "lazy-pages.log"
+        self.lazy_failed = self.dir / "lazy-pages.failed"
+        #: the lazy-pages daemon of a lazy restore (:func:`warmctl.checkpoint.criu.lazy_restore`)
+        self.lazy: ProcessId | None = None
         self.root: ProcessId | None = None
         self.gate: ProcessId | None = None
         self.shm_files: list[str] = []
@@ -94,7 +102,7 @@ class EngineRun:
         """The run a persisted record describes (identities, ``/dev/shm`` files, paths)."""
         run = cls(run_dir, st.name, st.internal_port, log_path=st.log_path or None,
                   started_at=st.started_at or None)
-        run.root, run.gate = st.root, st.gate
+        run.root, run.gate, run.lazy = st.root, st.gate, st.lazy
         run.shm_files, run.shm_inodes = list(st.shm_files), [tuple(x) for x in st.shm_inodes]
         run.state = st
         return run
@@ -150,6 +158,14 @@ class EngineRun:
         self.gate = ProcessId.of(pid) or ProcessId(pid, 0.0)
         self.save()
 
+    def set_lazy(self, ident: ProcessId) -> None:
+        """Record the lazy-pages daemon ``ident``: at once in ``<run>/lazy-pages.pid`` (0600)
+        and in the record, so a teardown (and the agent's recovery) stops it."""
+        self.lazy = ident
+        private_dir(self.dir)
+        write_private(self.lazy_pidfile, json.dumps(ident.as_record()))
+        self.save()
+
     def alive(self) -> bool:
         """True while the recorded root is alive and still the same process."""
         return self.root is not None and self.root.alive()
@@ -171,6 +187,7 @@ class EngineRun:
             st.phase = phase  # type: ignore[assignment]
         st.set_root(self.root)
         st.set_gate(self.gate)
+        st.set_lazy(self.lazy)
         st.shm_files, st.shm_inodes = list(self.shm_files), [tuple(x) for x in self.shm_inodes]
         st.started_at = self.started_at
         save_state(self.run_dir, st)
@@ -219,6 +236,11 @@ class EngineRun:
             rep.refused.append(f"engine root: {why}")
         if strays:
             rep.killed += self._kill_strays(set(rep.killed), rep.refused)
+        # the lazy-pages daemon last: stopped before the engine, it would leave zero pages in a
+        # running engine (the gate, gone already, would have taken it down)
+        lazy = self.lazy or (self._recorded(self.lazy_pidfile, rep.refused) if strays else None)
+        if lazy is not None and kill_tree(lazy, timeout_s=2):
+            rep.killed.append(lazy.pid)
         for p in live_shm:
             if p.exists():
                 p.unlink(missing_ok=True)
@@ -236,13 +258,27 @@ class EngineRun:
             p.unlink(missing_ok=True)
             rep.removed_shm.append(str(p))
         rep.removed_scratch = self.remove_scratch()
-        for f in (self.pidfile, self.criu_pidfile):
+        for f in (self.pidfile, self.criu_pidfile, self.lazy_pidfile, self.lazy_failed):
             if f.is_file() and not f.is_symlink():
                 f.unlink(missing_ok=True)
         if self.state is not None:
             remove_state(self.run_dir, self.name)
             self.state = None
         return rep
+
+    @staticmethod
+    def _recorded(f: Path, refused: list[str]) -> ProcessId | None:
+        """The identity in a pid file this user wrote (JSON: pid, ctime, exe, cmdline), or None."""
+        if not trusted(f):
+            if f.exists() or f.is_symlink():
+                refused.append(f"{f}: {untrusted(f)}")
+            return None
+        try:
+            d = json.loads(f.read_text())
+            return ProcessId.recorded(d.get("pid"), d.get("ctime"), d.get("exe"), d.get("cmdline"))
+        except (OSError, ValueError, AttributeError, TypeError):
+            refused.append(f"{f}: unreadable")
+            return None
 
     def _kill_strays(self, done: set[int], refused: list[str]) -> list[int]:
         """Trees the record may not name (see :meth:`teardown`); returns the PIDs killed and
