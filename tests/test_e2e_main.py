@@ -101,7 +101,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     cold = [_completion(gate, p) for p in PROMPTS]
     warmctl("down", "tiny", env=wc_env)
     assert not _listening(gate)
-    assert shm_names() <= shm0, f"down of a cold engine left {shm_names() - shm0} in /dev/shm"
+    assert not (left := shm_leaked(shm0)), f"down of a cold engine left {left} in /dev/shm"
 
     r = warmctl("up", "tiny", "--json", env=wc_env)
     res = json.loads(r.stdout)
@@ -129,7 +129,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert not _listening(gate)
     m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
     assert not ({f.path for f in m.files if f.role == "shm"} & shm_names())
-    assert shm_names() <= shm_before_down
+    assert not shm_leaked(shm_before_down)
 
     # a second up from the same snapshot after down works too, from the image the first one
     # verified and kept (not rewritten: same inodes), and leaves it in place
@@ -169,7 +169,7 @@ def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports)
         assert chunk.digest.split(":")[1][:16] in (r.stderr + r.stdout)
         assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))  # nothing half-written kept
         assert not _listening(engine_ports[1])
-        assert shm_names() <= shm0
+        assert not shm_leaked(shm0)
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
     finally:
         path.write_bytes(original)
@@ -208,7 +208,7 @@ def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engin
     assert "canary mismatch" in out and "position 3" in out
     assert not opened, "public port accepted a connection before/without a passing canary"
     assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
-    assert shm_names() <= shm0
+    assert not shm_leaked(shm0)
     assert _our_engine_pids(wc_env) == []
     Catalog(store).remove("tiny", "tampered", digest)
 
