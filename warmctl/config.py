@@ -104,9 +104,13 @@ class Settings(BaseModel):
     - ``restore_pages``: how ``up`` restores a snapshot's memory: ``lazy`` (``criu restore
       --lazy-pages``: pages copied from the image on first touch and the rest in the background
       by a ``criu lazy-pages`` daemon the gate watches; the engine answers before the whole
-      image is read), ``eager`` (every page copied before the engine runs), or ``auto``
-      (default: lazy when ``criu check --feature uffd-noncoop`` passes on this host, cached
-      per CRIU binary and kernel; eager otherwise). A profile whose checkpoint plan loads CRIU
+      image is read), ``eager`` (default: every page copied before the engine runs), or
+      ``auto`` (lazy when ``criu check --feature uffd-noncoop`` passes on this host, cached
+      per CRIU binary and kernel; eager otherwise). Eager is the default because ``up``'s
+      canary must pass before the port opens, and with lazy pages it faults in what it touches
+      while the daemon's background copy competes for the CPU: on the 2-vCPU development VM
+      lazy ``up`` took 2.50 s to the first correct token against eager's 2.05 s
+      (``benchmarks/up_vs_raw.py``, docs/benchmarks.md). A profile whose checkpoint plan loads CRIU
       plugins (AMD) always restores eagerly: lazy pages with plugins are not verified.
     """
 
@@ -135,7 +139,7 @@ class Settings(BaseModel):
     match_driver: Literal["exact", "major"] = "exact"
     s3_outage_s: float = Field(60.0, ge=0)
     cold_start: Literal["fallback", "never"] = "fallback"
-    restore_pages: Literal["auto", "lazy", "eager"] = "auto"
+    restore_pages: Literal["auto", "lazy", "eager"] = "eager"
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 
