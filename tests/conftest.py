@@ -27,6 +27,17 @@ def warmctl(*args: str, env: dict[str, str], check: bool = True, timeout: float 
     return r
 
 
+def listening(port: int, timeout_s: float = 0.3) -> bool:
+    """Whether a TCP connection to 127.0.0.1:``port`` is accepted within ``timeout_s`` seconds."""
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def shm_names() -> set[str]:
     """Names in ``/dev/shm`` now."""
     return set(os.listdir("/dev/shm"))

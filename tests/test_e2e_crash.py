@@ -12,14 +12,12 @@ under its own tag; ``push``, ``pull`` and ``gc`` work on that snapshot with a di
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import psutil
 import pytest
-from tests.conftest import shm_leaked, shm_names
+from tests.conftest import listening, shm_leaked, shm_names, warmctl
 
-from tests.conftest import warmctl
 from tests.test_e2e_main import _settings
 from warmctl.store import open_store
 
@@ -27,13 +25,6 @@ pytestmark = pytest.mark.e2e
 
 KILL = "WARMCTL_TEST_KILL_AT_PHASE"
 
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def _ours(env) -> list[psutil.Process]:
@@ -68,7 +59,7 @@ def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     _killed(["up", "tiny"], wc_env, phase)
     # no public port in front of an engine whose canary did not pass (the gate's process, started
     # beside the restore, exits when warmctl's end of its pipe closes; it never listened)
-    assert not _listening(gate)
+    assert not listening(gate)
     _verify(wc_env)
     res = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)  # cleans up, then restores
     assert res["source"] == "restore" and not res["already_up"], res
@@ -80,7 +71,7 @@ def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     assert {p.pid for p in ours if "warmctl.gate" not in " ".join(p.cmdline())} <= tree
     assert [p.pid for p in ours if "warmctl.gate" in " ".join(p.cmdline())] == [st[0]["gate_pid"]]
     warmctl("down", "tiny", env=wc_env)
-    assert _ours(wc_env) == [] and not _listening(gate) and not _listening(engine)
+    assert _ours(wc_env) == [] and not listening(gate) and not listening(engine)
     m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
     # the snapshot's own files, by name (not link_remap.N: every tiny snapshot has link_remap.246,
     # and another suite's restore on this host may hold it right now; _left counts those)
@@ -100,7 +91,7 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
         assert "crash" not in warmctl("ls", env=wc_env).stdout  # nothing named by a killed snapshot
     out = warmctl("snapshot", "tiny", "--tag", "crash", env=wc_env, timeout=1500).stdout
     assert "tiny:crash" in " ".join(out.split())
-    assert _ours(wc_env) == [] and not _listening(engine)
+    assert _ours(wc_env) == [] and not listening(engine)
     assert not shm_leaked(shm0), shm_leaked(shm0)
     _verify(wc_env)
 

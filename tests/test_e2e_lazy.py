@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import shm_leaked, shm_names, warmctl
+from tests.conftest import listening, shm_leaked, shm_names, warmctl
 from warmctl.checkpoint import criu
 from warmctl.proc import ProcessId
 
@@ -36,13 +35,6 @@ def _status(env) -> dict:
 def _daemon(row: dict) -> ProcessId | None:
     return ProcessId.recorded(row.get("lazy_pid"), row.get("lazy_ctime"), row.get("lazy_exe"), row.get("lazy_cmdline"))
 
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.3):
-            return True
-    except OSError:
-        return False
 
 
 def _wait(cond, timeout_s: float) -> bool:
@@ -104,7 +96,7 @@ def test_lazy_up_serves_the_canary_token_and_leaves_nothing(tiny_snapshot, wc_en
     assert criu.lazy_log_status(__import__("pathlib").Path(run_dir) / "lazy-pages.log").complete
     assert _first_token(engine_ports[1], prompt) == token
     warmctl("down", "tiny", env=wc_env)
-    assert not _listening(engine_ports[1]) and not daemon.alive()
+    assert not listening(engine_ports[1]) and not daemon.alive()
     assert _no_criu_of(run_dir) == []
     assert shm_leaked(shm_before) == set()
 
@@ -125,7 +117,7 @@ def test_killing_the_daemon_after_up_is_judged_by_its_log(tiny_snapshot, wc_env,
     up = subprocess.Popen([*WARMCTL, "up", "tiny", "--restore-pages", "lazy"], env=wc_env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait(lambda: _listening(engine_ports[1]) or up.poll() is not None, 600)
+        assert _wait(lambda: listening(engine_ports[1]) or up.poll() is not None, 600)
         d = json.loads((run_dir / "lazy-pages.pid").read_text())
         daemon = ProcessId.recorded(d["pid"], d["ctime"], d["exe"], d["cmdline"])
         killed = daemon.alive() and psutil.Process(daemon.pid).kill() is None
@@ -140,14 +132,14 @@ def test_killing_the_daemon_after_up_is_judged_by_its_log(tiny_snapshot, wc_env,
     print(f"daemon killed while running: {killed}; its log shows the copy complete: {complete}")
     if up.returncode == 36:  # the gate refused to open: the daemon died before `up` handed over
         assert not complete and "LazyPagesError" not in err and "copied every page" in err
-        assert not _listening(engine_ports[1]) and _status(wc_env) == {}
+        assert not listening(engine_ports[1]) and _status(wc_env) == {}
     elif complete:
         time.sleep(2)
-        assert _listening(engine_ports[1])
+        assert listening(engine_ports[1])
         prompt, token = _canary(wc_env)
         assert _first_token(engine_ports[1], prompt) == token
     else:
-        assert _wait(lambda: not _listening(engine_ports[1]), 30), "the public port stayed open"
+        assert _wait(lambda: not listening(engine_ports[1]), 30), "the public port stayed open"
         row = _status(wc_env)
         assert _wait(lambda: not _status(wc_env).get("engine_alive"), 30), "the engine is still running"
         row = _status(wc_env)

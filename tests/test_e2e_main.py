@@ -18,9 +18,8 @@ import time
 import httpx
 import psutil
 import pytest
-from tests.conftest import shm_leaked, shm_names
+from tests.conftest import WARMCTL, listening, shm_leaked, shm_names, warmctl
 
-from tests.conftest import WARMCTL, warmctl
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
 from warmctl.catalog import Catalog
 from warmctl.config import load_settings
@@ -62,13 +61,6 @@ def _completion(port: int, prompt: str, max_tokens: int = 12) -> dict:
 PROMPTS = ["The capital of France is", "Name three fruits.", "Water boils at"]
 
 
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
 
 def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     s = _settings(wc_env)
@@ -100,7 +92,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert t["total"] > t["cold_start"] >= t["torch_compile"]
     cold = [_completion(gate, p) for p in PROMPTS]
     warmctl("down", "tiny", env=wc_env)
-    assert not _listening(gate)
+    assert not listening(gate)
     assert not (left := shm_leaked(shm0)), f"down of a cold engine left {left} in /dev/shm"
 
     r = warmctl("up", "tiny", "--json", env=wc_env)
@@ -126,7 +118,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
 
     shm_before_down = shm_names()
     warmctl("down", "tiny", env=wc_env)
-    assert not _listening(gate)
+    assert not listening(gate)
     m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
     assert not ({f.path for f in m.files if f.role == "shm"} & shm_names())
     assert not shm_leaked(shm_before_down)
@@ -168,7 +160,7 @@ def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports)
         assert r.returncode != 0
         assert chunk.digest.split(":")[1][:16] in (r.stderr + r.stdout)
         assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))  # nothing half-written kept
-        assert not _listening(engine_ports[1])
+        assert not listening(engine_ports[1])
         assert not shm_leaked(shm0)
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
     finally:
@@ -191,7 +183,7 @@ def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engin
 
     def watch():
         while not stop.is_set():
-            if _listening(engine_ports[1]):
+            if listening(engine_ports[1]):
                 opened.append(time.time())
             time.sleep(0.02)
 
@@ -318,7 +310,7 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
         while "draining" not in log() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert f"draining {n} connection(s)" in log(), log()
-        assert not _listening(gate)  # the listener is closed while the streams are open
+        assert not listening(gate)  # the listener is closed while the streams are open
         time.sleep(1.0)  # a gate holding only finished responses closes them within 50 ms
         assert "gate: closed" not in log() and down.poll() is None
     finally:
@@ -331,7 +323,7 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
     # every stream was still unfinished at the gate when the drain began, and ended with [DONE]
     assert all(a > ahead for a in after), (after, ahead)
     assert "gate: closed" in log()
-    assert not _listening(gate) and not _listening(engine)
+    assert not listening(gate) and not listening(engine)
 
 
 def test_two_concurrent_ups_of_one_name_restore_once(tiny_snapshot, wc_env, engine_ports):
@@ -379,7 +371,7 @@ def test_a_concurrent_up_reports_the_first_ones_failure(tiny_snapshot, wc_env, e
         assert sum("this one waited for" in t for t in text) == 1, text  # one restore, one report
         assert sum(bool(re.search(r"ok restore\b", t)) for t in text) == 1  # one restore ran
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
-        assert not _listening(engine_ports[1]) and _our_engine_pids(wc_env) == []
+        assert not listening(engine_ports[1]) and _our_engine_pids(wc_env) == []
         assert not shm_leaked(shm0)
     finally:
         Catalog(store).remove("tiny", "tampered2", digest)
@@ -428,6 +420,6 @@ def test_a_required_file_rewritten_with_the_same_size_is_refused_and_named(tiny_
         assert "1 file(s)" in out and src not in out  # only the changed file is named
         assert re.search(r"failed materialize\b", out) and not re.search(r"(ok|failed) restore\b", out)
         assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
-        assert not _listening(engine_ports[1]) and not shm_leaked(shm0)
+        assert not listening(engine_ports[1]) and not shm_leaked(shm0)
     finally:
         Catalog(store).remove("tiny", "libcheck", digest)

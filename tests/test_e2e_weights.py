@@ -17,10 +17,9 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import shm_leaked, shm_names, tiny_profile, warmctl
+from tests.conftest import listening, shm_leaked, shm_names, tiny_profile, warmctl
 from tests.test_e2e_main import (
     _completion,
-    _listening,
     _our_engine_pids,
     _settings,
 )
@@ -132,7 +131,7 @@ def test_restored_engine_depends_on_the_loaded_weights(manifest, wc_env, engine_
         out = r.stderr + r.stdout
         assert r.returncode == 3, out
         assert "canary mismatch" in out
-        assert not _listening(engine_ports[1])
+        assert not listening(engine_ports[1])
         assert not shm_leaked(shm0) and _our_engine_pids(wc_env) == []
     finally:
         Catalog(store).remove(NAME, "zeroed", digest)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests.conftest import listening
 from warmctl import gate
 from warmctl.checkpoint import criu
 from warmctl.proc import ProcessId
@@ -111,13 +112,6 @@ def _orphan_sleeper() -> ProcessId:
     return ident
 
 
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
 
 @pytest.fixture
 def upstream():
@@ -152,16 +146,16 @@ def test_gate_takes_the_engine_down_when_the_daemon_dies_before_its_copy_ended(t
         pending.open(engine.pid, lazy=watch)
         client = socket.create_connection(("127.0.0.1", port))  # an open client connection
         time.sleep(0.3)
-        assert _listening(port) and engine.alive()
+        assert listening(port) and engine.alive()
         daemon.kill()  # SIGKILL: as an OOM kill or an operator's kill
         daemon.wait()
         if complete:
             time.sleep(1.5)
-            assert _listening(port) and engine.alive() and pending.proc.poll() is None
+            assert listening(port) and engine.alive() and pending.proc.poll() is None
             assert not (tmp_path / "lazy-pages.failed").exists()
             assert "finished" in (tmp_path / "gate.log").read_text()
         else:
-            assert _wait(lambda: not _listening(port)), "the public port stayed open"
+            assert _wait(lambda: not listening(port)), "the public port stayed open"
             assert _wait(lambda: not engine.alive()), "the engine was not killed"
             client.settimeout(5)
             try:
@@ -195,7 +189,7 @@ def test_gate_refuses_to_open_when_the_daemon_already_died_incomplete(tmp_path, 
     try:
         with pytest.raises(criu.LazyPagesError, match="port was not opened"):
             pending.open(engine.pid, lazy=gate.LazyWatch(ident, log, engine, tmp_path / "f"))
-        assert not _listening(port)
+        assert not listening(port)
         assert criu.LazyPagesError.exit_code == 36
     finally:
         pending.proc.kill()
