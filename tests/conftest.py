@@ -38,6 +38,19 @@ def listening(port: int, timeout_s: float = 0.3) -> bool:
         return False
 
 
+def wait_until(cond, timeout_s: float = 20.0) -> bool:
+    """Call ``cond()`` every 0.05 s until it is true or ``timeout_s`` seconds pass; returns
+    its last value (a test asserts it)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
 def shm_names() -> set[str]:
     """Names in ``/dev/shm`` now."""
     return set(os.listdir("/dev/shm"))

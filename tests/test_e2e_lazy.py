@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import listening, shm_leaked, shm_names, warmctl
+from tests.conftest import listening, shm_leaked, shm_names, wait_until, warmctl
 from warmctl.checkpoint import criu
 from warmctl.proc import ProcessId
 
@@ -34,16 +34,6 @@ def _status(env) -> dict:
 
 def _daemon(row: dict) -> ProcessId | None:
     return ProcessId.recorded(row.get("lazy_pid"), row.get("lazy_ctime"), row.get("lazy_exe"), row.get("lazy_cmdline"))
-
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def _canary(env) -> tuple[str, int]:
@@ -88,7 +78,7 @@ def test_lazy_up_serves_the_canary_token_and_leaves_nothing(tiny_snapshot, wc_en
     prompt, token = _canary(wc_env)
     assert _first_token(engine_ports[1], prompt) == token  # through the gate's public port
     # the background copy ends, the daemon exits with every page copied, the engine keeps serving
-    assert _wait(lambda: not daemon.alive(), 180), "the lazy-pages daemon did not finish its copy"
+    assert wait_until(lambda: not daemon.alive(), 180), "the lazy-pages daemon did not finish its copy"
     time.sleep(0.5)
     row = _status(wc_env)
     assert row["lazy_copy"] == "done" and not row["failure"] and row["gate_alive"] and row["engine_alive"], row
@@ -117,7 +107,7 @@ def test_killing_the_daemon_after_up_is_judged_by_its_log(tiny_snapshot, wc_env,
     up = subprocess.Popen([*WARMCTL, "up", "tiny", "--restore-pages", "lazy"], env=wc_env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait(lambda: listening(engine_ports[1]) or up.poll() is not None, 600)
+        assert wait_until(lambda: listening(engine_ports[1]) or up.poll() is not None, 600)
         d = json.loads((run_dir / "lazy-pages.pid").read_text())
         daemon = ProcessId.recorded(d["pid"], d["ctime"], d["exe"], d["cmdline"])
         killed = daemon.alive() and psutil.Process(daemon.pid).kill() is None
@@ -127,7 +117,7 @@ def test_killing_the_daemon_after_up_is_judged_by_its_log(tiny_snapshot, wc_env,
             up.kill()
             up.wait()
     assert up.returncode in (0, 36), f"up exited {up.returncode}:\n{out}\n{err}"
-    assert _wait(lambda: not daemon.alive(), 10)
+    assert wait_until(lambda: not daemon.alive(), 10)
     complete = criu.lazy_log_status(run_dir / "lazy-pages.log").complete
     print(f"daemon killed while running: {killed}; its log shows the copy complete: {complete}")
     if up.returncode == 36:  # the gate refused to open: the daemon died before `up` handed over
@@ -139,9 +129,9 @@ def test_killing_the_daemon_after_up_is_judged_by_its_log(tiny_snapshot, wc_env,
         prompt, token = _canary(wc_env)
         assert _first_token(engine_ports[1], prompt) == token
     else:
-        assert _wait(lambda: not listening(engine_ports[1]), 30), "the public port stayed open"
+        assert wait_until(lambda: not listening(engine_ports[1]), 30), "the public port stayed open"
         row = _status(wc_env)
-        assert _wait(lambda: not _status(wc_env).get("engine_alive"), 30), "the engine is still running"
+        assert wait_until(lambda: not _status(wc_env).get("engine_alive"), 30), "the engine is still running"
         row = _status(wc_env)
         assert "before it had copied every page" in row["failure"], row
         assert "failed" in warmctl("status", "tiny", env=wc_env, check=False).stdout

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.conftest import listening
+from tests.conftest import listening, wait_until
 from warmctl import gate
 from warmctl.checkpoint import criu
 from warmctl.proc import ProcessId
@@ -112,7 +112,6 @@ def _orphan_sleeper() -> ProcessId:
     return ident
 
 
-
 @pytest.fixture
 def upstream():
     """A loopback listener standing in for the engine's port (accepts, never answers)."""
@@ -121,15 +120,6 @@ def upstream():
     s.listen(16)
     yield s.getsockname()[1]
     s.close()
-
-
-def _wait(cond, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 @pytest.mark.parametrize("complete", [False, True])
@@ -155,8 +145,8 @@ def test_gate_takes_the_engine_down_when_the_daemon_dies_before_its_copy_ended(t
             assert not (tmp_path / "lazy-pages.failed").exists()
             assert "finished" in (tmp_path / "gate.log").read_text()
         else:
-            assert _wait(lambda: not listening(port)), "the public port stayed open"
-            assert _wait(lambda: not engine.alive()), "the engine was not killed"
+            assert wait_until(lambda: not listening(port)), "the public port stayed open"
+            assert wait_until(lambda: not engine.alive()), "the engine was not killed"
             client.settimeout(5)
             try:
                 assert client.recv(1) == b""  # the open connection was cut
