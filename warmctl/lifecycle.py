@@ -51,7 +51,7 @@ from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
-from warmctl.engine.run import EngineRun
+from warmctl.engine.run import LAZY_FAILED, EngineRun
 from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.gate import LazyWatch
 from warmctl.gate import drain as drain_gate
@@ -593,7 +593,7 @@ def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = 
         lazy = st.lazy
         lazy_copy = None if lazy is None else ("running" if lazy.alive() else "done")
         try:
-            failure = (settings.run_dir / st.name / "lazy-pages.failed").read_text().strip()
+            failure = (settings.run_dir / st.name / LAZY_FAILED).read_text().strip()
         except OSError:
             failure = ""
         out.append((EngineStatus(st, alive, st.gate_alive(), healthy, len(shm), capture.shm_bytes(shm), lazy_copy,

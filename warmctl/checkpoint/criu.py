@@ -230,7 +230,7 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
             binary: str | None = None, work_dir: Path | None = None,
-            plugins: Sequence[str] = ()) -> tuple[int, float]:
+            plugins: Sequence[str] = (), lazy_pages: bool = False) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
     ``log_file`` defaults to ``images_dir/restore.log``. ``work_dir``: where CRIU writes what
@@ -238,6 +238,8 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     read-only, reused image directory stays unchanged. Raises :class:`CheckpointError` with
     the relevant lines of CRIU's log on failure (CRIU kills what it partly restored).
     ``plugins``: as for :func:`dump` (an image dumped with a plugin needs it at restore).
+    ``lazy_pages``: ``--lazy-pages``, served by a ``criu lazy-pages`` daemon already listening
+    in ``work_dir`` (use :func:`lazy_restore`, which starts it).
     """
     images_dir = Path(images_dir)
     log_file = Path(log_file or images_dir / "restore.log")
@@ -247,7 +249,10 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
     if work_dir is not None:
         cmd += ["-W", str(work_dir)]
-    secs = _run(cmd, f"criu restore from {images_dir}", log_file, timeout_s, plugins)
+    if lazy_pages:
+        cmd.append("--lazy-pages")
+    secs = _run(cmd, f"criu restore{' --lazy-pages' if lazy_pages else ''} from {images_dir}", log_file, timeout_s,
+                plugins)
     return int(pidfile.read_text().strip()), secs
 
 
@@ -454,27 +459,18 @@ def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: P
     that needs them restores eagerly). Raises :class:`LazyPagesError` if the daemon cannot
     start, :class:`CheckpointError` if the restore fails (the daemon is then stopped).
     """
-    images_dir, work_dir, pidfile = Path(images_dir), Path(work_dir), Path(pidfile)
-    log_file = Path(log_file or images_dir / "restore.log")
+    images_dir, work_dir = Path(images_dir), Path(work_dir)
     daemon_log = Path(daemon_log or work_dir / "lazy-pages.log")
-    pidfile.unlink(missing_ok=True)
     bin_ = check(binary)
     t0 = time.monotonic()
     with _plugin_libdir((), bin_) as libdir:
         lp = _start_lazy_daemon(bin_, images_dir, work_dir, daemon_log, libdir, min(timeout_s, 30))
-        try:
-            if on_daemon is not None:
-                on_daemon(lp)
-            cmd = [bin_, "restore", "-D", str(images_dir), "-W", str(work_dir), "-o", str(log_file), "-v2",
-                   "--restore-detached", "--pidfile", str(pidfile), "--lazy-pages", *RESTORE_FLAGS, *libdir]
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                raise CheckpointError(f"criu restore --lazy-pages from {images_dir} did not finish in {timeout_s:.0f} s") from None
-            if r.returncode != 0:
-                raise CheckpointError(f"criu restore --lazy-pages from {images_dir} failed (exit {r.returncode}); "
-                                      f"{log_file}:\n{_log_tail(log_file)}")
-        except BaseException:
-            lp.stop()
-            raise
-    return int(pidfile.read_text().strip()), lp, time.monotonic() - t0
+    try:
+        if on_daemon is not None:
+            on_daemon(lp)
+        pid, _ = restore(images_dir, pidfile, log_file=log_file, timeout_s=timeout_s, binary=bin_, work_dir=work_dir,
+                         lazy_pages=True)
+    except BaseException:
+        lp.stop()
+        raise
+    return pid, lp, time.monotonic() - t0

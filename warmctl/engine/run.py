@@ -56,6 +56,11 @@ class TeardownReport:
     refused: list[str] = field(default_factory=list)
 
 
+#: In a run directory: why the gate took the engine down (its lazy-pages daemon exited before
+#: its copy ended), read by ``warmctl status``.
+LAZY_FAILED = "lazy-pages.failed"
+
+
 class EngineRun:
     """One engine of this host (see the module doc).
 
@@ -85,7 +90,7 @@ class EngineRun:
         self.gate_log = self.dir / "gate.log"
         self.lazy_pidfile = self.dir / "lazy-pages.pid"
         self.lazy_log = self.dir / "lazy-pages.log"
-        self.lazy_failed = self.dir / "lazy-pages.failed"
+        self.lazy_failed = self.dir / LAZY_FAILED
         #: the lazy-pages daemon of a lazy restore (:func:`warmctl.checkpoint.criu.lazy_restore`)
         self.lazy: ProcessId | None = None
         self.root: ProcessId | None = None
