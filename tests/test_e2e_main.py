@@ -20,6 +20,7 @@ import psutil
 import pytest
 from tests.conftest import WARMCTL, listening, shm_leaked, shm_names, warmctl
 
+from warmctl.checkpoint import affinity
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
 from warmctl.catalog import Catalog
 from warmctl.config import load_settings
@@ -101,6 +102,15 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert {"materialize", "restore", "health", "canary", "gate", "total"} <= set(res["timings_s"])
     t = res["timings_s"]
     assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+    # vLLM's CPU build bound its compute thread at the cold start; CRIU restores no affinity,
+    # up put it back: every thread recorded in the manifest is on its recorded CPUs again
+    m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
+    if len(os.sched_getaffinity(0)) >= 2:  # with one CPU there is nothing to bind to
+        assert m.restore.cpu_affinity, "the snapshot recorded no bound thread of the engine"
+    root = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]["root_pid"]
+    now = affinity.record(root)
+    for cpus, threads in m.restore.cpu_affinity.items():
+        assert set(threads) <= set(now.get(cpus, ())), f"bound at snapshot: {m.restore.cpu_affinity}; now: {now}"
     restored = [_completion(gate, p) for p in PROMPTS]
     assert restored == cold
     # chat completion on the public port

@@ -45,7 +45,7 @@ from pydantic import ValidationError
 from warmctl import enginelock, fleet
 from warmctl import snapshot as snap
 from warmctl.catalog import Catalog, CatalogEntry, CatalogError
-from warmctl.checkpoint import capture, criu
+from warmctl.checkpoint import affinity, capture, criu
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
@@ -462,12 +462,22 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                                                  daemon_log=run.lazy_log, binary=settings.criu,
                                                  on_daemon=lambda lp: run.set_lazy(lp.ident))
                 run.adopt_restored(pid)
+                _rebind(run, m, reporter)
                 if lazy.oom_note:
                     reporter.info(f"[yellow]{lazy.oom_note}[/]")
                 return img, lazy
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins)[0])
+            _rebind(run, m, reporter)
     return img, None
+
+
+def _rebind(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
+    """Put the threads bound at snapshot time back on their CPUs (CRIU restores no affinity;
+    :mod:`warmctl.checkpoint.affinity`); say what could not be."""
+    done = affinity.apply(run.root_pid, m.restore.cpu_affinity)
+    if note := done.note():
+        reporter.info(f"[yellow]CPU binding: {note}[/]")
 
 
 def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,

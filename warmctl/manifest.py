@@ -190,7 +190,10 @@ class RestoreInfo(_Recorded):
     ``{absolute path: "<algorithm>:<hex>"}``, the content digest of each of those files
     (:mod:`warmctl.checkpoint.filedigest`; absent in manifests written before it, whose files
     are then checked by size only); ``images_bytes``: size of the CRIU
-    image files; ``gpu`` / ``weights``: present only for those checkpoint flavours. Every key
+    image files; ``cpu_affinity``: ``{CPU list: [thread IDs in the engine's PID namespace]}``
+    of the threads bound to fewer CPUs than the snapshotting warmctl could use (CRIU does not
+    restore affinity; ``up`` puts it back, :mod:`warmctl.checkpoint.affinity`; absent when no
+    thread was bound); ``gpu`` / ``weights``: present only for those checkpoint flavours. Every key
     is optional in the format (a manifest written without one reads with its default).
     """
 
@@ -200,6 +203,7 @@ class RestoreInfo(_Recorded):
     required_files: dict[str, int] = {}
     required_digests: dict[str, str] = {}
     images_bytes: int = Field(0, ge=0)
+    cpu_affinity: dict[str, list[int]] = {}
     gpu: GpuRestore | None = None
     weights: WeightsRestore | None = None
 
@@ -207,6 +211,15 @@ class RestoreInfo(_Recorded):
     @classmethod
     def _abs_ok(cls, v: str | None) -> str | None:
         return None if v is None else check_absolute_path(v)
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _affinity_ok(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        from warmctl.checkpoint.affinity import parse_cpu_list
+
+        for cpus in v:
+            parse_cpu_list(cpus)
+        return v
 
     @field_validator("required_files")
     @classmethod

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from warmctl import enginelock, fleet, host, trust
 from warmctl.catalog import Catalog, Ref
-from warmctl.checkpoint import capture, criu, filedigest
+from warmctl.checkpoint import affinity, capture, criu, filedigest
 from warmctl.config import Settings
 from warmctl.engine import cold
 from warmctl.engine.plan import CheckpointPlan
@@ -175,13 +175,15 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
 class _Dumped:
     """What :func:`_dump` leaves for the store: files to chunk as (source, role, path in the
     manifest), entries that need no chunks (hard links), the files the tree referenced, the GPU
-    restore record (CUDA profiles) and the images' size in bytes."""
+    restore record (CUDA profiles), the images' size in bytes and the tree's bound threads
+    (:func:`warmctl.checkpoint.affinity.record`)."""
 
     files: capture.TreeFiles
     items: list[tuple[Path, str, str]] = field(default_factory=list)
     links: list[FileEntry] = field(default_factory=list)
     gpu: GpuRestore | None = None
     images_bytes: int = 0
+    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
@@ -195,7 +197,7 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     run.shm_files = [str(p) for p in files.shm]
     run.shm_inodes = [(st.st_dev, st.st_ino) for st in map(Path.stat, files.shm)]
     run.save()  # recorded before CRIU runs: the dump kills the tree, its files stay in /dev/shm
-    out = _Dumped(files)
+    out = _Dumped(files, cpu_affinity=affinity.record(run.root_pid))
     shutil.rmtree(run.images, ignore_errors=True)
     with reporter.phase("criu_dump", f"CRIU dump of pid {run.root_pid} and its children"), \
             criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
@@ -258,6 +260,8 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
                           required_files=dumped.files.required, images_bytes=dumped.images_bytes,
                           required_digests=filedigest.digests_of(dumped.files.required,
                                                                  filedigest.DigestCache.for_settings(settings)))
+    if dumped.cpu_affinity:
+        restore.cpu_affinity = dumped.cpu_affinity
     if dumped.gpu is not None:
         restore.gpu = dumped.gpu
     if weights is not None:
