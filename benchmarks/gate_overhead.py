@@ -16,8 +16,25 @@ alternating, so every side sees the same machine load. Every request carries the
   ``--max-tokens``: vLLM merged tokens a slow reader had not taken yet, and ITL then counts
   the gaps between those merged events);
 
+- relay CPU: CPU microseconds the side's relay process(es) used per SSE chunk relayed
+  (request heads, connections and TLS included), read from ``/proc/PID/task/*/schedstat``;
+  unlike the latency ratios it does not depend on how the host schedules the other processes,
+  and on a host where the relay has a core of its own it bounds what the relay adds to each
+  chunk's delivery;
+
 and the ratios side/direct (1.000 = no cost). Then ``--clients`` (256) concurrent streaming
 clients through the gate: how many got every token and ``[DONE]``, and every error.
+
+``--upstream`` chooses what stands behind the relays:
+
+- ``vllm`` (default): the real ``tiny`` engine (CPU build), restored by ``warmctl up``. On a
+  small host the engine's CPU work shares the cores with the relay and the client, so every
+  relay's CPU is taken from the engine: this measures that contention as much as the relay.
+- ``paced``: ``benchmarks/paced_engine.py``, a stand-in for a GPU engine's HTTP front that
+  spends no CPU on tokens, serving each level at seed 003's measured H200 decode timing
+  (:data:`SEED003_DECODE`: TTFT and time between tokens at that many concurrent requests) with
+  one decode step per interval for all streams at once. The gate is then started by this script
+  in front of it with the same key file (no snapshot, no ``up``).
 
 ``--alt haproxy,nginx`` adds the alternatives the issue asked to measure, as further sides of
 the same interleaved rounds, each started and configured here (config files in the work dir,
@@ -44,12 +61,12 @@ with ``-p WORKDIR``).
 
 Usage::
 
-    python benchmarks/gate_overhead.py [--concurrency 8,64] [--rounds 8] [--max-tokens 32]
-        [--clients 256] [--tls] [--alt haproxy,nginx] [--keep-home DIR]
+    python benchmarks/gate_overhead.py [--upstream vllm|paced] [--concurrency 8,64] [--rounds 8]
+        [--max-tokens 32] [--clients 256] [--tls] [--alt haproxy,nginx] [--keep-home DIR]
 
 Ports: $WARMCTL_TEST_ENGINE_PORT / $WARMCTL_TEST_GATE_PORT when set (else 18600/18680);
 the TLS gate listens on the gate port + 1, HAProxy on the engine port + 1, nginx on the
-engine port + 2. Every process the script starts (engine, gates, HAProxy, nginx) is stopped
+engine port + 2; the paced engine on the engine port. Every process the script starts (engine, gates, HAProxy, nginx) is stopped
 when it ends, also on Ctrl-C or SIGTERM.
 """
 
@@ -83,11 +100,13 @@ BODY = {"model": "tiny", "prompt": "The train leaves the station at", "temperatu
         "stream": True}
 
 
-async def stream_once(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[float, float, int]:
-    """(TTFT s, mean time between token chunks s, chunks) of one streaming completion."""
+async def stream_once(client: httpx.AsyncClient, url: str, max_tokens: int,
+                      extra: dict | None = None) -> tuple[float, float, int]:
+    """(TTFT s, mean time between token chunks s, chunks) of one streaming completion;
+    ``extra``: further body fields."""
     t0 = time.perf_counter()
     ttft, first, last, n = None, 0.0, 0.0, 0
-    async with client.stream("POST", url, json={**BODY, "max_tokens": max_tokens}) as r:
+    async with client.stream("POST", url, json={**BODY, "max_tokens": max_tokens, **(extra or {})}) as r:
         r.raise_for_status()
         done = False
         async for line in r.aiter_lines():
@@ -103,18 +122,51 @@ async def stream_once(client: httpx.AsyncClient, url: str, max_tokens: int) -> t
     return ttft, (last - first) / (n - 1) if n > 1 else 0.0, n
 
 
-async def one_round(client: httpx.AsyncClient, url: str, conc: int, max_tokens: int):
+async def one_round(client: httpx.AsyncClient, url: str, conc: int, max_tokens: int, extra: dict | None = None):
     t0 = time.perf_counter()
     try:
-        res = await asyncio.gather(*(stream_once(client, url, max_tokens) for _ in range(conc)))
+        res = await asyncio.gather(*(stream_once(client, url, max_tokens, extra) for _ in range(conc)))
     except Exception as e:
         raise RuntimeError(f"{client.base_url}: {type(e).__name__}: {e}") from e
     wall = time.perf_counter() - t0
     return res, conc * max_tokens / wall  # ignore_eos: every stream carries max_tokens tokens
 
 
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by ``pids`` and their descendants, every thread: the sum of
+    ``/proc/PID/task/TID/schedstat``'s first field (nanoseconds on a CPU; ``cpu_times`` counts
+    in 10 ms ticks, too coarse for a relay's share of one round)."""
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                tids = os.listdir(f"/proc/{p.pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    pass
+    return total / 1e9
+
+
 async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: list[int], rounds: int,
-                  max_tokens: int) -> dict:
+                  max_tokens: int, relays: dict[str, list[int]] | None = None, extra=lambda conc: None) -> dict:
+    """Per level and side: TTFT/ITL medians (ms), tok/s and chunks medians, and
+    ``relay_us_per_chunk``: CPU microseconds the side's relay processes (``relays[side]``:
+    PIDs, their children counted) used per SSE chunk they relayed in the measured rounds
+    (their CPU use while another side's round runs, e.g. idle timers, is not counted).
+    ``extra(conc)``: further request body fields for that level."""
+    relays = relays or {}
     out = {}
     headers = {"Authorization": f"Bearer {KEY}"}
     for conc in levels:
@@ -125,13 +177,17 @@ async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: l
         itl = {k: [] for k in sides}
         tput = {k: [] for k in sides}
         chunks = {k: [] for k in sides}
+        relay_cpu = {k: 0.0 for k in sides}
+        body = extra(conc)
         try:
             for k in sides:  # warm each path (connections, engine)
-                await one_round(clients[k], "/v1/completions", conc, max_tokens)
+                await one_round(clients[k], "/v1/completions", conc, max_tokens, body)
             order = list(sides)
             for r in range(rounds):
                 for k in (order if r % 2 == 0 else order[::-1]):
-                    res, tps = await one_round(clients[k], "/v1/completions", conc, max_tokens)
+                    c0 = cpu_s(relays.get(k, []))
+                    res, tps = await one_round(clients[k], "/v1/completions", conc, max_tokens, body)
+                    relay_cpu[k] += cpu_s(relays.get(k, [])) - c0
                     ttft[k] += [x[0] for x in res]
                     itl[k] += [x[1] for x in res]
                     tput[k].append(tps)
@@ -140,11 +196,23 @@ async def measure(sides: dict[str, tuple[str, ssl.SSLContext | bool]], levels: l
             for c in clients.values():
                 await c.aclose()
         out[conc] = {k: {"ttft_ms": 1e3 * statistics.median(ttft[k]), "itl_ms": 1e3 * statistics.median(itl[k]),
-                         "tok_s": statistics.median(tput[k]), "chunks": statistics.median(chunks[k])} for k in sides}
+                         "tok_s": statistics.median(tput[k]), "chunks": statistics.median(chunks[k]),
+                         "relay_us_per_chunk": 1e6 * relay_cpu[k] / sum(chunks[k])} for k in sides}
     return out
 
 
 ALTS = ("haproxy", "nginx")
+UPSTREAMS = ("vllm", "paced")
+#: Seed 003 (Ling 3.0 Flash FP4 on 2x H200, "Sustained decode", 8K context): concurrent requests
+#: -> (median TTFT ms, median time between tokens ms), the timings ``--upstream paced`` serves
+SEED003_DECODE = {1: (62, 6.1), 2: (85, 7.0), 4: (102, 7.5), 8: (166, 8.5), 16: (207, 9.8), 32: (360, 12.3),
+                  64: (529, 15.9), 128: (845, 21.6)}
+
+
+def paced_body(conc: int) -> dict:
+    """The body field that sets ``benchmarks/paced_engine.py``'s timing to seed 003's at ``conc``."""
+    ttft, itl = SEED003_DECODE[conc]
+    return {"paced": {"ttft_ms": ttft, "itl_ms": itl}}
 #: Seconds vLLM's server keeps an idle connection (its VLLM_HTTP_TIMEOUT_KEEP_ALIVE default). A
 #: proxy reusing an upstream connection the engine is closing gets no response: HAProxy retries
 #: such a request (``retry-on empty-response``), nginx cannot retry an unbuffered POST, so its
@@ -314,13 +382,13 @@ def start_alt(name: str, port: int, root: Path, procs: Processes) -> str:
     return url
 
 
-async def many_clients(url: str, verify, n: int, max_tokens: int) -> tuple[int, list[str]]:
+async def many_clients(url: str, verify, n: int, max_tokens: int, extra: dict | None = None) -> tuple[int, list[str]]:
     """``n`` streaming clients at once, each on its own connection: (streams that ended with
-    ``[DONE]``, errors)."""
+    ``[DONE]``, errors). ``extra``: further body fields."""
     async def one(i: int):
         async with httpx.AsyncClient(base_url=url, verify=verify, timeout=600,
                                      headers={"Authorization": f"Bearer {KEY}"}) as c:
-            return await stream_once(c, "/v1/completions", max_tokens)
+            return await stream_once(c, "/v1/completions", max_tokens, extra)
 
     res = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
     errors = [f"{type(r).__name__}: {r}" for r in res if isinstance(r, BaseException)]
@@ -335,6 +403,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=256, help="concurrent streaming clients through the gate (0: skip)")
     ap.add_argument("--tls", action="store_true", help="also measure a second gate with TLS (CA made here)")
     ap.add_argument("--alt", default="", help=f"also measure these alternatives, comma-separated: {','.join(ALTS)}")
+    ap.add_argument("--upstream", choices=UPSTREAMS, default="vllm",
+                    help="vllm: the real tiny engine (CPU build); paced: benchmarks/paced_engine.py, a stand-in "
+                         "with seed 003's H200 TTFT and time between tokens that spends no CPU on tokens")
     ap.add_argument("--keep-home", type=Path, default=None)
     a = ap.parse_args()
     alts = [x for x in a.alt.split(",") if x]
@@ -354,43 +425,62 @@ def main() -> None:
     from warmctl.config import load_settings
     from warmctl.store import open_store
 
+    from warmctl import gate
+    from warmctl.state import load as load_state
+
+    levels = [int(x) for x in a.concurrency.split(",")]
+    paced = a.upstream == "paced"
+    if paced and (missing := [c for c in levels if c not in SEED003_DECODE]):
+        ap.error(f"--upstream paced: no seed 003 figures for {missing} concurrent requests "
+                 f"(choose from {','.join(map(str, SEED003_DECODE))})")
     procs = Processes()
-    tls_gate = None
+    gates: list[int] = []
     try:
-        if Catalog(open_store(load_settings().store_dir)).newest("tiny") is None:
-            print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
-            wc(env, "snapshot", "tiny", "--quiet")
-        wc(env, "up", "tiny")
+        if paced:
+            log = root / "paced-engine.log"
+            engine = procs.start("paced engine", [sys.executable, str(Path(__file__).with_name("paced_engine.py")),
+                                                  "--port", str(ENGINE_PORT)], log)
+            wait_listening(ENGINE_PORT, engine, "the paced engine", log)
+            gates.append(gate.start("127.0.0.1", GATE_PORT, ENGINE_PORT, engine.pid, root / "gate.log",
+                                    args=gate.policy_args(key_file)))
+            engine_pid, gate_pid = engine.pid, gates[0]
+        else:
+            if Catalog(open_store(load_settings().store_dir)).newest("tiny") is None:
+                print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
+                wc(env, "snapshot", "tiny", "--quiet")
+            wc(env, "up", "tiny")
+            st = load_state(load_settings().run_dir, "tiny")
+            engine_pid, gate_pid = st.root_pid, st.gate_pid
         r = httpx.get(f"http://127.0.0.1:{GATE_PORT}/v1/models")
         assert r.status_code == 401, f"the gate did not enforce the key: {r.status_code}"
         sides: dict = {"direct": (f"http://127.0.0.1:{ENGINE_PORT}", False),
                        "gate+key": (f"http://127.0.0.1:{GATE_PORT}", False)}
+        relays = {"gate+key": [gate_pid]}
         if a.tls:
             from tests.test_gate_policy import _make_ca_and_cert
-            from warmctl import gate
-            from warmctl.state import load as load_state
 
             ca, cert, tkey, _ = _make_ca_and_cert(root)
-            st = load_state(load_settings().run_dir, "tiny")
-            tls_gate = gate.start("127.0.0.1", GATE_PORT + 1, ENGINE_PORT, st.root_pid, root / "tls-gate.log",
-                                  args=gate.policy_args(key_file, cert, tkey))
+            gates.append(gate.start("127.0.0.1", GATE_PORT + 1, ENGINE_PORT, engine_pid, root / "tls-gate.log",
+                                    args=gate.policy_args(key_file, cert, tkey)))
             sides["gate+key+TLS"] = (f"https://127.0.0.1:{GATE_PORT + 1}", ssl.create_default_context(cafile=str(ca)))
+            relays["gate+key+TLS"] = [gates[-1]]
         for i, name in enumerate(alts, 1):
             sides[f"{name}+key"] = (start_alt(name, ENGINE_PORT + i, root, procs), False)
-        levels = [int(x) for x in a.concurrency.split(",")]
-        res = asyncio.run(measure(sides, levels, a.rounds, a.max_tokens))
-        many = asyncio.run(many_clients(*sides["gate+key"], a.clients, 8)) if a.clients else None
+            relays[f"{name}+key"] = [procs.procs[-1][1].pid]
+        body = paced_body if paced else (lambda conc: None)
+        res = asyncio.run(measure(sides, levels, a.rounds, a.max_tokens, relays, extra=body))
+        many = asyncio.run(many_clients(*sides["gate+key"], a.clients, 8, body(64))) if a.clients else None
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         procs.stop_all()
-        if tls_gate is not None:
+        for pid in gates:
             try:
-                os.kill(tls_gate, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        # always: an interrupted snapshot or up may have left an engine; down cleans up after both
-        wc(env, "down", "tiny", "--now", check=False)
+        if not paced:  # always: an interrupted snapshot or up may have left an engine; down cleans up after both
+            wc(env, "down", "tiny", "--now", check=False)
         if a.keep_home is None:
             shutil.rmtree(root, ignore_errors=True)
     for conc, by in res.items():
@@ -399,8 +489,9 @@ def main() -> None:
         for k, v in by.items():
             ratio = "" if k == "direct" else (f"   x{v['ttft_ms'] / d['ttft_ms']:.3f} TTFT, x{v['itl_ms'] / d['itl_ms']:.3f} ITL,"
                                               f" x{v['tok_s'] / d['tok_s']:.3f} tok/s")
+            cpu = "" if k == "direct" else f"  relay CPU {v['relay_us_per_chunk']:6.1f} us/chunk"
             print(f"  {k:>14}: TTFT {v['ttft_ms']:8.2f} ms  ITL {v['itl_ms']:7.2f} ms  {v['tok_s']:8.1f} tok/s"
-                  f"  {v['chunks']:4.0f} chunks{ratio}")
+                  f"  {v['chunks']:4.0f} chunks{cpu}{ratio}")
     if many is not None:
         ok, errors = many
         print(f"{a.clients} concurrent streaming clients through the gate: {ok} complete ([DONE]), {len(errors)} errors")
