@@ -4,6 +4,7 @@ CA made here (real ``ssl``), drain on SIGTERM. The upstream is a real uvicorn ap
 SSE; the gate is the real gate process."""
 
 import datetime
+import hashlib
 import ipaddress
 import json
 import os
@@ -16,6 +17,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import uvicorn
 from cryptography import x509
@@ -23,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from warmctl import gate
 from warmctl.errors import HostError
@@ -35,6 +37,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _big_body(mib: int) -> bytes:
+    return hashlib.sha256(b"warmctl").digest() * (mib * 2**15)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,10 @@ def upstream():
     @app.post("/echo")
     async def echo(request: Request):
         return {"n": len(await request.body())}
+
+    @app.get("/big")
+    def big(mib: int):
+        return Response(_big_body(mib), media_type="application/octet-stream")
 
     @app.post("/sleep")
     def sleep_():
@@ -533,6 +543,28 @@ def test_drain_closes_idle_keep_alive_connections_at_once(start_gate, key_file):
         assert _reap(g.pid, 10)
         assert time.monotonic() - t0 < 10  # not the 20 s drain: nothing was in flight
     assert "draining 1 connection" in g.log.read_text()
+
+
+def test_a_slow_client_holds_back_the_engine_not_the_gates_memory(start_gate, key_file):
+    """A large response to a client that stops reading: the gate stops reading the engine
+    (it does not queue the response in its own memory), then relays every byte once the
+    client reads again, and the connection serves the next request."""
+    g = start_gate(api_key_file=key_file)
+    gate_proc = psutil.Process(g.pid)
+    rss0 = gate_proc.memory_info().rss
+    s = socket.create_connection(("127.0.0.1", g.port), timeout=30)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    s.sendall(f"GET /big?mib=64 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
+    time.sleep(2.0)  # the engine has the whole 64 MiB ready; the client reads nothing
+    grown = gate_proc.memory_info().rss - rss0
+    f = s.makefile("rb")
+    status, headers, body = _read_response(f)
+    assert status == 200 and len(body) == 64 * 2**20
+    assert hashlib.sha256(body).digest() == hashlib.sha256(_big_body(64)).digest()
+    assert grown < 16 * 2**20, f"the gate's memory grew by {grown / 2**20:.1f} MiB while its client did not read"
+    s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
+    assert _read_response(f)[0] == 200
+    s.close()
 
 
 @pytest.mark.parametrize("split", [1, 3, 7, 1000])

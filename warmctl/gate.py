@@ -338,23 +338,105 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     _end(writer)
 
 
-async def _responses(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tracker) -> bool:
-    """Relay the engine's bytes on one connection to the client until the engine closes it,
-    showing each block to ``tracker`` (a :class:`ResponseTracker`) after it was passed on.
-    True if the engine closed between responses (its keep-alive timeout): the client's
-    connection stays open and its next request goes over a new engine connection. Otherwise
-    the client's side is half-closed (closed under TLS) too, and False."""
-    try:
-        while data := await reader.read(BUF):
-            writer.write(data)
-            tracker.feed(data)
-            await writer.drain()
-    except OSError:  # ConnectionError included; a cancellation leaves ``writer`` as it is
-        pass
-    if tracker.idle:
-        return True
-    _end(writer)
-    return False
+#: Bytes queued towards a client above which the engine connection stops being read until
+#: they are sent (the relay's whole buffering per connection; asyncio's own default high mark).
+CLIENT_HIGH_WATER = 64 * 1024
+
+
+class EngineSide(asyncio.Protocol):
+    """The engine connection of one client connection.
+
+    Engine to client: every block the engine sends is written to the client's transport from
+    the event loop's read callback (no stream buffer, no task switch per SSE chunk), then shown
+    to ``tracker`` (a :class:`ResponseTracker`). While more than :data:`CLIENT_HIGH_WATER`
+    bytes wait for a slow client, the engine connection is not read.
+
+    Client to engine: :meth:`write` / :meth:`drain` / :meth:`write_eof` like a
+    ``StreamWriter`` (``drain`` waits while the engine's socket buffer is full, and raises
+    ConnectionResetError once the engine connection is gone).
+
+    :attr:`closed` is set when the engine connection closes: True if it closed between
+    responses (its keep-alive timeout; the client's connection stays open and its next
+    request goes over a new engine connection); False otherwise, after the client's side was
+    half-closed (closed under TLS) too. :meth:`stop`: relay nothing more to the client (a
+    refusal follows on it)."""
+
+    def __init__(self, c_writer: asyncio.StreamWriter, tracker: "ResponseTracker"):
+        loop = asyncio.get_running_loop()
+        self.c_writer, self.c_transport, self.tracker = c_writer, c_writer.transport, tracker
+        self.closed: asyncio.Future = loop.create_future()
+        self.transport: asyncio.Transport | None = None
+        self.stopped = False
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._waiting_client = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.stopped:
+            return
+        if self.c_transport.is_closing():  # the client is gone: nobody to relay to
+            self.stop()
+            self.transport.close()
+            return
+        self.c_transport.write(data)
+        self.tracker.feed(data)
+        if not self._waiting_client and self.c_transport.get_write_buffer_size() > CLIENT_HIGH_WATER:
+            self._waiting_client = True
+            self.transport.pause_reading()
+            asyncio.ensure_future(self._resume_when_sent())
+
+    async def _resume_when_sent(self) -> None:
+        try:
+            await self.c_writer.drain()
+        except (OSError, RuntimeError):
+            pass  # the client is gone; data_received closes the engine side on the next block
+        self._waiting_client = False
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        return False  # the engine is done with this connection: close it
+
+    def connection_lost(self, exc) -> None:
+        self._can_write.set()  # a waiting drain() wakes up and raises
+        if self.closed.done():
+            return
+        between = self.tracker.idle
+        if not between and not self.stopped:
+            _end(self.c_writer)
+        self.closed.set_result(between)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    def stop(self) -> None:
+        """Relay nothing more to the client from now on."""
+        self.stopped = True
+
+    # the StreamWriter calls the request relays (_copy, _copy_chunked, _pipe, _end) use
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        await self._can_write.wait()
+        if self.transport.is_closing():
+            raise ConnectionResetError("the engine closed the connection")
+
+    def can_write_eof(self) -> bool:
+        return self.transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self.transport.write_eof()
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
@@ -559,8 +641,7 @@ class Gate:
         task = asyncio.current_task()
         tracker = ResponseTracker()
         self.conns[task] = (tracker, c_writer)  # type: ignore[index]
-        u_writer = None
-        responses = None
+        engine: EngineSide | None = None
         in_body = False  # relaying a request body: the engine has this request's head
         try:
             sock = c_writer.get_extra_info("socket")
@@ -579,44 +660,44 @@ class Gate:
                     raise Refused(431, "Request Header Fields Too Large",
                                   f"request head longer than {MAX_HEAD} bytes", "header_too_large") from None
                 req = parse_head(head, self.policy)
-                if u_writer is None or responses.done():  # type: ignore[union-attr]
-                    if u_writer is not None:
-                        if not responses.result():  # type: ignore[union-attr]
-                            break  # the engine closed mid-response; the client was told
-                        u_writer.close()  # it closed between responses: open a new one
+                if engine is None or engine.closed.done():
+                    if engine is not None and not engine.closed.result():
+                        break  # the engine closed mid-response; the client was told
+                    # (none yet, or it closed between responses: open a new one)
+                    loop = asyncio.get_running_loop()
                     try:
-                        u_reader, u_writer = await asyncio.open_connection(*self.upstream)
+                        _, engine = await loop.create_connection(lambda: EngineSide(c_writer, tracker),
+                                                                 *self.upstream)
                     except OSError:
                         raise Refused(502, "Bad Gateway", "the engine is not answering", "bad_gateway") from None
-                    u_writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    responses = asyncio.create_task(_responses(u_reader, c_writer, tracker))
                 tracker.methods.append(req.method)
-                u_writer.write(head)
+                engine.write(head)
                 in_body = True
                 if req.chunked:
-                    await _copy_chunked(c_reader, u_writer)
+                    await _copy_chunked(c_reader, engine)
                 elif req.content_length:
-                    await _copy(c_reader, u_writer, req.content_length)
+                    await _copy(c_reader, engine, req.content_length)
                 else:
-                    await u_writer.drain()
+                    await engine.drain()
                 in_body = False
                 if req.upgrade:  # e.g. a WebSocket: the rest of the connection is opaque
-                    await _pipe(c_reader, u_writer)
+                    await _pipe(c_reader, engine)
                     break
         except Refused as r:
-            await self._refuse(r, c_reader, c_writer, responses, tracker, in_body)
+            await self._refuse(r, c_reader, c_writer, engine, tracker, in_body)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ssl.SSLError):
             pass
         finally:
-            if u_writer is not None:
-                _end(u_writer)
-                await asyncio.wait({responses}, timeout=5)  # type: ignore[arg-type]
-                responses.cancel()  # type: ignore[union-attr]
-                u_writer.close()
+            if engine is not None:
+                _end(engine)
+                if not engine.stopped:  # responses still coming are relayed for up to 5 s
+                    await asyncio.wait({engine.closed}, timeout=5)
+                engine.stop()
+                engine.close()
             c_writer.close()
             self.conns.pop(task, None)  # type: ignore[arg-type]
 
-    async def _refuse(self, r: Refused, c_reader, c_writer, responses, tracker: ResponseTracker,
+    async def _refuse(self, r: Refused, c_reader, c_writer, engine: EngineSide | None, tracker: ResponseTracker,
                       in_body: bool) -> None:
         """Send ``r``'s response and close: half-close, then read and drop what the client
         still sends for up to 2 s (at most 1 MiB), so closing does not reset the connection
@@ -629,13 +710,12 @@ class Gate:
         to it is not waited for, only the earlier ones. The refusal is not sent if the engine
         closed first, or the client's stream is not at a response boundary."""
         pending = 1 if in_body else 0
-        if responses is not None and not responses.done():
-            await asyncio.wait({responses, tracker.answered(pending)}, return_when=asyncio.FIRST_COMPLETED)
-            responses.cancel()
-            await asyncio.wait({responses})  # its outcome is read below; our own cancellation still propagates
-        if responses is not None and not responses.cancelled() and responses.exception() is None \
-                and not responses.result():
-            return  # the engine closed mid-response: the client's side is closed already
+        if engine is not None and not engine.closed.done():
+            await asyncio.wait({engine.closed, tracker.answered(pending)}, return_when=asyncio.FIRST_COMPLETED)
+        if engine is not None:
+            if engine.closed.done() and not engine.closed.result():
+                return  # the engine closed mid-response: the client's side is closed already
+            engine.stop()
         if tracker.state != tracker.HEAD or tracker.buf or len(tracker.methods) > pending:
             return  # cut mid-response, or an earlier request unanswered: a refusal now would be misread
         try:
