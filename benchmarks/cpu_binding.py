@@ -141,13 +141,7 @@ def main() -> None:
     print(json.dumps({str(k): v for k, v in res.items()}))
 
 
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")  # SIGTERM cleans up like Ctrl-C (main's finally)
-
-
 if __name__ == "__main__":
-    from warmctl.bench.shm import as_found
+    from warmctl.bench.shm import run
 
-    signal.signal(signal.SIGTERM, _interrupted)
-    with as_found(Path(__file__).stem):  # leaves /dev/shm as it found it, or exits 1 naming what it left
-        main()
+    run(main, Path(__file__).stem)  # /dev/shm left as found; SIGTERM cleans up like Ctrl-C (main's finally)

@@ -501,14 +501,7 @@ def main() -> None:
                       "clients": {"n": a.clients, "complete": many[0], "errors": len(many[1])} if many else None}))
 
 
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")  # SIGTERM cleans up like Ctrl-C (main's finally)
-
-
 if __name__ == "__main__":
-    from warmctl.bench.shm import as_found
+    from warmctl.bench.shm import run
 
-    signal.signal(signal.SIGTERM, _interrupted)
-
-    with as_found(Path(__file__).stem):  # leaves /dev/shm as it found it, or exits 1 naming what it left
-        main()
+    run(main, Path(__file__).stem)  # /dev/shm left as found; SIGTERM cleans up like Ctrl-C (main's finally)

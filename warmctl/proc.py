@@ -117,6 +117,20 @@ class ProcessId:
         return {"pid": self.pid, "ctime": self.ctime, "exe": self.exe, "cmdline": list(self.cmdline)}
 
 
+def nspid(pid: int, tid: int | None = None) -> int | None:
+    """``pid``'s PID (or its thread ``tid``'s ID) in its innermost PID namespace: the last
+    ``NSpid`` field of ``/proc/PID/status`` (``/proc/PID/task/TID/status``); None if unreadable."""
+    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def tree_pids(root_pid: int) -> list[int]:
     """``root_pid`` and all its descendants (host PIDs, from their parent links), sorted;
     [] if the root is gone."""

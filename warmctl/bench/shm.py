@@ -1,7 +1,8 @@
 """Benchmarks leave ``/dev/shm`` as they found it (issue 14, item 8).
 
-Every benchmark that starts an engine (``benchmarks/*.py``: agent_load, fleet_up, gate_overhead,
-lazy_restore, restore_vs_cold, up_vs_raw) runs its ``main()`` under :func:`as_found`: files
+Every benchmark that starts an engine (``benchmarks/*.py``: agent_load, cpu_binding, fleet_up,
+gate_overhead, lazy_restore, restore_vs_cold, up_vs_raw) runs its ``main()`` under
+:func:`as_found` (:func:`run` adds the SIGTERM handling): files
 that appeared in ``/dev/shm`` during the run and that no process maps or holds open at its end
 are what it leaked; they are named on stderr (with their size) and the run exits 1, so a
 recorded figure never comes from a run that left something behind. Files of engines still
@@ -37,3 +38,16 @@ def as_found(label: str = "benchmark") -> Iterator[None]:
             print(f"{label}: left {f.path} ({f.size} bytes, {f.allocated} in memory) in /dev/shm", file=sys.stderr)
         if left and ok:
             raise SystemExit(1)
+
+
+def run(main, label: str) -> None:
+    """Run a benchmark's ``main()`` under :func:`as_found`, SIGTERM raising KeyboardInterrupt
+    like Ctrl-C, so the ``finally`` clean-up of ``main`` runs for both."""
+    import signal
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    with as_found(label):
+        main()

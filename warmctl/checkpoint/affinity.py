@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from warmctl.proc import tree_pids
+from warmctl.proc import nspid, tree_pids
 
 
 def cpu_list(cpus) -> str:
@@ -60,18 +60,6 @@ def parse_cpu_list(s: str) -> set[int]:
     return cpus
 
 
-def _ns_tid(pid: int, tid: int) -> int | None:
-    """Thread ``tid`` of process ``pid``: its ID in its innermost PID namespace, or None."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def tree_threads(root_pid: int):
     """(host thread ID, namespace thread ID) of every thread in ``root_pid``'s tree."""
     for pid in tree_pids(root_pid):
@@ -80,7 +68,7 @@ def tree_threads(root_pid: int):
         except OSError:
             continue  # exited meanwhile
         for tid in tids:
-            ns = _ns_tid(pid, tid)
+            ns = nspid(pid, tid)
             if ns is not None:
                 yield tid, ns
 

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from warmctl.checkpoint import cuda, nvml
 from warmctl.errors import CheckpointError
-from warmctl.proc import ProcessId, pid_alive, signal_process, tree_pids
+from warmctl.proc import ProcessId, nspid, pid_alive, signal_process, tree_pids
 
 #: Device files of the NVIDIA driver; a process mapping or holding one has GPU state.
 DEVICE_PREFIX = "/dev/nvidia"
@@ -187,19 +187,6 @@ def gpu_footprint(pids: list[int], nvml_path: str | None = None) -> dict[str, in
                 b = used.get(uuid, 0)
             out[uuid] = out.get(uuid, 0) + b
     return out
-
-
-def nspid(pid: int) -> int | None:
-    """``pid``'s PID in its innermost PID namespace (last ``NSpid`` field of
-    ``/proc/PID/status``), or None if unreadable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def restored_ranks(root_pid: int, nspids: Mapping[int, int] | list[int]) -> list[int]:
