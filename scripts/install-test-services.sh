@@ -23,3 +23,19 @@ if [ -n "$missing" ]; then
 else
     say "test services: Ceph binaries present ($(radosgw --version | cut -d' ' -f1-3)); skipped"
 fi
+# Distribution 2.8 (Debian's docker-registry, the OCI registry): tests/test_store_oci.py starts one
+# on loopback with tests/registry_server.py (htpasswd auth, TLS from a CA made by the test, a
+# second instance as a pull-through mirror) whenever the binary exists; scripts/test.sh requires
+# those tests to run (WARMCTL_REQUIRE_REGISTRY=1). The package's own systemd service is not used.
+if ! command -v docker-registry >/dev/null 2>&1; then
+    say "test services: installing Debian's docker-registry (Distribution 2.8)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends docker-registry >/dev/null
+    # the tests start their own instances; the package's service (:5000) is not wanted
+    if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl disable --now docker-registry >/dev/null 2>&1 || true; fi
+    command -v docker-registry >/dev/null 2>&1 || { echo "[install] error: docker-registry still missing after installing the package" >&2; exit 1; }
+    say "test services: installed $(docker-registry --version 2>&1 | head -1)"
+else
+    say "test services: docker-registry present ($(docker-registry --version 2>&1 | head -1)); skipped"
+fi

@@ -15,5 +15,6 @@ if [ "${1:-}" = "--clean-root" ]; then shift; export WARMCTL_TEST_CLEAN_ROOT=1; 
 bash "$REPO/scripts/install.sh"
 bash "$REPO/scripts/install-test-services.sh"
 export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}
+export WARMCTL_REQUIRE_REGISTRY=${WARMCTL_REQUIRE_REGISTRY:-1}
 cd "$REPO"
 exec "${WARMCTL_VENV:-$REPO/.venv}/bin/python" -m pytest -v --durations=15 "$@"

@@ -1,4 +1,4 @@
-"""Content-addressed snapshot store: chunks and manifests, by digest, on local disk or S3.
+"""Content-addressed snapshot store: chunks and manifests, by digest, on local disk, S3 or an OCI registry.
 
 Typical use::
 
@@ -80,28 +80,39 @@ __all__ = [
 def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None) -> Backend:
     """The backend for ``url``: a directory path or ``file:///path`` (local), or
     ``s3://bucket[/prefix]`` (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``,
-    credentials from boto3's usual chain). Remote backends are wrapped in
+    credentials from boto3's usual chain), or ``oci://HOST[:PORT]/REPOSITORY`` (an OCI registry,
+    :mod:`warmctl.store.oci`; credentials from the Docker config). Remote backends are wrapped in
     :class:`RetryingBackend` when ``retry``, retrying an outage for ``outage_window`` seconds
     (default: the ``s3_outage_s`` setting, 60 s unless configured). Raises ValueError for
     another scheme, :class:`warmctl.config.ConfigError` for a bad ``s3_outage_s``."""
     s = str(url)
     u = urlparse(s)
+    if u.scheme == "oci":
+        from warmctl.store.oci import OCIBackend, parse_url
+
+        b: Backend = OCIBackend(*parse_url(s))
+        return _retrying(b, retry, outage_window)
     if u.scheme == "s3":
         if not u.netloc:
             raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
-        b: Backend = S3Backend(u.netloc, u.path.lstrip("/"))
-        if not retry:
-            return b
-        if outage_window is None:
-            from warmctl.config import load_settings
-
-            outage_window = load_settings().s3_outage_s
-        return RetryingBackend(b, outage_window, setting="s3_outage_s")
+        return _retrying(S3Backend(u.netloc, u.path.lstrip("/")), retry, outage_window)
     if u.scheme == "file":
         return LocalBackend(Path(u.path))
     if u.scheme in ("", None) or (len(u.scheme) == 1 and s[1:2] == ":"):
         return LocalBackend(Path(s).expanduser())
-    raise ValueError(f"unsupported store URL {s!r}: use a directory, file:///path or s3://bucket/prefix")
+    raise ValueError(f"unsupported store URL {s!r}: use a directory, file:///path, s3://bucket/prefix or oci://HOST[:PORT]/REPOSITORY")
+
+
+def _retrying(b: Backend, retry: bool, outage_window: float | None) -> Backend:
+    """``b`` in a :class:`RetryingBackend` (window: ``outage_window``, else the ``s3_outage_s``
+    setting, which every remote backend shares), or ``b`` itself without ``retry``."""
+    if not retry:
+        return b
+    if outage_window is None:
+        from warmctl.config import load_settings
+
+        outage_window = load_settings().s3_outage_s
+    return RetryingBackend(b, outage_window, setting="s3_outage_s")
 
 
 def open_store(url: str | Path, workers: int | None = None, chunk_size: int = CHUNK_SIZE) -> Store:

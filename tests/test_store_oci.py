@@ -1,0 +1,278 @@
+"""The OCI registry backend (``oci://HOST:PORT/REPO``) against a real registry on loopback:
+Debian's ``docker-registry`` (Distribution 2.8) with htpasswd auth and TLS from a CA made here
+(``tests/registry_server.py``).
+
+Runs whenever the binary exists (``scripts/install-test-services.sh``, which ``scripts/test.sh``
+runs first). Without it the tests are skipped on a developer machine but FAIL when ``CI`` or
+``WARMCTL_REQUIRE_REGISTRY=1`` is set (``scripts/test.sh`` sets the latter).
+
+Covered: the layout (a snapshot artifact with ``artifactType``, the manifest blob, packs of
+bounded size with their indexes, catalog entries and signatures as tagged object artifacts),
+push/pull/ls/rm/gc with small synthetic snapshots, two homes with their own keys (A pushes, B
+pulls), chunk-level dedup of a second snapshot, a wrong password (one line, no retry), the
+registry down for a few seconds mid-pull (retried, then complete), a corrupted pack blob
+(refused, naming it), a snapshot artifact naming a missing layer (clear error, nothing named
+locally, a rerun completes once the layer is back), bounded metadata reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+
+import pytest
+from registry_server import Registry, docker_config, free_port, make_ca, missing_binary
+from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
+
+from warmctl.catalog import Catalog
+from warmctl.errors import HostError, IntegrityError
+from warmctl.store import BackendUnavailable, RetryingBackend, Store, TransientBackendError, open_store
+from warmctl.store import oci as ocimod
+from warmctl.store.oci import OCIBackend, object_tag, parse_url
+
+USER, PASSWORD = "warmctl", "registry-secret"
+
+
+def _required() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false") or os.environ.get("WARMCTL_REQUIRE_REGISTRY") == "1"
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """A TLS + htpasswd registry on 127.0.0.1; yields the :class:`Registry` (its CA in ``.ca``)."""
+    missing = missing_binary()
+    if missing:
+        msg = f"{missing} missing: run scripts/install-test-services.sh"
+        if _required():
+            pytest.fail(msg + " (required: CI or WARMCTL_REQUIRE_REGISTRY=1 is set)")
+        pytest.skip(msg)
+    d = tmp_path_factory.mktemp("registry")
+    ca = make_ca(d / "ca")
+    with Registry(d / "reg", free_port(), ca=ca, users={USER: PASSWORD}) as reg:
+        yield reg
+
+
+@pytest.fixture
+def oci(registry, tmp_path, monkeypatch):
+    """``oci://127.0.0.1:PORT/<fresh repo>``, with the CA and a login in the environment."""
+    monkeypatch.setenv("WARMCTL_OCI_CA_BUNDLE", str(registry.ca.ca_cert))
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "auth.json", registry.host, USER, PASSWORD)))
+    monkeypatch.setattr(ocimod, "PACK_BYTES", 10 * MiB)  # several packs from a few chunks
+    return f"oci://{registry.host}/warmctl/t{uuid.uuid4().hex[:8]}"
+
+
+def _store(url: str, window: float = 20.0, workers: int | None = None) -> Store:
+    return Store(RetryingBackend(OCIBackend(*parse_url(url)), window), workers=workers)
+
+
+def _artifact(url: str, ref: str) -> dict:
+    b = OCIBackend(*parse_url(url))
+    return b._get_manifest(ref, "test")[1]
+
+
+def test_url_parsing_and_tags():
+    assert parse_url("oci://reg.example:5000/team/warmctl") == ("reg.example:5000", "team/warmctl")
+    with pytest.raises(ValueError, match="names no repository"):
+        parse_url("oci://reg.example")
+    with pytest.raises(ValueError, match="not a valid OCI repository name"):
+        parse_url("oci://reg.example/Team")
+    t = object_tag("catalog/tiny/latest/sha256-" + "ab" * 32 + ".json")
+    assert t.startswith("tiny.latest.ababababab") and len(t) <= 128
+    long = object_tag(f"catalog/{'n' * 120}/{'t' * 120}/sha256-{'ab' * 32}.json")
+    assert long.startswith("cat-") and len(long) == 52
+    assert object_tag("signatures/sha256/" + "cd" * 32 + "/k1.json").startswith("sig-" + "cd" * 32 + "-")
+
+
+def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
+    f = write_payload(tmp_path / "p.img", [("random", 24 * MiB), ("zero", 8 * MiB), ("text", 6 * MiB)])
+    a = open_store(tmp_path / "a")
+    d = snapshot(a, "tiny", {"p.img": f})
+    rep = push(a, _store(oci), "tiny")
+    assert rep.digest == d and rep.chunks_copied == rep.chunks_total == 8  # 6 random + 2 text; zeros never stored
+
+    # the layout: one snapshot artifact tagged manifest-<hex>; its first layer is the manifest itself
+    art = _artifact(oci, f"manifest-{d[7:]}")
+    assert art["artifactType"] == ocimod.SNAPSHOT_TYPE and art["mediaType"] == ocimod.OCI_MANIFEST
+    assert art["layers"][0]["digest"] == d and art["layers"][0]["mediaType"] == ocimod.MANIFEST_LAYER
+    packs = [l for l in art["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
+    indexes = [l for l in art["layers"] if l["mediaType"] == ocimod.INDEX_LAYER]
+    assert len(packs) == len(indexes) >= 3  # 8 chunks of ~4 MiB in packs of <= 10 MiB (+ one chunk)
+    assert all(p["size"] <= 10 * MiB + 4 * MiB + 1024 for p in packs)
+    tags = OCIBackend(*parse_url(oci)).tags()
+    assert any(t.startswith("tiny.latest.") for t in tags), tags  # the catalog entry, readable
+
+    b = open_store(tmp_path / "b")
+    rep = pull(_store(oci), b, "tiny")
+    assert rep.chunks_copied == 8
+    b.read_file(b.get_manifest(d).files[0].chunks, tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == f.read_bytes()
+    _store(oci).read_file(a.get_manifest(d).files[0].chunks, tmp_path / "direct.img")  # ranged GETs from packs
+    assert (tmp_path / "direct.img").read_bytes() == f.read_bytes()
+    assert pull(_store(oci), b, "tiny").chunks_copied == 0
+    v = _store(oci).verify()
+    assert v.ok and v.chunks_checked == 8, str(v)
+
+    # a second snapshot sharing most chunks uploads only the new ones (chunk-level dedup)
+    f2 = write_payload(tmp_path / "p2.img", [("random", 24 * MiB), ("random", 4 * MiB)])  # seed 0: same first 24 MiB
+    d2 = snapshot(a, "tiny", {"p.img": f2}, tag="v2")
+    rep2 = push(a, _store(oci), "tiny", "v2")
+    assert rep2.chunks_total == 7 and rep2.chunks_copied == 1
+    art2 = _artifact(oci, f"manifest-{d2[7:]}")
+    assert {l["digest"] for l in art2["layers"] if l["mediaType"] == ocimod.PACK_LAYER} <= {p["digest"] for p in packs} | {
+        l["digest"] for l in art2["layers"][-1:]}
+
+    remote = _store(oci)
+    assert sorted((e.tag, e.manifest) for e in Catalog(remote).all_entries()) == sorted([("latest", d), ("v2", d2)])
+    assert Catalog(remote).remove_tag("tiny", "latest") == [d]
+    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    assert rep.manifests_removed == [d]
+    assert sorted(remote.list_manifests()) == [d2]
+    # what v2 still needs is intact, the text-only pack is gone
+    b2 = open_store(tmp_path / "b2")
+    assert pull(_store(oci), b2, "tiny", "v2").chunks_copied == 7
+    assert _store(oci).verify().ok
+
+
+def test_two_homes_each_with_its_own_key(oci, tmp_path):
+    """A signs and pushes; B pulls: its signature travels in the registry, and B's own key
+    trusts it only once A's public key is installed in B's keys."""
+    from warmctl.trust import TrustError, check_signatures, generate_keypair, install_public_key, sign_manifest
+
+    f = write_payload(tmp_path / "p.img", [("random", 8 * MiB)], seed=5)
+    home_a, home_b = tmp_path / "A", tmp_path / "B"
+    a = open_store(home_a / "store")
+    d = snapshot(a, "tiny", {"p.img": f})
+    ka = generate_keypair(home_a / "keys", "a")
+    kb = generate_keypair(home_b / "keys", "b")
+    sign_manifest(a, d, ka.private)
+    push(a, _store(oci), "tiny")
+    assert any(t.startswith(f"sig-{d[7:]}-") for t in OCIBackend(*parse_url(oci)).tags())
+    b = open_store(home_b / "store")
+    pull(_store(oci), b, "tiny")
+    with pytest.raises(TrustError, match=f"signed by key {ka.key_id}, which is not trusted"):
+        check_signatures(b, d, home_b / "keys")
+    install_public_key(ka.public, home_b / "keys", "a")
+    assert check_signatures(b, d, home_b / "keys")[0] == ka.key_id
+    assert check_signatures(_store(oci), d, home_b / "keys")[0] == ka.key_id  # straight from the registry too
+    assert kb.key_id != ka.key_id
+
+
+def test_wrong_password_is_one_line_without_retry(oci, registry, tmp_path, monkeypatch):
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "bad.json", registry.host, USER, "not-it")))
+    b = RetryingBackend(OCIBackend(*parse_url(oci)), 30)
+    with pytest.raises(HostError) as ei:
+        b.load("config")
+    assert not isinstance(ei.value, TransientBackendError) and b.retries == 0
+    msg = str(ei.value)
+    assert "\n" not in msg and "refused the credentials" in msg and f"user {USER!r}" in msg and "bad.json" in msg, msg
+
+
+def test_registry_down_mid_pull_is_retried(oci, registry, tmp_path, caplog):
+    f = write_payload(tmp_path / "p.img", [("random", 40 * MiB)], seed=7)
+    a = open_store(tmp_path / "a")
+    snapshot(a, "tiny", {"p.img": f})
+    push(a, _store(oci), "tiny")
+    b = open_store(tmp_path / "b")
+    src = _store(oci, window=30)
+    seen = []
+
+    def progress(n):
+        seen.append(n)
+        if len(seen) == 2:  # a few chunks in: take the registry down for 3 s
+            registry.stop()
+            threading.Timer(3.0, registry.start).start()
+
+    caplog.set_level(logging.WARNING, logger="warmctl.store.backend")
+    t0 = time.monotonic()
+    rep = pull(src, b, "tiny", progress=progress)
+    assert rep.chunks_copied == 10 and time.monotonic() - t0 >= 2.5
+    assert src.backend.retries > 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("not answering" in m for m in lines) == 1 and sum("answering again" in m for m in lines) == 1, lines
+
+
+def test_registry_down_past_window_then_rerun_fetches_only_missing(oci, registry, tmp_path):
+    f = write_payload(tmp_path / "p.img", [("random", 80 * MiB)], seed=8)
+    a = open_store(tmp_path / "a")
+    snapshot(a, "tiny", {"p.img": f})
+    push(a, _store(oci), "tiny")
+    b = open_store(tmp_path / "b")
+    seen = []
+
+    def progress(n):
+        seen.append(n)
+        if len(seen) == 3:
+            registry.stop()
+
+    try:
+        with pytest.raises(BackendUnavailable, match=f"remote store https://{registry.host} unavailable.*rerun"):
+            pull(_store(oci, window=2, workers=2), b, "tiny", progress=progress)
+    finally:
+        registry.start()
+    assert tag_of(b, "tiny") is None and not b.list_manifests()
+    rep = pull(_store(oci), b, "tiny")
+    assert 0 < rep.chunks_copied < 20 and tag_of(b, "tiny") is not None
+
+
+def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
+    f = write_payload(tmp_path / "p.img", [("random", 16 * MiB)], seed=9)
+    a = open_store(tmp_path / "a")
+    d = snapshot(a, "tiny", {"p.img": f})
+    push(a, _store(oci), "tiny")
+    pack = next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER)
+    p = registry.blob_path(pack["digest"])
+    data = bytearray(p.read_bytes())
+    data[100:110] = b"XXXXXXXXXX"  # inside the first chunk's frame
+    p.write_bytes(bytes(data))
+    b = open_store(tmp_path / "b")
+    with pytest.raises(IntegrityError, match=f"pack blob {pack['digest']}"):
+        pull(_store(oci), b, "tiny")
+    assert tag_of(b, "tiny") is None and not b.list_manifests()
+
+
+def test_artifact_naming_a_missing_layer_then_rerun(oci, registry, tmp_path):
+    f = write_payload(tmp_path / "p.img", [("random", 16 * MiB)], seed=10)
+    a = open_store(tmp_path / "a")
+    d = snapshot(a, "tiny", {"p.img": f})
+    push(a, _store(oci), "tiny")
+    idx = next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.INDEX_LAYER)
+    p = registry.blob_path(idx["digest"])
+    saved = p.read_bytes()
+    p.unlink()  # the artifact names a layer the registry no longer has
+    b = open_store(tmp_path / "b")
+    with pytest.raises(IntegrityError) as ei:
+        pull(_store(oci), b, "tiny")
+    assert idx["digest"] in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
+    assert tag_of(b, "tiny") is None and not b.list_manifests()
+    p.write_bytes(saved)  # the layer back (pushed again): a rerun completes
+    assert pull(_store(oci), b, "tiny").chunks_copied == 4
+    assert tag_of(b, "tiny") == d
+
+
+def test_oversized_metadata_is_refused(oci, monkeypatch, tmp_path):
+    b = OCIBackend(*parse_url(oci))
+    b.save("catalog/tiny/profile.json", b"x" * 5000)
+    monkeypatch.setattr(ocimod, "MAX_OBJECT", 4096)
+    with pytest.raises(IntegrityError, match=r"catalog/tiny/profile.json.*5,000 bytes, more than the 4,096 allowed"):
+        b.load("catalog/tiny/profile.json")
+
+
+def test_plain_http_only_when_configured(registry, monkeypatch):
+    b = OCIBackend(registry.host, "warmctl/x")
+    assert b.endpoint() == f"https://{registry.host}"
+    monkeypatch.setenv("WARMCTL_OCI_INSECURE", registry.host)
+    assert OCIBackend(registry.host, "warmctl/x").endpoint() == f"http://{registry.host}"
+
+
+def test_untrusted_certificate_is_one_clear_line(registry, monkeypatch, tmp_path):
+    monkeypatch.delenv("WARMCTL_OCI_CA_BUNDLE", raising=False)
+    monkeypatch.setenv("WARMCTL_OCI_CERTS_D", str(tmp_path))
+    b = RetryingBackend(OCIBackend(registry.host, "warmctl/x"), 30)
+    with pytest.raises(HostError, match="TLS certificate rejected.*WARMCTL_OCI_CA_BUNDLE") as ei:
+        b.load("config")
+    assert b.retries == 0 and not isinstance(ei.value, TransientBackendError)
+    json.dumps(str(ei.value))
