@@ -30,7 +30,7 @@ from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
 from warmctl.catalog import Catalog
 from warmctl.errors import HostError, IntegrityError
-from warmctl.store import BackendUnavailable, RetryingBackend, Store, TransientBackendError, open_store
+from warmctl.store import BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_store
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
 
@@ -276,3 +276,44 @@ def test_untrusted_certificate_is_one_clear_line(registry, monkeypatch, tmp_path
         b.load("config")
     assert b.retries == 0 and not isinstance(ei.value, TransientBackendError)
     json.dumps(str(ei.value))
+
+
+def _warmctl(home, remote, *args, env_extra=None):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_") or k.startswith("WARMCTL_OCI")}
+    env.update({"WARMCTL_HOME": str(home), "WARMCTL_CONFIG": str(home / "none.toml"), "WARMCTL_REMOTE_STORE": remote,
+                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}, **(env_extra or {}))
+    (home / "none.toml").parent.mkdir(parents=True, exist_ok=True)
+    (home / "none.toml").touch()
+    return subprocess.run([sys.executable, "-m", "warmctl", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
+    """The commands a fleet uses, through the real CLI, with WARMCTL_REMOTE_STORE=oci://..."""
+    home_a, home_b = tmp_path / "A", tmp_path / "B"
+    f = write_payload(tmp_path / "p.img", [("random", 12 * MiB), ("zero", 4 * MiB)], seed=11)
+    with open_store(home_a / "store") as s:
+        d = snapshot(s, "tiny", {"p.img": f})
+    r = _warmctl(home_a, oci, "push", "tiny")
+    assert r.returncode == 0, r.stderr
+    r = _warmctl(home_b, oci, "ls", "--remote", "--json")
+    assert r.returncode == 0, r.stderr
+    assert d in r.stdout and "tiny" in r.stdout
+    r = _warmctl(home_b, oci, "pull", "tiny", "--all")
+    assert r.returncode == 0, r.stderr
+    assert tag_of(open_store(home_b / "store"), "tiny") == d
+    packs = [l["digest"] for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
+    r = _warmctl(home_b, oci, "rm", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert tag_of(open_store(oci), "tiny") is None and tag_of(open_store(home_b / "store"), "tiny") is None
+    r = _warmctl(home_b, oci, "gc", "--store", oci, "--grace", "0")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "removed 3 chunks" in r.stdout, r.stdout
+    assert open_store(oci).list_manifests() == []
+    assert not [t for t in OCIBackend(*parse_url(oci)).tags() if t.startswith(("manifest-", "tiny.latest."))]
+    b = OCIBackend(*parse_url(oci))
+    for p in packs:  # the packs' blobs are gone from the repository too
+        with pytest.raises(ObjectNotFound):
+            b._send("HEAD", b._url(f"blobs/{p}"), "test")

@@ -68,7 +68,7 @@ class Settings(BaseModel):
 
     - ``home``: data directory (runtime state, models, local store, cache).
     - ``store``: local content-addressed store (directory); default ``home/store``.
-    - ``remote_store``: optional remote store URL (``s3://bucket/prefix`` or a directory)
+    - ``remote_store``: optional remote store URL (``s3://bucket/prefix``, ``oci://HOST/REPO`` or a directory)
       shared by a fleet: ``up`` restores from it (streaming chunks into the local store, its
       cache) and ``snapshot`` publishes to it after the local store (``--no-push`` to skip).
     - ``catalog``: store URL whose catalog ``up`` reads and ``snapshot`` publishes to; default

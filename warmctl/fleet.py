@@ -1,6 +1,6 @@
 """Named snapshots between stores: ``push``, ``pull``, and what ``up`` keeps from a remote.
 
-A fleet shares one remote store (a directory or ``s3://bucket/prefix``); every node has its own
+A fleet shares one remote store (a directory, ``s3://bucket/prefix`` or ``oci://HOST/REPO``); every node has its own
 local store. What moves is always a catalog entry *with* everything it names, in the store
 format's write order (``docs/store-format.md``, section 6): the chunks the destination lacks
 (each verified on the way), then the manifest, then its signatures, then the catalog entry

@@ -2,7 +2,7 @@
 
 Registered on the root app by :func:`register`. Each takes ``--config FILE`` (else
 ``$WARMCTL_CONFIG`` or ``/etc/warmctl/config.toml``); the catalog commands take ``--catalog URL``
-to read another store (``s3://bucket/prefix`` or a directory).
+to read another store (``s3://bucket/prefix``, ``oci://HOST/REPO`` or a directory).
 """
 
 from __future__ import annotations

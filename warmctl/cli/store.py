@@ -1,7 +1,7 @@
 """CLI commands for the snapshot store: push, pull, verify, gc, du (names through the catalog).
 
 The local store is ``load_settings().store_dir`` (``$WARMCTL_HOME/store`` unless
-``$WARMCTL_STORE`` says otherwise); remote URLs are directories or ``s3://bucket/prefix``
+``$WARMCTL_STORE`` says otherwise); remote URLs are directories, ``s3://bucket/prefix`` or ``oci://HOST/REPO``
 (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``).
 """
 
@@ -64,7 +64,7 @@ def _remote(url: Optional[str], flag: str):
 
     url = url or load_settings().remote_store
     if not url:
-        raise WarmctlError(f"no remote store: pass {flag} URL (a directory or s3://bucket/prefix) or set WARMCTL_REMOTE_STORE")
+        raise WarmctlError(f"no remote store: pass {flag} URL (a directory, s3://bucket/prefix or oci://HOST/REPO) or set WARMCTL_REMOTE_STORE")
     try:
         return open_store(url)
     except ValueError as e:
@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def push(
         ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="Snapshot in the local store (tag defaults to 'latest')."),
-        to: Optional[str] = typer.Option(None, "--to", help="Destination store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
+        to: Optional[str] = typer.Option(None, "--to", help="Destination store: a directory, s3://bucket/prefix or oci://HOST/REPO (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
         json_out: bool = JsonOpt,
     ) -> None:
@@ -152,7 +152,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def pull(
         ref: str = typer.Argument(..., metavar="NAME[:TAG]", help="Snapshot in the remote store (tag defaults to 'latest')."),
-        from_: Optional[str] = typer.Option(None, "--from", help="Source store: a directory or s3://bucket/prefix (default: WARMCTL_REMOTE_STORE)."),
+        from_: Optional[str] = typer.Option(None, "--from", help="Source store: a directory, s3://bucket/prefix or oci://HOST/REPO (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
         all_hosts: bool = typer.Option(False, "--all", help="Every kind of host's snapshot of NAME:TAG, not only this host's."),
         json_out: bool = JsonOpt,
@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def verify(
         refs: Optional[list[str]] = typer.Argument(None, metavar="[NAME[:TAG]|NAME@DIGEST]...", help="Snapshots to check (default: every manifest)."),
-        store: Optional[str] = typer.Option(None, "--store", help="Store to check: directory or s3://bucket/prefix (default: local store)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store to check: directory, s3://bucket/prefix or oci://HOST/REPO (default: local store)."),
         json_out: bool = JsonOpt,
     ) -> None:
         """Re-hash every chunk of the store's snapshots; name each missing or corrupt chunk.
@@ -193,7 +193,7 @@ def register(app: typer.Typer) -> None:
     def gc(
         grace: float = typer.Option(300.0, "--grace", help="Keep unreferenced objects younger than this many seconds."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be removed."),
-        store: Optional[str] = typer.Option(None, "--store", help="Store to clean: directory or s3://bucket/prefix (default: local store)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store to clean: directory, s3://bucket/prefix or oci://HOST/REPO (default: local store)."),
         json_out: bool = JsonOpt,
     ) -> None:
         """Remove snapshots that no catalog entry names any more, and chunks no kept manifest uses.
@@ -235,7 +235,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def du(
-        store: Optional[str] = typer.Option(None, "--store", help="Store to measure: directory or s3://bucket/prefix (default: local store)."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store to measure: directory, s3://bucket/prefix or oci://HOST/REPO (default: local store)."),
         json_out: bool = JsonOpt,
     ) -> None:
         """Space used per snapshot: file bytes, stored bytes, and how much is shared with others.

@@ -201,6 +201,26 @@ def _desc(media: str, digest: str, size: int, annotations: dict | None = None) -
 EMPTY_DESC = _desc(EMPTY_TYPE, _sha(EMPTY_BLOB), len(EMPTY_BLOB))
 
 
+def pack_index(pack: str, created: str, chunks: dict[str, tuple[int, int]]) -> bytes:
+    """The index blob of ``pack``: JSON ``{"format": 1, "kind": "warmctl-pack-index", "pack",
+    "created", "chunks": [[chunk digest, offset, length], ...]}`` (offsets and lengths in bytes
+    of the pack, sorted by digest)."""
+    return json.dumps({"format": 1, "kind": "warmctl-pack-index", "pack": pack, "created": created,
+                       "chunks": [[d, off, n] for d, (off, n) in sorted(chunks.items())]}, separators=(",", ":")).encode()
+
+
+def snapshot_artifact(digest: str, size: int, name: str, created: str, packs: list[tuple[str, int, str, int]]) -> dict:
+    """The OCI image manifest of a snapshot: warmctl manifest ``digest`` (``size`` bytes) as the
+    first layer, then each of ``packs`` (``(pack digest, pack bytes, index digest, index bytes)``)
+    as its index layer followed by the pack layer, which names its index in an annotation."""
+    layers = [_desc(MANIFEST_LAYER, digest, size, {"org.opencontainers.image.title": name})]
+    for pd, psize, idx, isize in packs:
+        layers.append(_desc(INDEX_LAYER, idx, isize))
+        layers.append(_desc(PACK_LAYER, pd, psize, {INDEX_ANNOTATION: idx}))
+    return {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": SNAPSHOT_TYPE, "config": EMPTY_DESC,
+            "layers": layers, "annotations": {CREATED: created, MANIFEST_ANNOTATION: digest, "org.opencontainers.image.title": name}}
+
+
 # -- credentials and TLS
 
 
@@ -710,9 +730,7 @@ class OCIBackend(Backend):
         what = f"upload pack {digest} ({size:,} bytes, {len(p.chunks)} chunks)"
         self._put_blob(digest, p.reader, size, what)
         created = _now_iso()
-        index = json.dumps({"format": 1, "kind": "warmctl-pack-index", "pack": digest, "created": created,
-                            "chunks": [[d, off, n] for d, (off, n) in sorted(p.chunks.items())]},
-                           separators=(",", ":")).encode()
+        index = pack_index(digest, created, p.chunks)
         idx = _sha(index)
         self._put_blob(idx, index, len(index), f"upload index of pack {digest}")
         with self._mu:
@@ -751,15 +769,9 @@ class OCIBackend(Backend):
             raise IntegrityError(f"{what}: {len(missing)} chunk(s) are in no pack of {self.location()}: {', '.join(missing[:5])}")
         self._put_blob(digest, data, len(data), what)
         self._put_blob(EMPTY_DESC["digest"], EMPTY_BLOB, len(EMPTY_BLOB), what)
-        layers = [_desc(MANIFEST_LAYER, digest, len(data), {"org.opencontainers.image.title": m.name})]
-        for pd in packs:
-            pk = self._packs[pd]
-            layers.append(_desc(INDEX_LAYER, pk.index, pk.index_size))
-            layers.append(_desc(PACK_LAYER, pd, pk.size, {INDEX_ANNOTATION: pk.index}))
         created = _now_iso()
-        doc = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": SNAPSHOT_TYPE, "config": EMPTY_DESC,
-               "layers": layers, "annotations": {CREATED: created, MANIFEST_ANNOTATION: digest,
-                                                 "org.opencontainers.image.title": m.name}}
+        doc = snapshot_artifact(digest, len(data), m.name, created,
+                                [(pd, self._packs[pd].size, self._packs[pd].index, self._packs[pd].index_size) for pd in packs])
         oci = self._put_manifest(f"manifest-{hexd}", doc, what)
         with self._mu:
             self._artifacts[digest] = _Artifact(oci, len(data), _mtime(created),
@@ -935,6 +947,10 @@ class OCIBackend(Backend):
         if d is not None:
             return self._remove_chunk(d)
         if key.startswith("manifests/sha256/") and _HEX64.match(key[17:]):
+            try:  # its packs stay known, so that gc can free the chunks no other snapshot uses
+                self._load_artifact_indexes(self._artifact(key[17:]))
+            except (ObjectNotFound, IntegrityError):
+                pass
             self._delete_manifest(f"manifest-{key[17:]}", f"remove snapshot artifact manifest-{key[17:]}")
             with self._mu:
                 self._artifacts.pop(f"sha256:{key[17:]}", None)
