@@ -18,11 +18,10 @@ memory survived). Usage: python gpu_check_server.py PORT
 
 import ctypes
 import hashlib
-import json
 import sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import torch
+from json_http import JsonHandler, serve  # scripts/json_http.py, beside this file
 
 from warmctl.engine.worker_ext import WeightsExtension
 
@@ -101,33 +100,19 @@ def generate(prompt, n):
     return {"tokens": out, "logits_sha256": digest.hexdigest(), "served": int(served.item())}
 
 
-class Handler(BaseHTTPRequestHandler):
-    def _send(self, code, body):
-        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(JsonHandler):
     def do_GET(self):
-        self._send(200 if self.path == "/health" else 404, "ok")
+        self.send(200 if self.path == "/health" else 404, "ok")
 
     def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        req = self.body()
         if self.path == "/weights":
             try:
-                self._send(200, weights_op(req["op"], req.get("dir", "")))
+                self.send(200, weights_op(req["op"], req.get("dir", "")))
             except Exception as e:  # reported to the check, which fails on it
-                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+                self.send(500, {"error": f"{type(e).__name__}: {e}"})
             return
-        self._send(200, generate([int(t) % V for t in req["prompt"]], int(req["n"])))
-
-    def log_message(self, *a):
-        pass
+        self.send(200, generate([int(t) % V for t in req["prompt"]], int(req["n"])))
 
 
-HTTPServer.allow_reuse_address = True
-srv = HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
-print("serving", flush=True)
-srv.serve_forever()
+serve(int(sys.argv[1]), Handler)

@@ -32,7 +32,8 @@ def blocked_imports() -> set[str]:
 
 
 def run_blocked(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests' / 'gpu_check_env'}:{ROOT}",
+    # scripts/ too: a script's own directory is the first entry of its sys.path (json_http).
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests' / 'gpu_check_env'}:{ROOT}:{ROOT / 'scripts'}",
                WARMCTL_BLOCK_IMPORTS=",".join(sorted(blocked_imports())))
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
