@@ -8,12 +8,23 @@
 # Needs: root; a Python with CUDA PyTorch and psutil (PYTHON, default python3); CRIU 4.2+, either on PATH
 # or as the bundle made by scripts/criu-bundle.sh (CRIU_BUNDLE, default ./shared/criu-bundle or
 # ./criu-bundle). Prints timings per phase and one JSON result line; finishes in < 5 min.
-#   usage: scripts/gpu-check.sh [WORKDIR]
+# --bench: then runs the throughput benchmark (scripts/gpu_bench.py: the pinned copy floor, then
+# checkpoint and restore of processes holding 8, 32 and 64 GiB; GPU_BENCH_SIZES_GIB, limit
+# GPU_BENCH_TIMEOUT_S=240) in WORKDIR/bench, whatever the check's outcome; --bench-only skips the
+# check. Exit 0 when everything run passed.
+#   usage: scripts/gpu-check.sh [--bench | --bench-only] [WORKDIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+RUN_CHECK=1 RUN_BENCH=0
+case "${1:-}" in
+  --bench) RUN_BENCH=1; shift ;;
+  --bench-only) RUN_CHECK=0 RUN_BENCH=1; shift ;;
+  -*) echo "usage: $0 [--bench | --bench-only] [WORKDIR]" >&2; exit 2 ;;
+esac
 WORK=${1:-$(mktemp -d /tmp/warmctl-gpu-check.XXXXXX)}
 LIMIT=${GPU_CHECK_TIMEOUT_S:-290}
+BENCH_LIMIT=${GPU_BENCH_TIMEOUT_S:-240}
 
 say() { printf '[gpu-check] %s\n' "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
@@ -33,6 +44,7 @@ say "criu: $CRIU ($("$CRIU" --version | head -1))"
 "$CRIU" check >/dev/null 2>&1 || { "$CRIU" check || true; fail "criu check failed"; }
 
 "$PYTHON" scripts/gpu_check.py --imports-only || fail "the check's imports fail under $PYTHON (needs torch, psutil)"
+[ "$RUN_BENCH" = 0 ] || "$PYTHON" scripts/gpu_bench.py --imports-only || fail "the benchmark's imports fail under $PYTHON"
 
 "$PYTHON" - <<'PY' || fail "$PYTHON has no CUDA PyTorch"
 import torch, sys
@@ -41,6 +53,9 @@ print(f"[gpu-check] torch {torch.__version__}, CUDA {torch.version.cuda}, {torch
 PY
 
 say "work dir: $WORK"
+mkdir -p "$WORK"
+status=0
+if [ "$RUN_CHECK" = 1 ]; then
 set +e
 # SIGTERM at LIMIT (gpu_check.py turns it into a clean-up: unlock, kill the namespace), SIGKILL
 # 30 s later if the clean-up hangs; the check's own waits end 40 s before LIMIT.
@@ -60,5 +75,22 @@ print(f"[gpu-check] weights: {r.get('weights_bytes')} bytes loaded in place at {
 print(f"[gpu-check] cleanup: {r.get('cleanup')}")
 print(f"[gpu-check] bit_identical={r.get('bit_identical')} gpu_state_survived={r.get('gpu_state_survived')} error={r.get('error')}")
 PY
-[ "$rc" = 124 ] && fail "did not finish within $LIMIT s"
-[ "$rc" = 0 ] && say "PASS" || fail "see $WORK (server.log, img/dump.log, restore.log)"
+if [ "$rc" = 0 ]; then say "PASS"; status=0
+elif [ "$rc" = 124 ]; then say "FAIL: did not finish within $LIMIT s"; status=1
+else say "FAIL: see $WORK (server.log, img/dump.log, restore.log)"; status=1
+fi
+fi
+
+if [ "$RUN_BENCH" = 1 ]; then
+  say "benchmark: $WORK/bench (limit $BENCH_LIMIT s)"
+  set +e
+  # The same clean-up contract as the check: SIGTERM at the limit, SIGKILL 30 s later.
+  timeout -k 30 "$BENCH_LIMIT" "$PYTHON" scripts/gpu_bench.py --work "$WORK/bench" --limit "$BENCH_LIMIT" \
+    ${GPU_BENCH_SIZES_GIB:+--sizes "$GPU_BENCH_SIZES_GIB"}
+  brc=$?
+  set -e
+  # gpu_bench.py prints its own last line, [gpu-bench] PASS or FAIL; only a SIGKILL leaves none.
+  [ "$brc" = 137 ] && printf '[gpu-bench] FAIL: killed %s s after the limit of %s s\n' 30 "$BENCH_LIMIT"
+  [ "$brc" = 0 ] || status=1
+fi
+exit "$status"

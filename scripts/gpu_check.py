@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,9 +88,12 @@ class Cleanup:
        no process is left locked in the driver;
     2. every process of every tree is SIGKILLed: the PID namespace's first process (killing it
        kills the whole namespace, kernel rule) and each of its descendants, then the launchers;
-    3. waits for them to be gone.
+    3. waits for them to be gone;
+    4. removes the directories in ``paths`` (none for the check, which keeps its work dir).
 
-    Every step is bounded; the whole takes at most ``timeout_s``. Returns what it did.
+    Every step is bounded; the whole takes at most ``timeout_s``. Returns what it did. SIGTERM
+    is ignored while it runs; with ``final=False`` it is honoured again afterwards (a caller
+    that goes on, like the benchmark's next size).
     """
 
     def __init__(self, api: cuda.CheckpointAPI | None = None):
@@ -97,10 +101,17 @@ class Cleanup:
         self.ranks: list[int] = []
         self.roots: list[int] = []
         self.launchers: list[subprocess.Popen] = []
+        self.paths: list[Path] = []
 
-    def run(self, timeout_s: float = CLEANUP_TIMEOUT_S) -> dict:
+    def run(self, timeout_s: float = CLEANUP_TIMEOUT_S, final: bool = True) -> dict:
         global _cleaning
         _cleaning = True
+        try:
+            return self._run(timeout_s)
+        finally:
+            _cleaning = final
+
+    def _run(self, timeout_s: float) -> dict:
         end = time.monotonic() + timeout_s
         out: dict = {"not_running": {}, "killed": [], "left": []}
         live = [p for p in dict.fromkeys(self.ranks) if pid_alive(p)]
@@ -131,6 +142,9 @@ class Cleanup:
         while time.monotonic() < end and any(pid_alive(p) for p in victims):
             time.sleep(0.05)
         out["left"] = [p for p in victims if pid_alive(p)]
+        for path in self.paths:
+            shutil.rmtree(path, ignore_errors=True)
+        out["left_paths"] = [str(p) for p in self.paths if p.exists()]
         return out
 
 
