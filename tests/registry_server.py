@@ -139,7 +139,7 @@ class Registry:
     """One ``docker-registry`` on 127.0.0.1:``port`` (see the module docstring)."""
 
     def __init__(self, workdir: Path, port: int, ca: CA | None = None, users: dict[str, str] | None = None,
-                 proxy: tuple[str, str, str] | None = None, timeout: float = 20.0):
+                 proxy: tuple[str, str, str] | None = None, token: "TokenServer | None" = None, timeout: float = 20.0):
         self.d, self.port, self.ca, self.timeout = Path(workdir), port, ca, timeout
         self.host = f"127.0.0.1:{port}"
         self.url = f"{'https' if ca else 'http'}://{self.host}"
@@ -156,6 +156,9 @@ class Registry:
             ht = self.d / "htpasswd"
             ht.write_text("".join(f"{u}:{bcrypt_hash(p)}\n" for u, p in users.items()))
             lines += ["auth:", "  htpasswd:", "    realm: warmctl-test", f"    path: {ht}"]
+        if token:
+            lines += ["auth:", "  token:", f"    realm: {token.realm}", f"    service: {token.service}",
+                      f"    issuer: {token.issuer}", f"    rootcertbundle: {token.cert}"]
         if proxy:
             lines += ["proxy:", f"  remoteurl: {proxy[0]}", f"  username: {proxy[1]}", f"  password: {proxy[2]}"]
         self.config = self.d / "config.yml"
@@ -214,3 +217,106 @@ class Registry:
         """Where the blob ``sha256:<hex>`` lies in the storage."""
         hx = digest.split(":", 1)[1]
         return self.d / "data" / "docker" / "registry" / "v2" / "blobs" / "sha256" / hx[:2] / hx / "data"
+
+
+def _b64url(b: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+
+class TokenServer:
+    """A bearer-token service for a registry with ``auth.token`` (the distribution token flow):
+    ``GET /token?service=..&scope=..`` with basic auth of one of ``users`` answers
+    ``{"token": <JWT>}``, an ES256 JWT signed by a key made here (its certificate in the JWT's
+    ``x5c`` header and in the registry's ``rootcertbundle``), granting the actions the scope asks
+    for. ``lifetime``: seconds a token is valid, counted as Distribution does (it allows 60 s of
+    clock skew past ``exp``; the ``exp`` written is shifted so that a token expires ``lifetime``
+    seconds after it was issued). ``issued`` counts the tokens handed out. Runs over TLS with the
+    server certificate of ``ca`` on 127.0.0.1:``port`` in a daemon thread; :meth:`stop` ends it."""
+
+    LEEWAY = 60  # Distribution 2.8, registry/auth/token: tokens are accepted this long past exp
+
+    def __init__(self, d: Path, port: int, ca: CA, users: dict[str, str], lifetime: float = 300.0):
+        import datetime as dt
+        import ssl
+        import threading as th
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        d.mkdir(parents=True, exist_ok=True)
+        self.realm, self.service, self.issuer = f"https://127.0.0.1:{port}/token", "warmctl-test-registry", "warmctl-test-issuer"
+        self.users, self.lifetime, self.issued = users, lifetime, 0
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.timezone.utc)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "warmctl test token signer")])
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(self.key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+                .not_valid_after(now + dt.timedelta(days=2)).sign(self.key, hashes.SHA256()))
+        self.der = cert.public_bytes(serialization.Encoding.DER)
+        self.cert = d / "token-signer.pem"
+        self.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        srv = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_GET(self):  # noqa: N802
+                import base64
+                from urllib.parse import parse_qs, urlparse
+
+                q = parse_qs(urlparse(self.path).query)
+                auth = self.headers.get("Authorization", "")
+                try:
+                    user, _, pw = base64.b64decode(auth.split(" ", 1)[1]).decode().partition(":")
+                except (IndexError, ValueError):
+                    user, pw = "", ""
+                if srv.users.get(user) != pw or not user:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                body = json.dumps({"token": srv.token(user, q.get("service", [""])[0], q.get("scope", []))}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), H)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(ca.cert, ca.key)
+        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.thread = th.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def token(self, user: str, service: str, scopes: list[str]) -> str:
+        """A signed JWT for ``user`` granting ``scopes`` (``repository:NAME:ACTIONS``)."""
+        import uuid
+
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+        access = []
+        for sc in scopes:
+            for one in sc.split(" "):
+                typ, _, rest = one.partition(":")
+                name, _, actions = rest.rpartition(":")
+                access.append({"type": typ, "name": name, "actions": [a for a in actions.split(",") if a]})
+        now = int(time.time())
+        claims = {"iss": self.issuer, "sub": user, "aud": service, "iat": now, "nbf": now - 120, "jti": uuid.uuid4().hex,
+                  "exp": now + int(self.lifetime) - self.LEEWAY, "access": access}
+        header = {"typ": "JWT", "alg": "ES256", "x5c": [__import__("base64").b64encode(self.der).decode()]}
+        signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        r, s = decode_dss_signature(self.key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
+        self.issued += 1
+        return f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -381,6 +381,8 @@ class OCIBackend(Backend):
         self._full: list[_OpenPack] = []  # full, not yet uploaded
         self._open_sem = threading.BoundedSemaphore(OPEN_PACKS)
         self._have_blobs: set[str] = set()
+        self._ranged: set[str] = set()  # packs read at least once (see _ranged_get)
+        self._probing: dict[str, threading.Lock] = {}
 
     def __repr__(self) -> str:
         return f"OCIBackend({self.location()!r})"
@@ -397,7 +399,7 @@ class OCIBackend(Backend):
             return f"{base}/{key} (pack blob {pack}, bytes {off}-{off + n - 1})"
         if key.startswith("manifests/sha256/"):
             return f"{base}:manifest-{key.rsplit('/', 1)[1]}"
-        if d is None:
+        if d is None and not key.endswith("/"):
             return f"{base}:{object_tag(key)} ({key})"
         return f"{base}/{key}"
 
@@ -848,6 +850,29 @@ class OCIBackend(Backend):
         want = (n - offset) if length is None else min(length, n - offset)
         if want <= 0:
             return b""
+        with self._mu:
+            first = None if pack in self._ranged else self._probing.setdefault(pack, threading.Lock())
+        if first is None:
+            return self._ranged_get(key, d, pack, start, want, False)
+        with first:  # the first read of a pack: alone (see _ranged_get)
+            if pack in self._ranged:
+                first = None
+            else:
+                data = self._ranged_get(key, d, pack, start, want, True)
+                with self._mu:
+                    self._ranged.add(pack)
+                return data
+        return self._ranged_get(key, d, pack, start, want, False)
+
+    def _ranged_get(self, key: str, d: str, pack: str, start: int, want: int, first: bool) -> bytes:
+        """Bytes ``[start, start+want)`` of blob ``pack`` (chunk ``d``), by a ranged GET.
+
+        A registry answers 206 with the range. A pull-through mirror that does not hold the pack
+        yet (Distribution's proxy, for one) ignores the Range and streams the whole blob from its
+        origin while keeping it: with ``first`` (the first read of this pack by this process,
+        which other readers of the pack wait for) such a body is read to its end, so the mirror
+        finishes its copy and the origin serves the pack once; the later reads get ranges from the
+        mirror. Without ``first``, a whole-blob answer is read only up to the range wanted."""
         what = f"load chunk {d} from pack {pack}"
         try:
             r = self._send("GET", self._url(f"blobs/{pack}"), what, stream=True, ok=(200, 206),
@@ -864,10 +889,10 @@ class OCIBackend(Backend):
             else:  # the Range was ignored (a pull-through mirror filling its cache): skip to ours
                 out, pos = bytearray(), 0
                 for b in r.iter_bytes():
-                    if pos + len(b) > start:
-                        out += b[max(0, start - pos):]
+                    if pos + len(b) > start and len(out) < want:
+                        out += b[max(0, start - pos): start + want - pos]
                     pos += len(b)
-                    if len(out) >= want:
+                    if len(out) >= want and not first:
                         break
                 data = bytes(out[:want])
         except httpx.HTTPError as e:

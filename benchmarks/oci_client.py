@@ -1,0 +1,92 @@
+"""Parallel ranged blob reads from a real registry on loopback: httpx (what warmctl's OCI backend
+uses) against requests (what oras-py is built on), and warmctl's own chunk reads.
+
+    .venv/bin/python benchmarks/oci_client.py --mib 256 --threads 16 --runs 3
+
+Starts a Distribution 2.8 (``docker-registry``; TLS from a CA made here, htpasswd auth) with
+``tests/registry_server.py``, uploads one blob of ``--mib`` MiB, then reads it as 4 MiB ranges
+(``Range: bytes=a-b``) from ``--threads`` threads, each client with one shared connection pool:
+``httpx.Client`` and ``requests.Session`` (urllib3 pool of ``--threads``). Each run reads every
+range once; runs alternate between the clients. Prints MiB/s per run and the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("registry_server", HERE / "tests" / "registry_server.py")
+rs = importlib.util.module_from_spec(spec)
+sys.modules["registry_server"] = rs
+spec.loader.exec_module(rs)
+
+USER, PW = "bench", "bench-pw"
+CH = 4 << 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args()
+    import httpx
+    import requests
+    import requests.adapters
+
+    with tempfile.TemporaryDirectory() as td:
+        d = Path(td)
+        ca = rs.make_ca(d / "ca")
+        with rs.Registry(d / "reg", rs.free_port(), ca=ca, users={USER: PW}) as reg:
+            blob = os.urandom(a.mib << 20)
+            digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+            auth = "Basic " + base64.b64encode(f"{USER}:{PW}".encode()).decode()
+            base = f"{reg.url}/v2/bench/blob"
+            hx = httpx.Client(verify=str(ca.ca_cert), headers={"Authorization": auth},
+                              limits=httpx.Limits(max_connections=a.threads, max_keepalive_connections=a.threads), timeout=60)
+            r = hx.post(f"{base}/blobs/uploads/")
+            loc = httpx.URL(reg.url).join(r.headers["location"])
+            hx.put(str(loc) + ("&" if "?" in str(loc) else "?") + f"digest={digest}", content=blob,
+                   headers={"Content-Type": "application/octet-stream"}).raise_for_status()
+            rq = requests.Session()
+            rq.headers["Authorization"] = auth
+            rq.verify = str(ca.ca_cert)
+            rq.mount("https://", requests.adapters.HTTPAdapter(pool_connections=a.threads, pool_maxsize=a.threads))
+            ranges = [(o, min(o + CH, len(blob)) - 1) for o in range(0, len(blob), CH)]
+
+            def via_httpx(rg):
+                r = hx.get(f"{base}/blobs/{digest}", headers={"Range": f"bytes={rg[0]}-{rg[1]}"})
+                assert r.status_code == 206 and len(r.content) == rg[1] - rg[0] + 1
+                return len(r.content)
+
+            def via_requests(rg):
+                r = rq.get(f"{base}/blobs/{digest}", headers={"Range": f"bytes={rg[0]}-{rg[1]}"})
+                assert r.status_code == 206 and len(r.content) == rg[1] - rg[0] + 1
+                return len(r.content)
+
+            res: dict[str, list[float]] = {"httpx": [], "requests": []}
+            with ThreadPoolExecutor(a.threads) as ex:
+                list(ex.map(via_httpx, ranges[: a.threads]))  # warm both pools
+                list(ex.map(via_requests, ranges[: a.threads]))
+                for _ in range(a.runs):
+                    for name, fn in (("httpx", via_httpx), ("requests", via_requests)):
+                        t0 = time.perf_counter()
+                        n = sum(ex.map(fn, ranges))
+                        res[name].append(n / (1 << 20) / (time.perf_counter() - t0))
+            print(f"{a.mib} MiB blob, {len(ranges)} ranges of 4 MiB, {a.threads} threads, TLS, {a.runs} runs (MiB/s):")
+            for name, v in res.items():
+                print(f"  {name:9s} " + "  ".join(f"{x:7.1f}" for x in v) + f"   median {statistics.median(v):7.1f}")
+
+
+if __name__ == "__main__":
+    main()
