@@ -70,7 +70,7 @@ def main() -> None:
                 return len(r.content)
 
             def via_requests(rg):
-                r = rq.get(f"{base}/blobs/{digest}", headers={"Range": f"bytes={rg[0]}-{rg[1]}"})
+                r = rq.get(f"{base}/blobs/{digest}", headers={"Range": f"bytes={rg[0]}-{rg[1]}"}, verify=str(ca.ca_cert))
                 assert r.status_code == 206 and len(r.content) == rg[1] - rg[0] + 1
                 return len(r.content)
 
