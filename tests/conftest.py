@@ -27,6 +27,17 @@ def warmctl(*args: str, env: dict[str, str], check: bool = True, timeout: float 
     return r
 
 
+def need_service(missing: str | None, flag: str) -> None:
+    """Skip the test when ``missing`` (what is absent, with how to install it) is set, or fail it
+    when ``CI`` or ``flag`` (e.g. ``WARMCTL_REQUIRE_RGW``) is ``1``: CI cannot lose a real-server
+    test to a missing binary."""
+    if not missing:
+        return
+    if os.environ.get("CI", "").lower() not in ("", "0", "false") or os.environ.get(flag) == "1":
+        pytest.fail(f"{missing} (required: CI or {flag}=1 is set)")
+    pytest.skip(missing)
+
+
 def listening(port: int, timeout_s: float = 0.3) -> bool:
     """Whether a TCP connection to 127.0.0.1:``port`` is accepted within ``timeout_s`` seconds."""
     import socket

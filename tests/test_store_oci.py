@@ -25,6 +25,7 @@ import time
 import uuid
 
 import pytest
+from tests.conftest import need_service
 from registry_server import Registry, docker_config, free_port, make_ca, missing_binary
 from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
@@ -39,19 +40,11 @@ pytestmark = pytest.mark.oci
 USER, PASSWORD = "warmctl", "registry-secret"
 
 
-def _required() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false") or os.environ.get("WARMCTL_REQUIRE_REGISTRY") == "1"
-
-
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     """A TLS + htpasswd registry on 127.0.0.1; yields the :class:`Registry` (its CA in ``.ca``)."""
     missing = missing_binary()
-    if missing:
-        msg = f"{missing} missing: run scripts/install-test-services.sh"
-        if _required():
-            pytest.fail(msg + " (required: CI or WARMCTL_REQUIRE_REGISTRY=1 is set)")
-        pytest.skip(msg)
+    need_service(missing and f"{missing} missing: run scripts/install-test-services.sh", "WARMCTL_REQUIRE_REGISTRY")
     d = tmp_path_factory.mktemp("registry")
     ca = make_ca(d / "ca")
     with Registry(d / "reg", free_port(), ca=ca, users={USER: PASSWORD}) as reg:
@@ -220,12 +213,17 @@ def test_registry_down_past_window_then_rerun_fetches_only_missing(oci, registry
     assert 0 < rep.chunks_copied < 20 and tag_of(b, "tiny") is not None
 
 
-def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
-    f = write_payload(tmp_path / "p.img", [("random", 16 * MiB)], seed=9)
+def _pushed_layer(oci: str, tmp_path, seed: int, media: str) -> tuple[str, dict]:
+    """Push a 16 MiB snapshot ``tiny`` to ``oci``; (its digest, the first layer of type ``media``)."""
+    f = write_payload(tmp_path / "p.img", [("random", 16 * MiB)], seed=seed)
     a = open_store(tmp_path / "a")
     d = snapshot(a, "tiny", {"p.img": f})
     push(a, _store(oci), "tiny")
-    pack = next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER)
+    return d, next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == media)
+
+
+def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
+    _, pack = _pushed_layer(oci, tmp_path, 9, ocimod.PACK_LAYER)
     p = registry.blob_path(pack["digest"])
     data = bytearray(p.read_bytes())
     data[100:110] = b"XXXXXXXXXX"  # inside the first chunk's frame
@@ -237,11 +235,7 @@ def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
 
 
 def test_artifact_naming_a_missing_layer_then_rerun(oci, registry, tmp_path):
-    f = write_payload(tmp_path / "p.img", [("random", 16 * MiB)], seed=10)
-    a = open_store(tmp_path / "a")
-    d = snapshot(a, "tiny", {"p.img": f})
-    push(a, _store(oci), "tiny")
-    idx = next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.INDEX_LAYER)
+    d, idx = _pushed_layer(oci, tmp_path, 10, ocimod.INDEX_LAYER)
     p = registry.blob_path(idx["digest"])
     saved = p.read_bytes()
     p.unlink()  # the artifact names a layer the registry no longer has

@@ -23,6 +23,7 @@ import os
 import uuid
 
 import pytest
+from tests.conftest import need_service
 from rgw_server import free_port, missing_binaries, start_rgw
 from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
@@ -43,19 +44,12 @@ pytestmark = pytest.mark.s3
 BUCKET = "warmctl"
 
 
-def _required() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false") or os.environ.get("WARMCTL_REQUIRE_RGW") == "1"
-
-
 @pytest.fixture(scope="module")
 def rgw(tmp_path_factory):
     """A Ceph RGW on 127.0.0.1 with an empty bucket ``warmctl``; yields (endpoint, access key, secret key)."""
     missing = missing_binaries()
-    if missing:
-        msg = f"ceph binaries missing ({', '.join(missing)}): run scripts/install-test-services.sh"
-        if _required():
-            pytest.fail(msg + " (required: CI or WARMCTL_REQUIRE_RGW=1 is set)")
-        pytest.skip(msg)
+    need_service(missing and f"ceph binaries missing ({', '.join(missing)}): run scripts/install-test-services.sh",
+                 "WARMCTL_REQUIRE_RGW")
     import boto3
 
     with start_rgw(tmp_path_factory.mktemp("ceph"), free_port(), free_port()) as (ep, ak, sk):

@@ -921,13 +921,6 @@ class OCIBackend(Backend):
         _, doc = self._object(key)
         return ObjectInfo(key, int(doc["layers"][0].get("size", 0)), _mtime((doc.get("annotations") or {}).get(CREATED)))
 
-    def exists(self, key: str) -> bool:
-        try:
-            self.stat(key)
-        except ObjectNotFound:
-            return False
-        return True
-
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         out: list[ObjectInfo] = []
         if "chunks/".startswith(prefix) or prefix.startswith("chunks/"):
