@@ -390,3 +390,20 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
             assert bad.retries == 0 and "\n" not in str(ei.value)
     finally:
         tok.stop()
+
+
+def test_a_new_snapshot_under_the_same_tag_moves_it_and_gc_frees_the_old(oci, tmp_path):
+    """Publishing (pushing) a newer snapshot of the same kind of host under ``tiny:latest``
+    replaces the registry's entry; the old one stays by digest until gc, which then frees it."""
+    a = open_store(tmp_path / "a")
+    d1 = snapshot(a, "tiny", {"p.img": write_payload(tmp_path / "1.img", [("random", 8 * MiB)], seed=20)})
+    push(a, _store(oci), "tiny")
+    d2 = snapshot(a, "tiny", {"p.img": write_payload(tmp_path / "2.img", [("random", 8 * MiB)], seed=21)})
+    push(a, _store(oci), "tiny")
+    remote = _store(oci)
+    assert tag_of(remote, "tiny") == d2 and [e.manifest for e in Catalog(remote).entries("tiny", "latest")] == [d2]
+    assert sorted(remote.list_manifests()) == sorted([d1, d2])  # d1 by digest, until gc
+    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    assert rep.manifests_removed == [d1] and rep.chunks_removed == 2
+    b = open_store(tmp_path / "b")
+    assert pull(_store(oci), b, "tiny").chunks_copied == 2 and tag_of(b, "tiny") == d2
