@@ -138,12 +138,20 @@ def wc_env(tmp_path_factory, engine_ports) -> dict[str, str]:
     return isolated_env(tmp_path_factory.mktemp("warmctl"), *engine_ports)
 
 
+#: Credentials in the environment of the session's ``warmctl snapshot tiny``, as a publisher
+#: with S3 credentials and a Hugging Face token has them (issue 26): none may reach the engine,
+#: a stored byte or the restored engine (test_e2e_main.py checks).
+SNAPSHOT_PROBES = {"AWS_ACCESS_KEY_ID": "AKIAPROBE5C2E9A71F0D3", "AWS_SECRET_ACCESS_KEY": "probe-secret-8b1f6e2d94c07a35",
+                   "HF_TOKEN": "hf_probe3e7a1c9d50b2f468"}
+
+
 @pytest.fixture(scope="session")
 def tiny_snapshot(wc_env) -> dict:
-    """``warmctl snapshot tiny`` run once per session. Returns {"digest", "stdout", "stderr",
-    "shm_left"}: ``shm_left`` = /dev/shm names present after the snapshot but not before."""
+    """``warmctl snapshot tiny`` run once per session, with :data:`SNAPSHOT_PROBES` in its
+    environment. Returns {"digest", "stdout", "stderr", "shm_left"}: ``shm_left`` = /dev/shm
+    names present after the snapshot but not before."""
     shm_before = set(os.listdir("/dev/shm"))
-    r = warmctl("snapshot", "tiny", env=wc_env, timeout=1500)
+    r = warmctl("snapshot", "tiny", env={**wc_env, **SNAPSHOT_PROBES}, timeout=1500)
     shm_after = set(os.listdir("/dev/shm"))
     m = re.search(r"tiny:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
     assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"

@@ -18,7 +18,7 @@ import time
 import httpx
 import psutil
 import pytest
-from tests.conftest import WARMCTL, listening, shm_leaked, shm_names, warmctl
+from tests.conftest import SNAPSHOT_PROBES, WARMCTL, listening, shm_leaked, shm_names, warmctl
 
 from warmctl.checkpoint import affinity
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
@@ -79,6 +79,33 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     assert tiny_snapshot["shm_left"] == set()
 
 
+def test_no_credential_of_the_snapshot_environment_is_stored(tiny_snapshot, wc_env):
+    """The session snapshot ran with S3 credentials and a Hugging Face token in its environment
+    (SNAPSHOT_PROBES): not one stored byte holds them. Every file of the manifest is read back
+    chunk by chunk, decompressed and verified (a value across a chunk boundary counts), and every
+    object of the store (manifests, signatures, catalog, chunks as stored) is read raw."""
+    s = _settings(wc_env)
+    store = open_store(s.store_dir)
+    probes = [v.encode() for v in SNAPSHOT_PROBES.values()]
+    m = store.get_manifest(tiny_snapshot["digest"])
+    assert "secret_scan" in {p.name for p in m.phases}
+    assert "secret scan:" in tiny_snapshot["stdout"] + tiny_snapshot["stderr"]
+    nbytes = 0
+    for f in m.files:
+        tail = b""
+        for c in f.chunks:
+            data = tail + store.load_chunk(c, f.path)
+            nbytes += c.size
+            assert not [p for p in probes if p in data], f"a credential in {f.path}"
+            tail = data[-64:]
+    assert nbytes == sum(f.size for f in m.files if not f.hardlink_to) > 2**20
+    objects = [p for p in s.store_dir.rglob("*") if p.is_file()]
+    assert len(objects) > 10
+    for p in objects:
+        data = p.read_bytes()
+        assert not [x for x in probes if x in data], f"a credential in {p}"
+
+
 def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_ports):
     """Cold path (empty tag) and restore path give bit-identical greedy output."""
     _, gate = engine_ports
@@ -113,6 +140,16 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
         assert set(threads) <= set(now.get(cpus, ())), f"bound at snapshot: {m.restore.cpu_affinity}; now: {now}"
     restored = [_completion(gate, p) for p in PROMPTS]
     assert restored == cold
+    # the credentials in snapshot's environment (SNAPSHOT_PROBES) are nowhere in the restored
+    # tree's environment: it is the declared one the manifest records by name
+    tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    for p in tree:
+        environ = open(f"/proc/{p.pid}/environ", "rb").read()
+        for k, v in SNAPSHOT_PROBES.items():
+            assert k.encode() + b"=" not in environ and v.encode() not in environ, (p.pid, k)
+    assert m.restore.engine_env["PATH"] == "base" and m.restore.engine_env["VLLM_CPU_KVCACHE_SPACE"] == "profile"
+    assert m.restore.engine_env["HF_HUB_OFFLINE"] == "profile" and m.restore.engine_env["PYTHONUNBUFFERED"] == "warmctl"
+    assert not set(SNAPSHOT_PROBES) & set(m.restore.engine_env)
     # chat completion on the public port
     chat = httpx.post(f"http://127.0.0.1:{gate}/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": "What is the capital of France? One word."}],

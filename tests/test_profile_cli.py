@@ -124,3 +124,57 @@ def test_profile_command_is_seed_003_flag_by_flag(home):
     tiny = json.loads(wc("profile", "command", "tiny", "--json", env=env).stdout)
     assert tiny["model"].startswith(str(Path(env["WARMCTL_HOME"]) / "models" / "tiny-llama-"))
     assert not Path(tiny["model"]).exists()  # shown, not built
+
+
+# ----------------------------------------------------------------------------- credentials (issue 26)
+
+PROBE = "sk-probe-7f3a9c1e5d"
+
+
+def test_profile_check_refuses_credentials_naming_each_field(home):
+    """--api-key in args and a token in [engine.env] are refused by `profile check` (and so by
+    every command that loads the profile), each named with where it belongs; the value is never
+    printed. A vLLM knob that counts text tokens is no credential."""
+    env, root = home
+    bad = root / "profiles" / "creds.toml"
+    text = (PROFILES_DIR / "tiny.toml").read_text().replace('name = "tiny"', 'name = "creds"')
+    text = text.replace('args = ["--seed", "0"]', f'args = ["--seed", "0", "--api-key", "{PROBE}", "--hf-token={PROBE}"]')
+    text = text.replace('HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\nHF_TOKEN = "{PROBE}"\n'
+                        'VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD = "1024"')
+    bad.write_text(text)
+    r = wc("profile", "check", str(bad), env=env)
+    assert r.returncode == 1, r.stdout
+    assert f"{bad}: engine.args.2: --api-key carries a credential" in r.stderr and "gate_api_key_file" in r.stderr
+    assert f"{bad}: engine.args.4: --hf-token carries a credential" in r.stderr
+    assert f"{bad}: engine.env.HF_TOKEN: HF_TOKEN names a credential" in r.stderr
+    assert "engine_env_passthrough" in r.stderr  # where a start-up credential belongs
+    assert "TOKEN_THRESHOLD" not in r.stderr
+    assert PROBE not in r.stderr + r.stdout
+    js = json.loads(wc("profile", "check", "--json", "creds", env=env).stdout)
+    assert js[0]["ok"] is False and len(js[0]["errors"]) == 3 and PROBE not in json.dumps(js)
+    # every command that loads it refuses it too (ProfileError, exit 15), before anything starts
+    r = wc("snapshot", "creds", env=env)
+    assert r.returncode == 15 and "engine.args.2: --api-key" in r.stderr and PROBE not in r.stderr
+
+
+def test_profile_command_shows_the_declared_environment(home):
+    """`profile command` shows what the engine gets: warmctl's and the profile's variables with
+    values, those taken from this environment (base list, engine_env_passthrough) by name only;
+    a credential of this environment is neither shown nor passed."""
+    env, root = home
+    cfg = root / "pass.toml"
+    cfg.write_text('engine_env_passthrough = ["SITE_PROXY_URL", "NCCL_*"]\n')
+    env = {**env, "WARMCTL_CONFIG": str(cfg), "SITE_PROXY_URL": "http://proxy.example:3128", "NCCL_SOCKET_IFNAME": "eth0",
+           "AWS_SECRET_ACCESS_KEY": PROBE, "OMP_NUM_THREADS": "2", "UNRELATED_SETTING": "x"}
+    launch = json.loads(wc("profile", "command", "tiny", "--json", env=env).stdout)
+    assert launch["env"]["HF_HUB_OFFLINE"] == "1" and launch["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    src = launch["from_environment"]
+    assert src["SITE_PROXY_URL"] == src["NCCL_SOCKET_IFNAME"] == "passthrough"
+    assert src["PATH"] == src["HOME"] == src["OMP_NUM_THREADS"] == "base"
+    assert "AWS_SECRET_ACCESS_KEY" not in src and "UNRELATED_SETTING" not in src
+    text = wc("profile", "command", "tiny", env=env).stdout
+    assert "# from this environment (engine_env_passthrough): NCCL_SOCKET_IFNAME SITE_PROXY_URL" in text
+    assert "proxy.example" not in text and PROBE not in text
+    cfg.write_text('engine_env_passthrough = ["*"]\n')
+    r = wc("profile", "command", "tiny", env=env)
+    assert r.returncode == 13 and "engine_env_passthrough" in r.stderr and "a bare '*'" in r.stderr

@@ -17,11 +17,12 @@ list.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from warmctl.errors import WarmctlError
 
@@ -112,6 +113,15 @@ class Settings(BaseModel):
       lazy ``up`` took 2.50 s to the first correct token against eager's 2.05 s
       (``benchmarks/up_vs_raw.py``, docs/benchmarks.md). A profile whose checkpoint plan loads CRIU
       plugins (AMD) always restores eagerly: lazy pages with plugins are not verified.
+    - ``engine_env_passthrough``: variables of warmctl's environment the engine gets too
+      (exact names, or prefixes ending in ``*``: ``["HTTPS_PROXY", "NCCL_*"]``), for a site's
+      proxy, CA bundle or interconnect settings. The engine's environment is otherwise
+      declared: :data:`warmctl.engine.vllm.BASE_ENV` (locale, paths, BLAS/OpenMP and the
+      accelerator runtime's device lists), what warmctl sets, and the profile's
+      ``[engine.env]``; nothing else of warmctl's environment reaches it (``warmctl profile
+      command`` shows it; the manifest records it by name). A credential passed through
+      reaches the engine's memory, and ``snapshot`` then refuses to publish (docs/operations.md,
+      "Credentials and snapshots").
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -140,8 +150,18 @@ class Settings(BaseModel):
     s3_outage_s: float = Field(60.0, ge=0)
     cold_start: Literal["fallback", "never"] = "fallback"
     restore_pages: Literal["auto", "lazy", "eager"] = "eager"
+    engine_env_passthrough: list[str] = []
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
+
+    @field_validator("engine_env_passthrough")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        bad = [n for n in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\*?", n)]
+        if bad:
+            raise ValueError("not an environment variable name, or a prefix of one ending in '*' "
+                             f"(a bare '*' would pass the whole environment): {', '.join(map(repr, bad))}")
+        return v
 
     @property
     def store_dir(self) -> Path:

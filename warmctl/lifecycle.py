@@ -517,7 +517,8 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
     if snapshot_after:
         criu.check(settings.criu)
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
-    startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter)
+    startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter,
+                         settings.engine_env_passthrough)
     digest = None
     try:
         run.record(EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(),

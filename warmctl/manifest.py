@@ -193,8 +193,12 @@ class RestoreInfo(_Recorded):
     image files; ``cpu_affinity``: ``{CPU list: [thread IDs in the engine's PID namespace]}``
     of the threads bound to fewer CPUs than the snapshotting warmctl could use (CRIU does not
     restore affinity; ``up`` puts it back, :mod:`warmctl.checkpoint.affinity`; absent when no
-    thread was bound); ``gpu`` / ``weights``: present only for those checkpoint flavours. Every key
-    is optional in the format (a manifest written without one reads with its default).
+    thread was bound); ``gpu`` / ``weights``: present only for those checkpoint flavours;
+    ``engine_env``: the engine's environment at the cold start by name only, ``{variable:
+    source}`` with source ``base``, ``passthrough``, ``warmctl`` or ``profile``
+    (:class:`warmctl.engine.vllm.EngineEnv`; never a value: the profile's own values are in
+    ``profile``). Every key is optional in the format (a manifest written without one reads
+    with its default).
     """
 
     log_path: str | None = None
@@ -206,6 +210,7 @@ class RestoreInfo(_Recorded):
     cpu_affinity: dict[str, list[int]] = {}
     gpu: GpuRestore | None = None
     weights: WeightsRestore | None = None
+    engine_env: dict[str, Literal["base", "passthrough", "warmctl", "profile"]] = {}
 
     @field_validator("log_path", "cwd")
     @classmethod

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
                       model_serializer, model_validator)
+from pydantic_core import PydanticCustomError
 
 from warmctl.errors import WarmctlError
 from warmctl.names import NAME_PATTERN
@@ -35,6 +36,11 @@ PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 #: A host install's own profiles, searched after the configured ``profile_dirs`` and before
 #: the shipped ones.
 SYSTEM_PROFILES_DIR = Path("/etc/warmctl/profiles")
+
+
+#: The validation error type of a credential in a profile: its message names each field itself,
+#: and the input (which holds the secret) is never shown.
+CREDENTIAL_ERROR = "credential"
 
 
 class ProfileError(WarmctlError):
@@ -50,7 +56,11 @@ class EngineSpec(_Strict):
 
     ``model`` is a path, or ``builtin:tiny`` for the small Llama that warmctl builds itself
     (see :mod:`warmctl.tinymodel`). ``args`` are extra ``vllm serve`` flags, passed as given.
-    ``port`` is the engine's internal port on loopback; clients never see it.
+    ``port`` is the engine's internal port on loopback; clients never see it. Neither ``args``
+    nor ``env`` may carry a credential (a profile is published with every snapshot): a flag
+    such as ``--api-key`` or a variable whose name says token, key, secret, password or
+    credential is refused, naming the field and where it belongs instead
+    (:func:`warmctl.credentials.profile_problems`).
     """
 
     kind: Literal["vllm"] = "vllm"
@@ -61,6 +71,16 @@ class EngineSpec(_Strict):
     port: int = Field(18000, ge=1, le=65535)
     startup_timeout_s: float = Field(900.0, gt=0, description="seconds to wait for /health")
     max_model_len: int | None = Field(None, gt=0, description="tokens")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> "EngineSpec":
+        from warmctl.credentials import profile_problems
+
+        problems = profile_problems(self.args, self.env)
+        if problems:  # a custom type: the error never shows the input (it holds the secret)
+            raise PydanticCustomError(CREDENTIAL_ERROR, "{detail}",
+                                      {"detail": "\n".join(f"{f}: {m}" for f, m in problems)})
+        return self
 
 
 class GateSpec(_Strict):
@@ -215,6 +235,9 @@ def _fields_at(loc: tuple) -> list[str]:
 def _format_validation(path: Path, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
+        if e["type"] == CREDENTIAL_ERROR:
+            lines += [f"{path}: {ln}" for ln in e["msg"].splitlines()]
+            continue
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         got = e.get("input")
         got_s = "" if isinstance(got, dict) else f" (got {got!r})"

@@ -18,8 +18,12 @@ then :func:`snapshot_engine`, one short function per phase:
    profiles) under the host's CRIU lock, with the ``/dev/shm`` files and CRIU's ``link_remap``
    files it needs (:mod:`warmctl.checkpoint.capture`); with ``leave_running`` the plan's
    ``after_dump`` then brings the source engine back to serving;
-5. :func:`_store_files`: every file chunked into the content-addressed store;
-   :func:`_build_manifest`; :func:`_publish`: the manifest is written last, then signed and
+5. :func:`_refuse_secrets`: before anything is stored, every file to store and the manifest
+   as it will be written are scanned for every secret value warmctl knows on this host
+   (:mod:`warmctl.credentials`); a match refuses the snapshot, naming the secret's source and
+   the file, and nothing is stored or pushed;
+6. :func:`_store_files`: every file chunked into the content-addressed store;
+   :func:`_publish`: the manifest (:func:`_build_manifest`) is written last, then signed and
    tagged ``NAME:TAG``.
 
 A failure at any point leaves no manifest and no tag (chunks already written are unreferenced
@@ -36,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl import enginelock, fleet, host, trust
+from warmctl import credentials, enginelock, fleet, host, trust
 from warmctl.catalog import Catalog, Ref
 from warmctl.checkpoint import affinity, capture, criu, filedigest
 from warmctl.config import Settings
@@ -128,7 +132,8 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
                                                          "already running on this host")):
         cold.preflight(profile, settings.run_dir)
         run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
-        startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter)
+        startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter,
+                             settings.engine_env_passthrough)
         try:
             record = cold.warm_and_record(run, profile, reporter)
         except BaseException:
@@ -157,8 +162,11 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
         dumped = _dump(run, plan, leave_running, settings.criu, reporter)
         if leave_running:
             plan.after_dump(run, reporter)
+        draft = _build_manifest(run, profile, settings, record, startup, reporter, dumped, weights,
+                                list(dumped.links) + [_entry(src, role, rel) for src, role, rel in dumped.items])
+        _refuse_secrets(profile, settings, dumped, draft, reporter, push_to)
         entries = _store_files(store, dumped, reporter)
-        manifest = _build_manifest(run, profile, settings, record, startup, reporter, dumped, weights, entries)
+        manifest = draft.model_copy(update={"files": entries, "phases": _phases(startup, reporter)})
         digest = _publish(store, manifest, tag, settings, reporter)
         if push_to:
             _push(store, manifest, digest, tag, push_to, reporter)
@@ -236,6 +244,37 @@ def _link_entry(p: Path, target: Path) -> FileEntry:
     return FileEntry(path=p.name, role="shm", size=st.st_size, mode=st.st_mode & 0o7777, hardlink_to=target.name)
 
 
+def _entry(src: Path, role: str, rel: str, chunks: list | None = None) -> FileEntry:
+    """The manifest entry of the file ``src`` stored as ``rel`` with ``role``."""
+    st = src.stat()
+    return FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777, chunks=chunks or [])
+
+
+def _label(role: str, rel: str) -> str:
+    """How a file to store is named to the operator: its place at restore."""
+    return {"image": f"image file {rel}", "shm": f"/dev/shm/{rel}", "file": f"bundled file /{rel}"}.get(role, rel)
+
+
+def _refuse_secrets(profile: Profile, settings: Settings, dumped: _Dumped, draft: Manifest, reporter: Reporter,
+                    push_to: str | None) -> None:
+    """The ``secret_scan`` phase, before anything is stored: every file to store (CRIU images,
+    ``/dev/shm`` captures, bundled files, weights) and the manifest as it will be written
+    (profile, host, canary and restore records) searched for every secret value warmctl can
+    know on this host (:func:`warmctl.credentials.known_secrets`). Raises
+    :class:`warmctl.credentials.SecretInSnapshot` naming each secret's source and the file it
+    is in, never the value; the caller's teardown then removes the images and ``/dev/shm`` files."""
+    known = credentials.known_secrets(settings, store_urls=[push_to] if push_to else [])
+    files = [(src, _label(role, rel)) for src, role, rel in dumped.items]
+    with reporter.phase("secret_scan", f"scanning {len(files)} files and the manifest for {len(known.secrets)} "
+                                       f"secret values this host knows"):
+        found, nbytes = credentials.scan_files(files, known.secrets)
+        found += credentials.scan_bytes(draft.model_dump_json().encode(), known.secrets,
+                                        "the manifest (profile, host, canary and restore records)")
+    credentials.refuse_if_found(found, f"snapshot {profile.name}")
+    skipped = f"; {known.short} value(s) under {credentials.MIN_SECRET_BYTES} bytes not scanned for" if known.short else ""
+    reporter.info(f"secret scan: {nbytes / 2**20:,.0f} MiB, none of {len(known.secrets)} secret values found{skipped}")
+
+
 def _store_files(store, dumped: _Dumped, reporter: Reporter) -> list[FileEntry]:
     """The ``store`` phase: every listed file chunked into ``store``; returns the manifest's
     file entries (hard links included)."""
@@ -244,10 +283,13 @@ def _store_files(store, dumped: _Dumped, reporter: Reporter) -> list[FileEntry]:
     with reporter.phase("store", f"chunking {total / 2**20:,.0f} MiB into {store}"):
         advance = reporter.bytes_progress("store", total)
         for src, role, rel in dumped.items:
-            st = src.stat()
-            chunks = store.add_file(src, progress=advance)
-            entries.append(FileEntry(path=rel, role=role, size=st.st_size, mode=st.st_mode & 0o7777, chunks=chunks))
+            entries.append(_entry(src, role, rel, store.add_file(src, progress=advance)))
     return entries
+
+
+def _phases(startup: dict[str, float], reporter: Reporter) -> list[Phase]:
+    """The manifest's phases: the cold start's, then every phase of this pipeline so far."""
+    return [Phase(name=k, seconds=v) for k, v in startup.items()] + list(reporter.phases)
 
 
 def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
@@ -259,7 +301,8 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
     restore = RestoreInfo(log_path=str(run.log_path), cwd=str(run.cwd), internal_port=run.internal_port,
                           required_files=dumped.files.required, images_bytes=dumped.images_bytes,
                           required_digests=filedigest.digests_of(dumped.files.required,
-                                                                 filedigest.DigestCache.for_settings(settings)))
+                                                                 filedigest.DigestCache.for_settings(settings)),
+                          engine_env=run.engine_env)
     if dumped.cpu_affinity:
         restore.cpu_affinity = dumped.cpu_affinity
     if dumped.gpu is not None:
@@ -272,7 +315,7 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
         profile=profile.model_dump(mode="json"),
         host=host.fingerprint(criu=settings.criu).model_dump(mode="json"),
         canary=record,
-        phases=[Phase(name=k, seconds=v) for k, v in startup.items()] + list(reporter.phases),
+        phases=_phases(startup, reporter),
         restore=restore,
         files=entries,
     )

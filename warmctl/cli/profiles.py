@@ -38,19 +38,25 @@ def _load(name: str) -> tuple[Path, Profile]:
     return path, load_profile_file(path)
 
 
-def engine_launch(profile: Profile, models_dir: Path) -> dict:
+def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | None = None) -> dict:
     """What ``snapshot`` (and the cold path of ``up``) would launch for ``profile``, without
-    launching or building anything: ``{"model": path, "env": {var: value} warmctl sets on top of
-    the inherited environment, "engine_argv": the vllm serve argv, "argv": the same wrapped
-    for checkpointing (launcher, PID namespace, session)}``. ``builtin:tiny`` is shown at the
-    path it is built to on first use."""
+    launching or building anything: ``{"model": path, "env": {var: value} warmctl and the
+    profile set, "from_environment": {var: "base" | "passthrough"} taken from this
+    environment by name (:func:`warmctl.engine.vllm.engine_environment`; values not shown: a
+    passed-through one may be a credential), "engine_argv": the vllm serve argv, "argv": the
+    same wrapped for checkpointing (launcher, PID namespace, session)}``. Nothing else of
+    this environment reaches the engine. ``passthrough``: the config's
+    ``engine_env_passthrough``. ``builtin:tiny`` is shown at the path it is built to on first use."""
     from warmctl import tinymodel
-    from warmctl.engine.vllm import engine_env, vllm_command, wrapped_command
+    from warmctl.engine.vllm import engine_env, engine_environment, vllm_command, wrapped_command
 
     m = profile.engine.model
     model = str(tinymodel.model_dir(models_dir)) if m == "builtin:tiny" else m
     inner = vllm_command(profile, model)
-    return {"model": model, "env": engine_env(profile), "engine_argv": inner, "argv": wrapped_command(inner)}
+    ours = engine_env(profile)
+    inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
+    return {"model": model, "env": ours, "from_environment": inherited, "engine_argv": inner,
+            "argv": wrapped_command(inner)}
 
 
 def register(app: typer.Typer) -> None:
@@ -134,18 +140,25 @@ def register(app: typer.Typer) -> None:
                 engine_only: bool = typer.Option(False, "--engine-only",
                                                   help="Only the `vllm serve` command, without the checkpointing wrappers.")) -> None:
         """The exact engine command line and environment `warmctl snapshot NAME` would launch,
-        without launching it: the variables warmctl sets on top of its own environment (the
-        engine inherits the rest), then the command, shell-quoted on one line. The engine binds
-        engine.port on 127.0.0.1; the public host, port, API key and TLS are the gate's."""
+        without launching it: the variables warmctl and the profile set (`NAME=value`), a
+        comment naming those taken from this environment (the base list and the config's
+        engine_env_passthrough; by name only), then the command, shell-quoted on one line.
+        Nothing else of warmctl's environment reaches the engine. The engine binds engine.port
+        on 127.0.0.1; the public host, port, API key and TLS are the gate's."""
         from warmctl.config import load_settings
 
         _, prof = _load(name)
-        launch = engine_launch(prof, load_settings().models_dir)
+        settings = load_settings()
+        launch = engine_launch(prof, settings.models_dir, settings.engine_env_passthrough)
         if json_out:
             _json(launch)
             return
         for k, v in launch["env"].items():
             _echo(f"{k}={shlex.quote(v)}")
+        for src, what in (("base", "base list"), ("passthrough", "engine_env_passthrough")):
+            names = [k for k, s in launch["from_environment"].items() if s == src]
+            if names:
+                _echo(f"# from this environment ({what}): {' '.join(names)}")
         _echo(shlex.join(launch["engine_argv"] if engine_only else launch["argv"]))
 
     @papp.command("diff")

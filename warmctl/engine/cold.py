@@ -9,6 +9,7 @@ the canary. Each either succeeds or leaves nothing running (the run is torn down
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from warmctl import tinymodel
 from warmctl.engine import canary, vllm, warmup
@@ -46,8 +47,12 @@ def preflight(profile: Profile, run_dir: Path) -> None:
     require_port_free("127.0.0.1", profile.engine.port, f"engine port for {profile.name}:")
 
 
-def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter) -> dict[str, float]:
+def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
+          passthrough: Sequence[str] = ()) -> dict[str, float]:
     """Launch ``profile``'s engine (model path ``model``) as ``run`` and wait until healthy.
+    Its environment is declared (:func:`warmctl.engine.vllm.engine_environment`, with the
+    config's ``engine_env_passthrough`` names as ``passthrough``) and recorded on the run by
+    name (``run.engine_env``).
 
     The run is recorded (``<run>/state.json``, phase ``starting``, no public port yet) as soon
     as its root process exists. Returns the start-up phases in seconds, parsed from the log
@@ -58,7 +63,8 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter) -> d
     """
     run.prepare()
     offset = run.log_path.stat().st_size if run.log_path.exists() else 0
-    eng = vllm.start(profile, model, run.log_path, cwd=run.cwd)
+    eng = vllm.start(profile, model, run.log_path, cwd=run.cwd, passthrough=passthrough)
+    run.engine_env = eng.env_sources
     run.set_root(eng.root_pid)
     if run.state is None:  # recorded at once: a killed warmctl leaves a tree the next run finds
         run.record(EngineState(name=profile.name, phase="starting", source="cold", profile_digest=profile.digest(),

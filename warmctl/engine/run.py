@@ -99,6 +99,9 @@ class EngineRun:
         self.shm_inodes: list[tuple[int, int]] = []
         self.started_at = started_at if started_at is not None else time.time()
         self.state: EngineState | None = None
+        #: the engine's environment by name (variable -> source), set by a cold start
+        #: (:func:`warmctl.engine.cold.start`) for the manifest; never values
+        self.engine_env: dict[str, str] = {}
 
     # --- construction ---------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import psutil
 
@@ -53,12 +54,65 @@ def vllm_command(profile: Profile, model_path: str, python: str | None = None) -
     return cmd + list(e.args)
 
 
+#: What the engine takes from warmctl's own environment whatever the config says: what the
+#: interpreter, vLLM, the locale, the BLAS/OpenMP runtimes and the accelerator runtime need
+#: (docs/operations.md, "Credentials and snapshots"). A name ending in ``*`` is a prefix. A
+#: name that looks like a credential (:func:`warmctl.credentials.credential_name`) is never
+#: taken from this list.
+BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_*", "TZ", "TMPDIR",
+            "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME",
+            "OMP_*", "KMP_*", "GOMP_*", "OPENBLAS_*", "MKL_*",
+            "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
+
+
+@dataclass(frozen=True)
+class EngineEnv:
+    """The engine's whole environment (``values``) and where each variable came from
+    (``sources``: name -> ``base`` (:data:`BASE_ENV`), ``passthrough`` (the config's
+    ``engine_env_passthrough``), ``warmctl`` (set by warmctl, :func:`engine_env`) or
+    ``profile`` (its ``[engine.env]``, which wins)). A manifest records ``sources`` only:
+    names, never values."""
+
+    values: dict[str, str]
+    sources: dict[str, str]
+
+
+def engine_environment(profile: Profile, passthrough: Sequence[str] = (),
+                       environ: Mapping[str, str] | None = None) -> EngineEnv:
+    """The environment ``profile``'s engine starts with: from ``environ`` (default: this
+    process's) only the variables :data:`BASE_ENV` names (never a credential-looking one) and
+    those ``passthrough`` names (exact names, or prefixes ending in ``*``; a credential
+    passed through reaches the engine, and ``snapshot`` then refuses to publish the image
+    that holds it); then what warmctl and the profile set (:func:`engine_env`). Nothing
+    else of warmctl's environment reaches the engine."""
+    from warmctl.credentials import credential_name
+
+    env = os.environ if environ is None else environ
+    values: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    for k in sorted(env):
+        if _matches(k, passthrough):
+            values[k], sources[k] = env[k], "passthrough"
+        elif _matches(k, BASE_ENV) and not credential_name(k):
+            values[k], sources[k] = env[k], "base"
+    ours = engine_env(profile)
+    for k, v in ours.items():
+        values[k] = v
+        sources[k] = "profile" if k in profile.engine.env else "warmctl"
+    return EngineEnv(values, sources)
+
+
 def engine_env(profile: Profile) -> dict[str, str]:
-    """The variables warmctl sets for ``profile``'s engine on top of the environment it inherits:
-    offline Hugging Face, unbuffered output, ``VLLM_SERVER_DEV_MODE=1`` for profiles that
-    checkpoint through the engine (``checkpoint.cuda``, ``sleep_level`` or
-    ``weights_outside_image``: the ``/sleep``, ``/wake_up`` and ``/collective_rpc`` endpoints, on
-    loopback only), then the profile's ``engine.env`` (which wins)."""
+    """The variables warmctl sets for ``profile``'s engine on top of what it takes from its
+    own environment (:func:`engine_environment`): offline Hugging Face, unbuffered output,
+    ``VLLM_SERVER_DEV_MODE=1`` for profiles that checkpoint through the engine
+    (``checkpoint.cuda``, ``sleep_level`` or ``weights_outside_image``: the ``/sleep``,
+    ``/wake_up`` and ``/collective_rpc`` endpoints, on loopback only), then the profile's
+    ``engine.env`` (which wins)."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     c = profile.checkpoint
     if c.cuda or c.sleep_level or c.weights_outside_image:
@@ -92,6 +146,8 @@ class EngineProcess:
     port: int
     log_path: Path
     started: float = field(default_factory=time.monotonic)
+    #: the engine's environment by name: variable -> where it came from (:class:`EngineEnv`)
+    env_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -102,16 +158,18 @@ class EngineProcess:
 
 
 def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> EngineProcess:
+          cwd: Path | None = None, passthrough: Sequence[str] = ()) -> EngineProcess:
     """Start the engine tree for ``profile`` in the background; returns once its root exists.
 
-    The environment is the current one plus :func:`engine_env` plus ``env``. Raises
+    The environment is :func:`engine_environment` (with the config's ``passthrough`` names)
+    plus ``env``; the returned process's ``env_sources`` records it by name. Raises
     :class:`EngineError` if the launcher dies before the namespace root appears (the log's
     tail is in the message).
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **engine_env(profile), **(env or {})}
+    declared = engine_environment(profile, passthrough)
+    full_env = {**declared.values, **(env or {})}
     cmd = wrapped_command(vllm_command(profile, model_path))
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=log, stderr=log, env=full_env,
@@ -120,7 +178,8 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     while time.monotonic() < deadline:
         children = psutil.Process(proc.pid).children() if pid_alive(proc.pid) else []
         if children and _exec_done(children[0]):
-            return EngineProcess(proc, children[0].pid, profile.engine.port, log_path)
+            return EngineProcess(proc, children[0].pid, profile.engine.port, log_path,
+                                 env_sources={**declared.sources, **{k: "warmctl" for k in env or {}}})
         if proc.poll() is not None:
             raise EngineError(f"engine launcher exited with {proc.returncode}:\n{tail(log_path)}")
         time.sleep(0.01 if children else 0.05)

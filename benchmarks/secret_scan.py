@@ -1,0 +1,88 @@
+"""The secret scan's speed against reading the same files (issue 26): ``snapshot`` searches every
+byte it is about to store for every secret value warmctl knows (:mod:`warmctl.credentials`);
+this measures that search in GiB/s beside ``cat FILES > /dev/null`` of the same files, in one
+run, both with the files in the page cache (each is read once first, so both sides read memory,
+not the disk: the scan's own cost).
+
+The files: ``--dir DIR`` (e.g. a CRIU image directory), or the newest snapshot of a store
+(``--store DIR``; its image, ``/dev/shm`` and bundled files are written to a temporary
+directory first, as ``up`` would materialize them)::
+
+    python benchmarks/secret_scan.py --store /var/lib/warmctl/store --secrets 1 4 16 --rounds 3
+
+Each round times ``cat`` once and the scan once per ``--secrets`` count (random values of 20
+to 40 bytes, none present, so every window is searched in full: the worst case). Prints one JSON
+document: bytes, files, and per count the best and median GiB/s of the scan and of ``cat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from warmctl.credentials import Secret, scan_files  # noqa: E402
+
+
+def materialize(store_dir: Path, out: Path) -> list[Path]:
+    """The newest snapshot of ``store_dir``'s files, written under ``out``."""
+    from warmctl.store import open_store
+
+    store = open_store(store_dir)
+    digests = store.list_manifests()
+    if not digests:
+        raise SystemExit(f"no snapshot in {store_dir}")
+    m = max((store.get_manifest(d) for d in digests), key=lambda m: m.created)
+    paths = []
+    for f in m.files:
+        if f.hardlink_to:
+            continue
+        dest = out / f.path.replace("/", "_")
+        store.read_file(f.chunks, dest)
+        paths.append(dest)
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dir", type=Path, help="scan the files in this directory")
+    src.add_argument("--store", type=Path, help="scan the newest snapshot of this store")
+    ap.add_argument("--secrets", type=int, nargs="+", default=[1, 4, 16], help="secret counts to time")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="secret-scan-") as tmp:
+        files = (sorted(p for p in a.dir.iterdir() if p.is_file()) if a.dir else materialize(a.store, Path(tmp)))
+        total = sum(p.stat().st_size for p in files)
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)  # into the page cache
+        rows: dict[str, dict[str, list[float]]] = {str(k): {"scan": [], "cat": []} for k in a.secrets}
+        for _ in range(a.rounds):
+            for k in a.secrets:
+                t0 = time.perf_counter()
+                subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+                rows[str(k)]["cat"].append(time.perf_counter() - t0)
+                secrets = [Secret(f"s{i}", os.urandom(10 + i % 11).hex().encode()) for i in range(k)]
+                t0 = time.perf_counter()
+                found, n = scan_files([(p, p.name) for p in files], secrets)
+                rows[str(k)]["scan"].append(time.perf_counter() - t0)
+                assert n == total and not found
+        gib = total / 2**30
+
+        def rate(ts: list[float]) -> dict[str, float]:
+            return {"best_gib_s": round(gib / min(ts), 2), "median_gib_s": round(gib / statistics.median(ts), 2)}
+
+        print(json.dumps({"bytes": total, "files": len(files), "rounds": a.rounds,
+                          "by_secret_count": {k: {"scan": rate(v["scan"]), "cat": rate(v["cat"])}
+                                              for k, v in rows.items()}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

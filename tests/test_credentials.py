@@ -1,0 +1,165 @@
+"""Credentials kept out of snapshots (issue 26), without an engine: the name rule, the engine's
+declared environment, every secret warmctl can know, and the scan on real CRIU images of a
+small process that holds a secret in its environment. The engine's end-to-end side (a probe in
+`snapshot`'s environment, a token the engine reads at start-up) is in test_e2e_secrets.py and
+test_e2e_main.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from warmctl import credentials
+from warmctl.checkpoint import criu
+from warmctl.config import Settings
+from warmctl.credentials import Secret, SecretInSnapshot, credential_name, known_secrets, scan_file, scan_files
+from warmctl.engine.vllm import BASE_ENV, engine_environment
+from warmctl.profile import PROFILES_DIR, load_profile_file
+
+PROBE = "probe-2c9e41b7a6d05f38"
+
+
+@pytest.mark.parametrize(("name", "is_cred"), [
+    ("HF_TOKEN", True), ("AWS_SECRET_ACCESS_KEY", True), ("AWS_ACCESS_KEY_ID", True), ("AWS_SESSION_TOKEN", True),
+    ("VLLM_API_KEY", True), ("--api-key", True), ("--hf-token", True), ("--ssl-keyfile", True), ("DB_PASSWORD", True),
+    ("GOOGLE_APPLICATION_CREDENTIALS", True), ("hf_token", True), ("HF_TOKEN_PATH", True),
+    # counts of text tokens and sets are no credentials (real vLLM knobs and flags)
+    ("VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD", False), ("--long-prefill-token-threshold", False),
+    ("--max-tokens", False), ("--tokenizer", False), ("VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE", False),
+    ("PATH", False), ("KEYBOARD", False), ("NCCL_P2P_DISABLE", False),
+])
+def test_credential_name_rule(name, is_cred):
+    assert credential_name(name) is is_cred
+
+
+def test_every_shipped_profile_is_free_of_credentials():
+    for f in sorted(PROFILES_DIR.glob("*.toml")):
+        load_profile_file(f)  # raises ProfileError on a credential
+
+
+def test_engine_environment_is_declared_not_inherited():
+    prof = load_profile_file(PROFILES_DIR / "tiny.toml")
+    environ = {"PATH": "/usr/bin", "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C", "OPENBLAS_CORETYPE": "Haswell",
+               "OMP_NUM_THREADS": "2", "AWS_SECRET_ACCESS_KEY": PROBE, "HF_TOKEN": PROBE, "OMP_SECRET_KEY": PROBE,
+               "HTTPS_PROXY": "http://proxy:3128", "NCCL_SOCKET_IFNAME": "eth0", "RANDOM_SETTING": "x",
+               "VLLM_TARGET_DEVICE": "gpu"}
+    e = engine_environment(prof, [], environ)
+    assert set(e.values) == {"PATH", "HOME", "LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OMP_NUM_THREADS",
+                             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONUNBUFFERED", "VLLM_TARGET_DEVICE",
+                             "VLLM_CPU_KVCACHE_SPACE"}
+    assert PROBE not in e.values.values()  # a credential-looking name never comes from the base list
+    assert e.values["VLLM_TARGET_DEVICE"] == "cpu" and e.sources["VLLM_TARGET_DEVICE"] == "profile"  # profile wins
+    assert e.sources["PATH"] == "base" and e.sources["PYTHONUNBUFFERED"] == "warmctl"
+    p = engine_environment(prof, ["HTTPS_PROXY", "NCCL_*", "HF_TOKEN"], environ)
+    assert p.sources["HTTPS_PROXY"] == p.sources["NCCL_SOCKET_IFNAME"] == p.sources["HF_TOKEN"] == "passthrough"
+    assert "RANDOM_SETTING" not in p.values and "AWS_SECRET_ACCESS_KEY" not in p.values
+    assert "PATH" in BASE_ENV and "LC_*" in BASE_ENV
+
+
+def _settings(tmp_path: Path, **kw) -> Settings:
+    return Settings(home=tmp_path / "home", keys_dir=tmp_path / "keys", **kw)
+
+
+def test_known_secrets_names_every_source_never_printing_a_value(tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text("# the gate's keys\ngate-key-0123456789\nshort\n")
+    tls = tmp_path / "tls.key"
+    subprocess.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(tls)], check=True)
+    agent = tmp_path / "home" / "agent" / "token"
+    agent.parent.mkdir(parents=True)
+    agent.write_text("agent-token-abcdefgh\n")
+    hf = tmp_path / "hf-token"
+    hf.write_text("hf_tokenvalue12345\n")
+    site = tmp_path / "site-token"
+    site.write_text("[default]\naws_secret_access_key = sitefile-secret-123\n")
+    env = {"HF_TOKEN_PATH": str(hf), "AWS_SECRET_ACCESS_KEY": PROBE, "DB_PASSWORD": "pw", "PATH": "/usr/bin",
+           "SITE_CREDENTIALS_FILE": str(site), "HOME": str(tmp_path)}
+    k = known_secrets(_settings(tmp_path, gate_api_key_file=keys, gate_tls_key=tls), env)
+    by_source = {s.source: s.value for s in k.secrets}
+    assert by_source["environment variable AWS_SECRET_ACCESS_KEY"] == PROBE.encode()
+    assert by_source[f"an API key of the gate's key file {keys}"] == b"gate-key-0123456789"
+    assert by_source[f"the agent's token file {agent}"] == b"agent-token-abcdefgh"
+    assert by_source[f"the Hugging Face token file {hf}"] == b"hf_tokenvalue12345"
+    assert b"sitefile-secret-123" in {s.value for s in k.secrets if str(site) in s.source}
+    assert sum(str(tls) in s.source for s in k.secrets) == 2  # the PEM's first line, the key's middle
+    assert k.short == 2  # "short" and "pw": under 8 bytes, counted, not scanned for
+    assert "/usr/bin" not in {s.value.decode(errors="replace") for s in k.secrets}
+    assert PROBE not in repr(k.secrets)  # a Secret's repr never shows its value
+
+
+def test_s3_credentials_boto3_resolves_are_known_for_an_s3_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(v, raising=False)
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = AKIAFILEKEY000001\naws_secret_access_key = file-secret-000000001\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))  # not a variable warmctl reads itself
+    env = {k: v for k, v in os.environ.items() if not credentials.credential_name(k)}
+    local = known_secrets(_settings(tmp_path), env)
+    assert not any(s.source.startswith("S3 credential") for s in local.secrets)  # no S3 store configured
+    s3 = known_secrets(_settings(tmp_path, remote_store="s3://fleet/warmctl"), env)
+    vals = {s.source: s.value for s in s3.secrets}
+    assert vals["S3 credential (secret key) boto3 resolved for the store"] == b"file-secret-000000001"
+    pushed = known_secrets(_settings(tmp_path), env, store_urls=["s3://other/x"])
+    assert any(s.value == b"file-secret-000000001" for s in pushed.secrets)
+
+
+def test_scan_finds_each_secret_across_window_edges(tmp_path, monkeypatch):
+    monkeypatch.setattr(credentials, "WINDOW", 4096)
+    f = tmp_path / "pages-1.img"
+    data = bytearray(os.urandom(3 * 4096))
+    a, b = Secret("A", b"secret-aaaaaaaa"), Secret("B", b"secret-bbbbbbbb")
+    data[4090:4090 + 15] = a.value  # straddles the first window's end
+    data[-15:] = b.value  # the very last bytes
+    f.write_bytes(bytes(data))
+    found = {x.secret.source: x.offset for x in scan_file(f, [a, b, Secret("C", b"never-there-123")], "image file pages-1.img")}
+    assert found == {"A": 4090, "B": len(data) - 15}
+    assert scan_file(tmp_path / "pages-1.img", []) == []
+    (tmp_path / "empty").write_bytes(b"")
+    assert scan_files([(tmp_path / "empty", "empty")], [a]) == ([], 0)
+
+
+def test_refusal_names_source_and_file_never_the_value():
+    f = credentials.Finding(Secret("environment variable HF_TOKEN", PROBE.encode()), "image file pages-3.img", 123)
+    with pytest.raises(SecretInSnapshot) as e:
+        credentials.refuse_if_found([f], "snapshot tiny")
+    msg = str(e.value)
+    assert "environment variable HF_TOKEN: found in image file pages-3.img" in msg and "nothing was stored" in msg
+    assert PROBE not in msg and e.value.exit_code == 37
+    credentials.refuse_if_found([], "snapshot tiny")  # nothing found: nothing raised
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
+def test_scan_finds_an_environment_secret_in_real_criu_images(tmp_path):
+    """What the issue saw: a process started with the whole environment holds a credential in
+    its memory, CRIU writes it into the page images, and the scan finds it there; a process
+    started with the declared environment does not."""
+    def dump(env: dict[str, str], img: Path) -> None:
+        log = open(tmp_path / "out.log", "ab")
+        p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", "while :; do sleep 0.1; done"],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env)
+        for _ in range(100):
+            if kids := psutil.Process(p.pid).children():
+                break
+            time.sleep(0.05)
+        criu.dump(kids[0].pid, img)
+        p.wait(10)
+
+    prof = load_profile_file(PROFILES_DIR / "tiny.toml")
+    environ = {**os.environ, "AWS_SECRET_ACCESS_KEY": PROBE}
+    secrets = known_secrets(_settings(tmp_path), environ).secrets
+    dump(environ, tmp_path / "inherited")
+    files = [(p, f"image file {p.name}") for p in sorted((tmp_path / "inherited").iterdir()) if p.is_file()]
+    found, nbytes = scan_files(files, secrets)
+    hits = [x for x in found if x.secret.source == "environment variable AWS_SECRET_ACCESS_KEY"]
+    assert hits and all(x.where.startswith("image file pages-") for x in hits), found
+    assert nbytes == sum(p.stat().st_size for p, _ in files) > 0
+    dump(engine_environment(prof, [], environ).values, tmp_path / "declared")
+    files = [(p, p.name) for p in sorted((tmp_path / "declared").iterdir()) if p.is_file()]
+    assert not [x for x in scan_files(files, secrets)[0] if x.secret.value == PROBE.encode()]
