@@ -198,7 +198,7 @@ class Bench:
         out = subprocess.run(self.holder_cmd("floor", str(int(self.a.floor_gib * GiB))), env=self.env,
                              capture_output=True, text=True, timeout=self.budget.left(90, "the copy floor"))
         if out.returncode != 0:
-            raise RuntimeError(f"copy floor failed (rc {out.returncode}): {out.stderr.strip()[-800:]}")
+            raise RuntimeError(f"copy floor failed (rc {out.returncode}): " + " | ".join(out.stderr.strip().splitlines()[-3:]))
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def run(self) -> bool:
@@ -245,8 +245,8 @@ class Bench:
         try:
             self.measure(nbytes, mode, work, clean, log, r)
         except BaseException as e:  # reported, then cleaned up; SIGTERM (Terminated) goes on up
-            r["error"] = f"{type(e).__name__}: {e}"
-            if not isinstance(e, Exception):
+            r["error"] = f"{type(e).__name__}: {e} (holder log: {log.name})"
+            if isinstance(e, (gc.Terminated, KeyboardInterrupt)):  # not SystemExit: gpu_check's waits raise it
                 raise
             for f in (work / "img").glob("*.log"):  # a failed size's CRIU logs outlive its image
                 shutil.copy(f, a.work / f"{nbytes >> 20}M-{f.name}")
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = ", ".join(f"{r['size_gib']:g} GiB {'skipped' if r.get('skipped') else r['mode']}" for r in runs)
     errors = ([f"floor: {res['floor']['error']}"] if "error" in res.get("floor", {}) else []) + \
         [r["error"] for r in runs if r.get("error")] + ([res["error"]] if res.get("error") else [])
-    say(("PASS" if ok else "FAIL") + f": {summary or 'no size run'}" + (f"; {errors[0]}" if errors else ""))
+    say(("PASS" if ok else "FAIL") + f": {summary or 'no size run'}" + (f"; {errors[0]}".replace("\n", " | ") if errors else ""))
     return 0 if ok else 1
 
 

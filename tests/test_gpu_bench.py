@@ -97,6 +97,31 @@ def _run(python: str, *args: str, env: dict | None = None, timeout: float = 120)
                           timeout=timeout)
 
 
+# Run inside the GPU machine's venv: each script's main() on argument lists, as `python SCRIPT
+# ARGS` would (its own directory first on sys.path); prints [exit code, stdout, stderr] per list.
+MAINS = r"""
+import contextlib, importlib.util, io, json, sys
+path, cases = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, path.rsplit("/", 1)[0])
+spec = importlib.util.spec_from_file_location("script", path)
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+for args in cases:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = m.main(args)
+        except SystemExit as e:
+            rc = e.code
+    print(json.dumps([rc, out.getvalue(), err.getvalue()]))
+"""
+
+
+def _mains(python: str, script: Path, cases: list[list[str]]) -> list[tuple[int, str, str]]:
+    r = _run(python, "-c", MAINS, str(script), json.dumps(cases))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [tuple(json.loads(line)) for line in r.stdout.splitlines()]
+
+
 def test_the_benchmark_imports_parses_and_runs_its_holder_with_only_torch_httpx_psutil(gpu_machine_python, tmp_path):
     py = gpu_machine_python
     # The venv really lacks what the GPU machine lacks (else this test proves nothing).
@@ -104,21 +129,19 @@ def test_the_benchmark_imports_parses_and_runs_its_holder_with_only_torch_httpx_
                            "'safetensors', 'boto3') if u.find_spec(n)])")
     assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
 
-    ok = _run(py, str(BENCH), "--imports-only")
-    assert ok.returncode == 0 and "imports ok" in ok.stdout, ok.stdout + ok.stderr
-    helped = _run(py, str(BENCH), "--help")
-    assert helped.returncode == 0 and "--sizes" in helped.stdout and "8,32,64" in helped.stdout
-    for args, named in ((["--sizes", "8,x"], "--sizes"), (["--sizes", "0"], "--sizes"), (["--limit", "30"], "--limit"),
-                        (["--device", "tpu"], "--device"), ([], "--work")):
-        bad = _run(py, str(BENCH), *args, *([] if named == "--work" else ["--work", str(tmp_path)]))
-        assert bad.returncode == 2 and named in bad.stderr, (args, bad.stderr)
-    # The holder runs torch there: the floor of a host->host copy (no GPU here).
-    fl = _run(py, str(HOLDER), "floor", str(8 * MiB), "--device", "cpu")
-    assert fl.returncode == 0, fl.stderr
-    got = json.loads(fl.stdout.splitlines()[-1])
-    assert got["bytes"] == 8 * MiB and got["h2d_gb_per_s"] > 0 and got["d2h_gb_per_s"] > 0 and not got["pinned"]
-    cuda = _run(py, str(HOLDER), "floor", str(MiB))
-    assert cuda.returncode == 2 and "torch.cuda.is_available() is False" in cuda.stderr
+    w = ["--work", str(tmp_path)]
+    ok, helped, *bad = _mains(py, BENCH, [["--imports-only"], ["--help"], ["--sizes", "8,x", *w], ["--sizes", "0", *w],
+                                          ["--limit", "30", *w], ["--device", "tpu", *w], []])
+    assert ok[0] == 0 and "imports ok" in ok[1], ok
+    assert helped[0] == 0 and "--sizes" in helped[1] and "8,32,64" in helped[1]
+    for (rc, _, err), named in zip(bad, ("--sizes", "--sizes", "--limit", "--device", "--work")):
+        assert rc == 2 and named in err, (named, err)
+    # The holder runs torch there: the floor of a host->host copy (no GPU here); CUDA is refused.
+    cuda, floor = _mains(py, HOLDER, [["floor", str(MiB)], ["floor", str(8 * MiB), "--device", "cpu"]])
+    assert cuda[0] == 2 and "torch.cuda.is_available() is False" in cuda[2]
+    got = json.loads(floor[1].splitlines()[-1])
+    assert floor[0] == 0 and got["bytes"] == 8 * MiB and got["h2d_gb_per_s"] > 0 and got["d2h_gb_per_s"] > 0
+    assert not got["pinned"]
 
 
 # ------------------------------------------------------------------ plan, estimate and figures
@@ -279,3 +302,19 @@ def test_gpu_check_sh_takes_the_benchmark_flags_and_refuses_others():
     r = sh("--bench", "/nonexistent-gpu-check")
     assert r.returncode == 1 and ("nvidia-smi not found" in r.stdout or "CRIU needs root" in r.stdout), r.stdout + r.stderr
     assert not Path("/nonexistent-gpu-check").exists()
+
+
+@needs_root
+def test_a_failed_floor_or_size_is_reported_and_the_next_size_still_runs(tmp_path):
+    """--device cuda on this machine: the floor and every holder fail (a CPU build of torch); each
+    failure is named with its holder log, every size is tried, nothing is left behind."""
+    _, env = _fake_driver(tmp_path, "")
+    cmd = _bench_cmd(tmp_path, "--device", "cuda", "--sizes", "0.03125,0.0625")  # the last of each option counts
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    res, last = _lines(r.stdout)
+    assert r.returncode == 1 and last.startswith("[gpu-bench] FAIL: 0.03125 GiB full, 0.0625 GiB full; floor: "), r.stdout + r.stderr
+    assert "\n" not in last and "torch.cuda.is_available() is False" in res["floor"]["error"]
+    for run, mib in zip(res["runs"], (32, 64)):
+        assert run["error"] == f"SystemExit: server exited with 2 (holder log: {tmp_path / 'w' / f'holder-{mib}M.log'})"
+        assert "torch.cuda.is_available() is False" in (tmp_path / "w" / f"holder-{mib}M.log").read_text()
+        assert run["cleanup"]["left"] == [] and run["cleanup"]["left_paths"] == []
