@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from warmctl.errors import WarmctlError
+from warmctl.errors import IntegrityError, WarmctlError
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,25 @@ class Backend(abc.ABC):
         Raises :class:`ObjectNotFound`, :class:`TransientBackendError`.
         """
 
-    def load_into(self, key: str, buf: bytearray) -> memoryview:
+    def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
         """The whole object as a memoryview, read into ``buf`` when the backend can (no
         allocation); an object larger than ``buf`` gets a new buffer (``view.obj``). The view
-        is valid until ``buf`` is reused. The default loads and wraps the bytes.
+        is valid until ``buf`` is reused. ``limit``: an object of more than this many bytes
+        raises :class:`~warmctl.errors.IntegrityError` and is not read whole (a chunk object
+        is never larger than its frame can be). The default reads at most ``limit + 1``
+        bytes (a ranged read) and wraps them.
 
-        Raises :class:`ObjectNotFound`, :class:`TransientBackendError`.
+        Raises :class:`ObjectNotFound`, :class:`TransientBackendError`, IntegrityError.
         """
-        return memoryview(self.load(key))
+        if limit is None:
+            return memoryview(self.load(key))
+        info = self.stat(key)
+        if info.size > limit:
+            raise too_large(self.location(key), info.size, limit, "object")
+        data = self.load(key, 0, info.size) if info.size else self.load(key)
+        if len(data) > limit:
+            raise too_large(self.location(key), len(data), limit, "object")
+        return memoryview(data)
 
     def prefetch(self, key: str) -> None:
         """Hint that ``key`` will be loaded soon (local disk: start reading it into the page
@@ -153,12 +164,51 @@ class Backend(abc.ABC):
         """Release connections; the default does nothing."""
 
 
+def too_large(where: str, size: int, limit: int, what: str) -> IntegrityError:
+    """The error for an object at ``where`` of ``size`` bytes, more than the ``limit`` a
+    ``what`` may have (it is refused unread: a hostile store cannot make a reader allocate it)."""
+    return IntegrityError(f"{what} {where} is {size:,} bytes, more than the {limit:,} bytes a {what} may have; "
+                          "refusing to read it (the store was damaged or written by someone else)")
+
+
+def load_limited(backend: Backend, key: str, limit: int, what: str) -> bytes:
+    """The bytes of the small object ``key`` (a catalog entry, signature, profile record,
+    manifest, lock, config: ``what``, for the message), refused unread when it is larger than
+    ``limit`` bytes: its size is checked first (a stat, a HEAD on S3), then at most that many
+    bytes are read (a ranged read), so memory stays bounded even for an object that grows
+    meanwhile. Raises :class:`ObjectNotFound`, :class:`~warmctl.errors.IntegrityError` (too
+    large), the backend's errors."""
+    info = backend.stat(key)
+    if info.size > limit:
+        raise too_large(backend.location(key), info.size, limit, what)
+    data = backend.load(key, 0, info.size) if info.size else backend.load(key)
+    if len(data) > limit:
+        raise too_large(backend.location(key), len(data), limit, what)
+    return data
+
+
 #: Seconds :class:`RetryingBackend` keeps retrying a remote backend that stopped answering
 #: (a restarting S3 endpoint or load balancer typically needs well under a minute).
 DEFAULT_OUTAGE_WINDOW = 60.0
 #: A failure streak shorter than this many seconds is retried silently (isolated 503s,
 #: throttling); a longer one is announced once, with its recovery.
 OUTAGE_NOTICE_AFTER = 1.0
+
+
+class _Peeked:
+    """An iterator whose first item is fetched at construction (so :class:`RetryingBackend`'s
+    retry covers the first request of a listing)."""
+
+    def __init__(self, it: Iterator[ObjectInfo]):
+        self._it = it
+        try:
+            self._first: list[ObjectInfo] = [next(it)]
+        except StopIteration:
+            self._first = []
+
+    def __iter__(self) -> Iterator[ObjectInfo]:
+        yield from self._first
+        yield from self._it
 
 
 class RetryingBackend(Backend):
@@ -284,8 +334,8 @@ class RetryingBackend(Backend):
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         return self._call("load", key, lambda: self.inner.load(key, offset, length))  # type: ignore[return-value]
 
-    def load_into(self, key: str, buf: bytearray) -> memoryview:
-        return self._call("load", key, lambda: self.inner.load_into(key, buf))  # type: ignore[return-value]
+    def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
+        return self._call("load", key, lambda: self.inner.load_into(key, buf, limit))  # type: ignore[return-value]
 
     def prefetch(self, key: str) -> None:
         self.inner.prefetch(key)
@@ -297,8 +347,27 @@ class RetryingBackend(Backend):
         return self._call("stat", key, lambda: self.inner.stat(key))  # type: ignore[return-value]
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        # Listing is materialised so a retry restarts cleanly rather than yielding duplicates.
-        return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix))))  # type: ignore[arg-type]
+        """The inner listing, streamed (a listing of any length holds one page at a time, not
+        every key: issue 31); a transient failure midway restarts it after the retry wait and
+        skips the keys already yielded (only their names are remembered)."""
+        seen: set[str] = set()
+        first: float | None = None
+        while True:
+            it = self._call("list", prefix, lambda: _Peeked(self.inner.list(prefix)))
+            try:
+                for o in it:  # type: ignore[attr-defined]
+                    if o.key not in seen:
+                        seen.add(o.key)
+                        yield o
+                return
+            except TransientBackendError as e:  # a later page failed: restart within the window
+                now = time.monotonic()
+                first = first if first is not None else now
+                if now - first >= self.window:
+                    raise BackendUnavailable(f"remote store {self.inner.endpoint()} unavailable: listing {prefix!r} "
+                                             f"kept failing for {now - first:.0f} s: {e}") from e
+                self.retries += 1
+                time.sleep(min(self.max_delay, self.base_delay) * random.uniform(0.5, 1.0))
 
     def remove(self, key: str) -> None:
         self._call("remove", key, lambda: self.inner.remove(key))

@@ -93,10 +93,10 @@ class CachingBackend(Backend):
             return self._from_cache(key, lambda b: b.load(key))  # type: ignore[return-value]
         return self.remote.load(key, offset, length)
 
-    def load_into(self, key: str, buf: bytearray) -> memoryview:
+    def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
         if self._cached(key):
-            return self._from_cache(key, lambda b: b.load_into(key, buf))  # type: ignore[return-value]
-        return self.remote.load_into(key, buf)
+            return self._from_cache(key, lambda b: b.load_into(key, buf, limit))  # type: ignore[return-value]
+        return self.remote.load_into(key, buf, limit)
 
     def keep(self, key: str, data: bytes | memoryview) -> None:
         fetched, _ = self._tried()

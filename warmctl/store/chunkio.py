@@ -130,10 +130,17 @@ def load_verified(
     failures = 0
     while failures < 2:
         try:
-            blob = backend.load_into(key, bufs.blob)
+            blob = backend.load_into(key, bufs.blob, ck.frame_bound(ref.size))
         except ObjectNotFound:
             where = backend.location(key)
             raise ChunkMissing(f"chunk {ref.digest} is missing: not found at {where}{ctx}", ref.digest, where) from None
+        except IntegrityError as e:  # too large to be its frame, or not a regular file: never read
+            reason = str(e)
+            if backend.forget(key):
+                continue
+            failures += 1
+            first_reason = first_reason or reason
+            continue
         if isinstance(blob.obj, bytearray) and blob.obj is not bufs.blob:
             bufs.blob = blob.obj  # the backend needed a larger buffer: keep it
         if len(bufs.data) < ref.size:

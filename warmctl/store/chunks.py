@@ -122,6 +122,14 @@ def compress(data: bytes | memoryview) -> bytes:
     return _cctx().compress(data)
 
 
+def frame_bound(size: int) -> int:
+    """The most bytes a chunk object holding ``size`` bytes may have: zstd's compress bound
+    (``ZSTD_COMPRESSBOUND``: ``size + size/256`` plus a margin for small inputs) and room for
+    the frame header and checksum. A larger object is refused unread (issue 31: a chunk padded
+    with gigabytes after its frame)."""
+    return size + (size >> 8) + (((128 << 10) - size) >> 11 if size < (128 << 10) else 0) + 1024
+
+
 def decompress_into(blob: bytes | bytearray | memoryview, out: bytearray | memoryview, size: int) -> memoryview:
     """Decompress one chunk object, expected to hold ``size`` bytes, into ``out[:size]``
     (no allocation: the caller reuses ``out``); returns that view.
@@ -136,17 +144,23 @@ def decompress_into(blob: bytes | bytearray | memoryview, out: bytearray | memor
         declared = zstandard.frame_content_size(blob)
         if declared >= 0 and declared != size:
             raise ValueError(f"frame says {declared} bytes, expected {size}")
-        reader = _dctx().stream_reader(blob, read_size=max(1, len(blob)), read_across_frames=False)
+        # across frames: whatever follows the frame is read too, so trailing bytes (another
+        # frame, zeros, garbage) are an error, not ignored (a chunk object is exactly its frame)
+        reader = _dctx().stream_reader(blob, read_size=max(1, len(blob)), read_across_frames=True)
         got = 0
         while got < size:
             n = reader.readinto(view[got:])
             if not n:
                 break
             got += n
-        if got == size and declared < 0 and reader.read(1):  # no size in the header: no more bytes
-            got += 1
     except zstandard.ZstdError as e:
         raise ValueError(f"not a valid zstd frame ({e})") from None
+    if got == size:
+        try:
+            if reader.read(1):
+                got += 1
+        except zstandard.ZstdError:
+            raise ValueError("bytes follow the zstd frame (a chunk object is exactly one frame)") from None
     if got != size:
         raise ValueError(f"decompressed to {'more than ' if got > size else ''}{min(got, size)} bytes, expected {size}")
     return view

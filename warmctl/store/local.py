@@ -24,14 +24,18 @@ import errno
 import itertools
 import mmap
 import os
+import logging
 import shutil
 import signal
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from warmctl.errors import HostError
-from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound
+from warmctl.errors import HostError, IntegrityError, WarmctlError
+from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, too_large
+
+log = logging.getLogger(__name__)
 
 TMP_DIR = "tmp"
 #: load_into maps objects at least this large instead of reading them.
@@ -81,8 +85,33 @@ def _existing_parent(p: Path) -> Path:
     return p
 
 
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for messages."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"a file of type {stat.S_IFMT(mode):o}"
+
+
+#: Directories below the root are opened with these flags: a symbolic link is never followed.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Objects are opened with these: no link followed, and a FIFO or device opened without blocking
+#: (then refused by its type) instead of waiting forever for a writer.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 class LocalBackend(Backend):
-    """Objects as files under ``root`` (created on first save). ``fsync``: sync each object."""
+    """Objects as files under ``root`` (created on first save). ``fsync``: sync each object.
+
+    The root is a wall (issue 31): every path below it is walked one component at a time with
+    directory file descriptors (``openat`` with ``O_NOFOLLOW``), so no symbolic link inside the
+    store is ever followed, for reads, writes, listings and removals alike; only regular files
+    are read or removed as objects (a FIFO, device, socket, directory or link where an object or
+    a directory should be raises :class:`~warmctl.errors.IntegrityError` naming its path, never
+    blocks), and listings skip anything else with a warning. The root itself may be a link
+    (it is the operator's path).
+    """
 
     properties = BackendProperties(local=True, prefetch=True, workers=4)
 
@@ -93,17 +122,62 @@ class LocalBackend(Backend):
     def __repr__(self) -> str:
         return f"LocalBackend({str(self.root)!r})"
 
-    def _path(self, key: str) -> Path:
-        if not key or key.startswith("/") or ".." in key.split("/"):
+    def _parts(self, key: str) -> list[str]:
+        parts = key.split("/") if key else []
+        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in key:
             raise ValueError(f"bad object key {key!r}")
+        return parts
+
+    def _path(self, key: str) -> Path:
+        self._parts(key)
         return self.root / key
 
     def location(self, key: str = "") -> str:
         return str(self.root / key) if key else str(self.root)
 
+    def _unsafe(self, rel: str, mode: int, want: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self.root / rel} is {_kind(mode)}, not {want}: a store holds only regular files in plain "
+            "directories, and warmctl follows no link and reads no special file inside it; refusing it "
+            "(someone who can write the store put it there: remove it)")
+
+    def _walk(self, parts: list[str], create: bool = False) -> int:
+        """A descriptor of the directory ``root/parts...``, each component opened relative to
+        its parent without following links (``create``: missing ones are made, each new
+        directory's entry made durable in its parent). Raises FileNotFoundError (a component
+        is missing), :class:`IntegrityError` (a component is a link or not a directory)."""
+        if create:
+            self._mkdirs(self.root)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, p in enumerate(parts):
+                try:
+                    nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(p, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # made by another thread or process: synced below all the same
+                    if self.fsync:
+                        os.fsync(fd)
+                    nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    raise self._unsafe("/".join(parts[: i + 1]), os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode,
+                                       "a directory") from None
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _mkdirs(self, d: Path) -> None:
-        """Create ``d`` and its missing parents; with ``fsync``, each new directory's entry is
-        made durable (its parent fsync'ed) before anything is renamed into it."""
+        """Create ``d`` (the root) and its missing parents; with ``fsync``, each new directory's
+        entry is made durable (its parent fsync'ed) before anything is renamed into it."""
         if d.is_dir():
             return
         missing = []
@@ -120,13 +194,13 @@ class LocalBackend(Backend):
                 fsync_dir(m.parent)
 
     def save(self, key: str, data: bytes | memoryview) -> None:
-        dest = self._path(key)
-        tmpdir = self.root / TMP_DIR
-        tmp = tmpdir / f"{uuid.uuid4().hex}.tmp"
-        fd = -1
+        parts = self._parts(key)
+        dest = self.root / key
+        tmp = f"{uuid.uuid4().hex}.tmp"
+        fd = tmpdir = parent = -1
         try:
-            self._mkdirs(tmpdir)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            tmpdir = self._walk([TMP_DIR], create=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=tmpdir)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
@@ -138,27 +212,68 @@ class LocalBackend(Backend):
             fd = -1
             if size != len(data):  # commit only what is complete
                 raise OSError(errno.EIO, f"wrote {size} of {len(data)} bytes")
-            self._mkdirs(dest.parent)
+            parent = self._walk(parts[:-1], create=True)
             _fault_point()
-            os.replace(tmp, dest)
+            # rename replaces a link at the destination itself, never what it points at
+            os.replace(tmp, parts[-1], src_dir_fd=tmpdir, dst_dir_fd=parent)
+            tmp = ""
             if self.fsync:
-                fsync_dir(dest.parent)
+                os.fsync(parent)
             _fault_point()
         except OSError as e:
-            if fd >= 0:
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise disk_full_error(dest, len(data), f"object {key}") from None
             raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if tmp and tmpdir >= 0:
+                try:
+                    os.unlink(tmp, dir_fd=tmpdir)
+                except FileNotFoundError:
+                    pass
+            for x in (tmpdir, parent):
+                if x >= 0:
+                    os.close(x)
+
+    def _lstat_in(self, key: str) -> tuple[int, str, os.stat_result]:
+        """(descriptor of the key's directory, file name, its lstat) of a regular file; the
+        caller closes the descriptor. Raises :class:`ObjectNotFound`, :class:`IntegrityError`."""
+        parts = self._parts(key)
+        try:
+            d = self._walk(parts[:-1])
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFound(key, str(self.root / key)) from None
+        try:
+            st = os.stat(parts[-1], dir_fd=d, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(d)
+            raise ObjectNotFound(key, str(self.root / key)) from None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(d)
+            raise self._unsafe(key, st.st_mode, "a regular file")
+        return d, parts[-1], st
 
     def _open(self, key: str) -> int:
-        """A read-only descriptor of ``key``'s file. Raises :class:`ObjectNotFound`."""
-        p = self._path(key)
+        """A read-only descriptor of ``key``'s regular file (no link followed, never blocking).
+        Raises :class:`ObjectNotFound`, :class:`IntegrityError` (not a regular file)."""
+        d, name, _ = self._lstat_in(key)
         try:
-            return os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ObjectNotFound(key, str(p)) from None
+            try:
+                fd = os.open(name, _FILE_FLAGS, dir_fd=d)
+            except FileNotFoundError:
+                raise ObjectNotFound(key, str(self.root / key)) from None
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise self._unsafe(key, stat.S_IFLNK, "a regular file") from None
+        finally:
+            os.close(d)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped between the lstat and the open
+            os.close(fd)
+            raise self._unsafe(key, st.st_mode, "a regular file")
+        return fd
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         fd = self._open(key)
@@ -178,15 +293,19 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def load_into(self, key: str, buf: bytearray) -> memoryview:
+    def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
         """A read-only memory map of the object (objects of at least :data:`MMAP_MIN` bytes),
         else its bytes read into ``buf``. Mapping skips the copy out of the page cache: load
         plus decompress of a 4 MiB chunk measured ~2.3x less CPU than ``preadv`` into a
         buffer. Safe because objects are immutable (replaced only by rename, never rewritten
-        or truncated in place); the mapping goes when the last view of it is dropped."""
+        or truncated in place); the mapping goes when the last view of it is dropped.
+        ``limit``: an object larger than this many bytes raises :class:`IntegrityError`
+        unread."""
         fd = self._open(key)
         try:
             size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise too_large(self.location(key), size, limit, "object")
             if size >= MMAP_MIN:
                 try:
                     return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
@@ -207,8 +326,8 @@ class LocalBackend(Backend):
 
     def prefetch(self, key: str) -> None:
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (OSError, ValueError):
+            fd = self._open(key)
+        except (WarmctlError, OSError, ValueError):
             return
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # asynchronous readahead
@@ -218,57 +337,98 @@ class LocalBackend(Backend):
             os.close(fd)
 
     def stat(self, key: str) -> ObjectInfo:
-        p = self._path(key)
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            raise ObjectNotFound(key, str(p)) from None
+        d, _, st = self._lstat_in(key)
+        os.close(d)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self.root / base if base else self.root
-        stack = [start]
-        while stack:
-            d = stack.pop()
-            try:
-                it = os.scandir(d)
-            except (FileNotFoundError, NotADirectoryError):
+    def _scan(self, fd: int, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        """Regular files under the directory ``fd`` (``rel`` below the root) whose keys start
+        with ``prefix``; subdirectories entered without following links; anything else is
+        skipped with a warning naming it."""
+        with os.scandir(fd) as it:
+            yield from self._entries(it, fd, rel, prefix)
+
+    def _entries(self, it: Iterator[os.DirEntry], fd: int, rel: str, prefix: str) -> Iterator[ObjectInfo]:
+        for e in it:
+            key = f"{rel}/{e.name}" if rel else e.name
+            if not rel and e.name == TMP_DIR:
                 continue
-            with it:
-                for e in it:
-                    rel = os.path.relpath(e.path, self.root).replace(os.sep, "/")
-                    if rel == TMP_DIR or rel.startswith(TMP_DIR + "/"):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if (key + "/").startswith(prefix) or prefix.startswith(key + "/"):
+                    try:
+                        sub = os.open(e.name, _DIR_FLAGS, dir_fd=fd)
+                    except (FileNotFoundError, NotADirectoryError):
                         continue
-                    if e.is_dir(follow_symlinks=False):
-                        if (rel + "/").startswith(prefix) or prefix.startswith(rel + "/"):
-                            stack.append(Path(e.path))
-                    elif rel.startswith(prefix):
-                        try:
-                            st = e.stat()
-                        except FileNotFoundError:
-                            continue
-                        yield ObjectInfo(rel, st.st_size, st.st_mtime)
+                    except OSError as err:
+                        if err.errno != errno.ELOOP:
+                            raise
+                        continue  # swapped for a link meanwhile: not entered
+                    try:
+                        yield from self._scan(sub, key, prefix)
+                    finally:
+                        os.close(sub)
+            elif key.startswith(prefix):
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+                else:
+                    log.warning("store %s: ignoring %s, %s (a store holds only regular files; remove it)",
+                                self.root, self.root / key, _kind(st.st_mode))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every regular file whose key starts with ``prefix``, streamed (a directory's names
+        are read at once, its files yielded as they are stat'ed). A link or non-directory
+        where a directory of ``prefix`` should be raises :class:`IntegrityError`."""
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        try:
+            fd = self._walk(base.split("/") if base else [])
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            yield from self._scan(fd, base, prefix)
+        finally:
+            os.close(fd)
 
     def remove(self, key: str) -> None:
         """Delete ``key`` (absent: nothing to do); durable on return (the directory is fsync'ed),
-        so a removal gc made first (a manifest) cannot come back after a later one (its chunks)."""
-        p = self._path(key)
+        so a removal gc made first (a manifest) cannot come back after a later one (its chunks).
+        Only a regular file is removed: anything else raises :class:`IntegrityError`."""
         try:
-            p.unlink()
-        except FileNotFoundError:
+            d, name, _ = self._lstat_in(key)
+        except ObjectNotFound:
             return
-        if self.fsync:
-            fsync_dir(p.parent)
+        try:
+            try:
+                os.unlink(name, dir_fd=d)
+            except FileNotFoundError:
+                return
+            if self.fsync:
+                os.fsync(d)
+        finally:
+            os.close(d)
         _fault_point()
 
     def list_tmp(self) -> Iterator[ObjectInfo]:
-        """Temporary ingest files (left by a killed writer); gc removes old ones."""
-        d = self.root / TMP_DIR
-        if d.is_dir():
-            for e in os.scandir(d):
+        """Temporary ingest files (left by a killed writer); gc removes old ones (regular files
+        only: anything else in ``tmp/`` is skipped with a warning)."""
+        try:
+            fd = self._walk([TMP_DIR])
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            with os.scandir(fd) as it:
+                entries = list(it)
+            for e in entries:
                 try:
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                yield ObjectInfo(f"{TMP_DIR}/{e.name}", st.st_size, st.st_mtime)
+                if stat.S_ISREG(st.st_mode):
+                    yield ObjectInfo(f"{TMP_DIR}/{e.name}", st.st_size, st.st_mtime)
+                else:
+                    log.warning("store %s: ignoring %s in its tmp/, %s", self.root, e.name, _kind(st.st_mode))
+        finally:
+            os.close(fd)

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 
 from warmctl.errors import HostError
-from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError
+from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError, too_large
 
 #: S3 error codes worth retrying (any HTTP status >= 500 is retried too).
 TRANSIENT_CODES = frozenset({
@@ -281,6 +281,34 @@ class S3Backend(Backend):
         except Exception as e:  # noqa: BLE001 - translated
             raise self._err("load", key, e) from e
         return self._check_length(key, r, data, offset, length if "Range" in kw else None, "Range" in kw)
+
+    def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
+        """The object's bytes; with ``limit``, one ranged GET of at most ``limit + 1`` bytes
+        whose ``Content-Range`` total (or ``Content-Length``, when the server ignored the
+        range) says the object's size: larger than ``limit`` raises IntegrityError, having
+        read no more than that."""
+        if limit is None:
+            return memoryview(self.load(key))
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes=0-{limit}")
+            body = r["Body"]
+            try:
+                data = body.read(limit + 1)
+            finally:
+                body.close()
+        except Exception as e:  # noqa: BLE001 - translated
+            if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":
+                return memoryview(b"")  # an empty object has no byte 0
+            raise self._err("load", key, e) from e
+        status = r.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
+        m = _CONTENT_RANGE_RE.match(r.get("ContentRange") or "")
+        total = int(m.group(3)) if status == 206 and m and m.group(3) != "*" else int(r.get("ContentLength", len(data)))
+        if total > limit or len(data) > limit:
+            raise too_large(self.location(key), max(total, len(data)), limit, "object")
+        if len(data) != total:
+            raise TransientBackendError(f"load {self.location(key)} at {self.endpoint()}: body cut short: "
+                                        f"{len(data)} of {total} bytes")
+        return memoryview(data)
 
     def _check_length(self, key: str, r: dict, data: bytes, offset: int, length: int | None, ranged: bool) -> bytes:
         """The body of GET answer ``r`` if it has the length asked for; a server that ignored
