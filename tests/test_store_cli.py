@@ -10,6 +10,7 @@ from warmctl.cli import store as store_cli
 from warmctl.errors import IntegrityError, SnapshotNotFound
 from warmctl.catalog import Catalog
 from warmctl.store import StoreLocked, open_store
+from warmctl.trust import TrustError, generate_keypair
 
 CH = 256 * 1024
 
@@ -25,10 +26,13 @@ def test_push_pull_verify_gc_du(tmp_path, monkeypatch, s3_url):
     monkeypatch.delenv("WARMCTL_STORE", raising=False)
     monkeypatch.setenv("WARMCTL_CONFIG", str(tmp_path / "none.toml"))
     (tmp_path / "none.toml").write_text("")
+    kp = generate_keypair(tmp_path / "keys", "publisher")
+    monkeypatch.setenv("WARMCTL_KEYS_DIR", str(tmp_path / "keys"))
     f = write_payload(tmp_path / "p.img", [("random", 3 * CH), ("zero", 2 * CH), ("text", CH)])
     home_store = tmp_path / "home" / "store"
     with open_store(home_store, chunk_size=CH) as s:
-        d = snapshot(s, "tiny", {"p.img": f})
+        d = snapshot(s, "tiny", {"p.img": f}, signer=kp.private)
+        snapshot(s, "tiny", {"p.img": f}, tag="unsigned")
     r = CliRunner()
     app = _app()
 
@@ -44,6 +48,11 @@ def test_push_pull_verify_gc_du(tmp_path, monkeypatch, s3_url):
     res = r.invoke(app, ["pull", "tiny:latest", "--all", "--from", s3_url, "--store", str(other)])
     assert res.exit_code == 0, res.output
     assert tag_of(open_store(other), "tiny", "latest") == d
+    # an unsigned entry is never named locally (issue 31)
+    assert r.invoke(app, ["push", "tiny:unsigned", "--to", s3_url]).exit_code == 0
+    res = r.invoke(app, ["pull", "tiny:unsigned", "--all", "--from", s3_url, "--store", str(other)])
+    assert isinstance(res.exception, TrustError) and "is unsigned" in str(res.exception)
+    assert tag_of(open_store(other), "tiny", "unsigned") is None
 
     res = r.invoke(app, ["verify"])
     assert res.exit_code == 0 and "OK" in res.output, res.output
@@ -62,6 +71,7 @@ def test_push_pull_verify_gc_du(tmp_path, monkeypatch, s3_url):
     assert res.exit_code == 0 and "would remove 0 chunks" in res.output, res.output  # the catalog names it
     with open_store(home_store) as s:
         assert Catalog(s).remove_tag("tiny", "latest") == [d]
+        Catalog(s).remove_tag("tiny", "unsigned")
     res = r.invoke(app, ["gc", "--grace", "0", "--dry-run"])
     assert res.exit_code == 0 and "would remove 4 chunks" in res.output, res.output
     res = r.invoke(app, ["gc", "--grace", "0"])

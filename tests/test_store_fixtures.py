@@ -56,11 +56,12 @@ def make_manifest(store: Store, name: str, files: dict[str, Path]) -> Manifest:
     )
 
 
-def snapshot(store: Store, name: str, files: dict[str, Path], tag: str = "latest") -> str:
-    """add files + put_manifest + a catalog entry ``name:tag``; returns the manifest digest."""
+def snapshot(store: Store, name: str, files: dict[str, Path], tag: str = "latest", signer=None) -> str:
+    """add files + put_manifest + a catalog entry ``name:tag`` (signed by ``signer``, a private
+    key file, when given); returns the manifest digest."""
     m = make_manifest(store, name, files)
     d = store.put_manifest(m)
-    Catalog(store).publish(d, m, tag=tag)
+    Catalog(store).publish(d, m, tag=tag, signer=signer)
     return d
 
 

@@ -18,6 +18,7 @@ from test_store_proxy import FaultProxy
 
 from warmctl.catalog import Catalog
 from warmctl.errors import HostError
+from warmctl.trust import generate_keypair
 from warmctl.store import (
     BackendUnavailable,
     ObjectNotFound,
@@ -38,7 +39,8 @@ def remote_snap(s3_url, tmp_path):
     (s3 url, digest, the file, number of stored chunks, their stored bytes)."""
     f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH), ("zero", 4 * CH)], seed=7)
     local = open_store(tmp_path / "local", chunk_size=CH)
-    d = snapshot(local, "tiny", {"pages-1.img": f})
+    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it (issue 31)
+    d = snapshot(local, "tiny", {"pages-1.img": f}, signer=kp.private)
     rep = push(local, open_store(s3_url), "tiny", "latest")
     local.close()
     assert rep.chunks_total == 48
@@ -118,7 +120,8 @@ def test_pull_gives_up_after_window_then_rerun_fetches_only_missing(remote_snap,
 def test_push_survives_endpoint_down_for_3_s(s3_url, moto_endpoint, tmp_path):
     f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH)], seed=8)
     local = open_store(tmp_path / "local", chunk_size=CH)
-    d = snapshot(local, "tiny", {"pages-1.img": f})
+    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it (issue 31)
+    d = snapshot(local, "tiny", {"pages-1.img": f}, signer=kp.private)
     local.close()
     proxy = TcpProxy(moto_endpoint).start()
     proxy.down_after, proxy.down_for = 16 * CH, 3.0  # mid-upload, for 3 s

@@ -29,18 +29,31 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from warmctl import names
-from warmctl.errors import SnapshotNotFound, WarmctlError
+from warmctl.errors import IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.host import FINGERPRINT_FORMAT, HostFingerprint
 from warmctl.manifest import Manifest
-from warmctl.trust import TrustError, Verification, sign_manifest, verify_manifest
+from warmctl.store.backend import ObjectNotFound, load_limited
+from warmctl.store.layout import MAX_ENTRY_BYTES, MAX_PROFILE_BYTES, MAX_SIGNATURE_BYTES, MAX_TAG_BYTES
+from warmctl.trust import (
+    EntrySignatures,
+    TrustError,
+    Verification,
+    check_entry,
+    load_trusted_keys,
+    sign_entry,
+    sign_manifest,
+    verify_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +205,10 @@ class Rejection(BaseModel):
 class Resolution(BaseModel):
     """What :meth:`Catalog.resolve` found: the manifest ``digest``, the ``entry`` that named it
     (``None`` when ``up`` pinned the digest itself), the verified manifest, and the candidates
-    that were rejected (with their one reason each)."""
+    that were rejected (with their one reason each). ``skipped``: the rejections of candidates
+    that fit this host and were newer than the one chosen, but unusable (unsigned, missing,
+    a rollback), each a fallback ``up`` reports. ``entry_key``: the trusted key that signed
+    ``entry`` (None for a pinned digest, or an insecure resolve of an unsigned entry)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -200,6 +216,8 @@ class Resolution(BaseModel):
     entry: CatalogEntry | None
     verification: Verification
     rejections: list[Rejection] = []
+    skipped: list[Rejection] = []
+    entry_key: str | None = None
 
     @property
     def manifest(self) -> Manifest:
@@ -361,6 +379,20 @@ def select(
     return chosen, rejections
 
 
+def ranked(candidates: Sequence[Any], fp: HostFingerprint, *, driver: DriverPolicy = "exact") -> tuple[list[Any], list[Rejection]]:
+    """Like :func:`select`, but every candidate that fits, best first (newest ``created``; ties:
+    greatest digest), for a caller that falls back to the next when one proves unusable."""
+    fits, rejections = [], []
+    for c in candidates:
+        chosen, rej = select([c], fp, driver=driver)
+        if chosen is None:
+            rejections += rej
+        else:
+            fits.append(c)
+    fits.sort(key=lambda c: (_created_of(c), _digest_of(c)), reverse=True)
+    return fits, rejections
+
+
 def compat_key(host: dict[str, Any]) -> str:
     """``sha256:<hex>`` over what :func:`check` compares (arch, GPU models, driver, CPU flags
     minus ignored ones, CRIU major, engine version, environment digest). Two snapshots with the
@@ -390,6 +422,88 @@ def compat_key(host: dict[str, Any]) -> str:
 def _entry_key(name: str, tag: str, digest: str) -> str:
     algo, _, hexpart = digest.partition(":")
     return f"{CATALOG_PREFIX}{name}/{tag}/{algo}-{hexpart}.json"
+
+
+def entry_key(e: CatalogEntry) -> str:
+    """The object key entry ``e`` lives at: ``catalog/<name>/<tag>/<algo>-<hex>.json``."""
+    return _entry_key(e.name, e.tag, e.manifest)
+
+
+def _sig_key(name: str, tag: str, digest: str) -> str:
+    """Key of the signatures of the entry ``_entry_key(name, tag, digest)``: ``...<algo>-<hex>.sig``
+    (beside it; readers that predate signed entries ignore it)."""
+    return _entry_key(name, tag, digest)[: -len(".json")] + ".sig"
+
+
+class ProfileRecord(BaseModel):
+    """``catalog/<name>/profile.json``: the profile last published under ``name``."""
+
+    format: int = CATALOG_FORMAT
+    name: str
+    profile_digest: str
+    profile: dict[str, Any]
+
+
+class Accepted:
+    """What this node accepted, for rollback protection (issue 31; docs/store-format.md, "Names,
+    signatures and rollback"): per name, tag and kind of host (:func:`compat_key`), the newest
+    signed entry a resolve chose, as ``ROOT/<name>/<tag>/<compat hex>.json`` =
+    ``{"manifest", "created", "accepted", "catalog"}``. An entry older than that (by its signed
+    ``created``) is refused unless asked for by digest or with ``allow_rollback``.
+
+    ``root``: a directory of this node (``Settings.accepted_dir``, ``$WARMCTL_HOME/accepted``),
+    never the store's: a store's writer could roll it back with the entries."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @classmethod
+    def for_settings(cls, settings: Any) -> "Accepted":
+        """This node's record: ``<home>/accepted``."""
+        return cls(Path(settings.home) / "accepted")
+
+    def _path(self, e: CatalogEntry) -> Path:
+        return self.root / e.name / e.tag / f"{e.compat.partition(':')[2] or 'unknown'}.json"
+
+    def get(self, e: CatalogEntry) -> dict[str, Any] | None:
+        """The record for ``e``'s name, tag and kind of host, or None. A record this node cannot
+        read is an error (ConfigError-like :class:`CatalogError` naming it), never "none"."""
+        p = self._path(e)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            rec = pydantic_core.from_json(data)
+            rec["created_at"] = datetime.fromisoformat(rec["created"])
+            return rec
+        except (ValueError, KeyError, TypeError) as err:
+            raise CatalogError(f"rollback record {p} is unreadable ({err}); remove it to accept any signed entry again") from None
+
+    def check(self, e: CatalogEntry) -> None:
+        """Raise :class:`TrustError` when ``e`` is older than what this node accepted for its
+        name, tag and kind of host."""
+        rec = self.get(e)
+        if rec is None or rec.get("manifest") == e.manifest or e.created >= rec["created_at"]:
+            return
+        raise TrustError(
+            f"rollback refused: {e.name}:{e.tag} -> {e.manifest} was created {e.created.isoformat()}, before "
+            f"{rec['manifest']} (created {rec['created']}), which this node accepted for this kind of host on "
+            f"{rec.get('accepted', '?')} from {rec.get('catalog', '?')}; a store serving an older entry than it served "
+            f"before is what a rollback looks like. To restore it anyway: {e.name}@{e.manifest}, or --allow-rollback")
+
+    def record(self, e: CatalogEntry, where: str) -> None:
+        """Remember ``e`` when it is newer than the record (atomically: a temporary file renamed)."""
+        rec = self.get(e)
+        if rec is not None and rec["created_at"] >= e.created:
+            return
+        p = self._path(e)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        body = {"manifest": e.manifest, "created": e.created.isoformat(),
+                "accepted": datetime.now(timezone.utc).isoformat(timespec="seconds"), "catalog": where}
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(body, sort_keys=True) + "\n")
+        os.replace(tmp, p)
 
 
 class Catalog:
@@ -440,31 +554,42 @@ class Catalog:
         if signer is not None:
             signed_by.append(sign_manifest(self.store, manifest_digest, signer).key_id)
         entry = entry_for(manifest, manifest_digest, tag, signed_by=signed_by)
-        self.add(entry, profile=manifest.profile)
+        sigs = EntrySignatures(signatures=[sign_entry(entry, signer)]) if signer is not None else None
+        self.add(entry, profile=manifest.profile, signatures=sigs)
         return entry
 
-    def add(self, entry: CatalogEntry, profile: dict[str, Any] | None = None) -> None:
+    def add(self, entry: CatalogEntry, profile: dict[str, Any] | None = None,
+            signatures: EntrySignatures | None = None) -> None:
         """Write ``entry`` (its manifest must already be in this store: the entry is always the
-        last object written), then remove the entries of the same name and tag whose
+        last object written, after ``signatures``, its :class:`~warmctl.trust.EntrySignatures`),
+        then remove the entries of the same name and tag whose
         :func:`compat_key` is the same (a tag holds one snapshot per kind of host: the tag
         *moves*). ``profile``: the validated profile to record as ``catalog/<name>/profile.json``.
         """
         _check_name("snapshot name", entry.name)
         _check_name("tag", entry.tag)
+        if not _DIGEST_RE.match(entry.manifest):
+            raise CatalogError(f"catalog entry {entry.name}:{entry.tag}: malformed manifest digest {entry.manifest!r}")
         self.migrate()
         key, body = _entry_key(entry.name, entry.tag, entry.manifest), entry.model_dump_json().encode()
+        sig_key = _sig_key(entry.name, entry.tag, entry.manifest)
         commit = getattr(self.store, "commit", None)
         if commit is None:
+            if signatures is not None:
+                self.backend.save(sig_key, signatures.model_dump_json().encode())
             self.backend.save(key, body)
         else:  # a Store: under its writer lock, checked before and after (LockLost)
             self.store.check_lock(f"catalog entry {entry.name}:{entry.tag}")
             if not self.store.has_manifest(entry.manifest):
                 raise CatalogError(f"catalog entry {entry.name}:{entry.tag}: manifest {entry.manifest} is not in the "
                                    f"store at {self.backend.location()}; an entry is written after what it names")
+            if signatures is not None:
+                commit(sig_key, signatures.model_dump_json().encode(), f"signature of catalog entry {entry.name}:{entry.tag}")
             commit(key, body, f"catalog entry {entry.name}:{entry.tag}")
         for old in self.entries(entry.name, entry.tag):
             if old.compat == entry.compat and old.manifest != entry.manifest:
                 self.backend.remove(_entry_key(entry.name, entry.tag, old.manifest))
+                self.backend.remove(_sig_key(entry.name, entry.tag, old.manifest))
         if profile is not None:
             doc = {"format": CATALOG_FORMAT, "name": entry.name, "profile_digest": entry.profile_digest, "profile": profile}
             self.backend.save(f"{CATALOG_PREFIX}{entry.name}/profile.json", json.dumps(doc, sort_keys=True).encode())
@@ -475,7 +600,8 @@ class Catalog:
         self.migrate()
         key = _entry_key(_check_name("snapshot name", name), _check_name("tag", tag), digest)
         existed = self.backend.exists(key)
-        self.backend.remove(key)
+        self.backend.remove(key)  # the name first: an entry never outlives its signature unseen
+        self.backend.remove(_sig_key(name, tag, digest))
         return existed
 
     def remove_tag(self, name: str, tag: str) -> list[str]:
@@ -515,7 +641,7 @@ class Catalog:
             if len(parts) != 2 or not (NAME_RE.match(parts[0]) and NAME_RE.match(parts[1])):
                 continue
             try:
-                d = self.backend.load(info.key).decode().strip()
+                d = load_limited(self.backend, info.key, MAX_TAG_BYTES, "store tag").decode().strip()
             except (WarmctlError, UnicodeDecodeError):
                 continue
             if _DIGEST_RE.match(d):
@@ -533,10 +659,20 @@ class Catalog:
         for info in self.backend.list(prefix):
             if not info.key.endswith(".json") or "/" in info.key[len(prefix) :]:
                 continue
+            where = self.backend.location(info.key)
             try:
-                out.append(CatalogEntry.model_validate_json(self.backend.load(info.key)))
-            except (ValidationError, ValueError) as e:
-                log.warning("skipping unreadable catalog entry %s: %s", self.backend.location(info.key), e)
+                e = CatalogEntry.model_validate_json(load_limited(self.backend, info.key, MAX_ENTRY_BYTES, "catalog entry"))
+            except (ValidationError, ValueError, IntegrityError) as err:
+                log.warning("skipping unreadable catalog entry %s: %s", where, str(err).splitlines()[0])
+                continue
+            # its content must say where it lives: an entry copied under another name, tag or
+            # digest is not used (issue 31: an entry under tiny/latest saying "other")
+            if (e.name, e.tag) != (name, tag) or not _DIGEST_RE.match(e.manifest) or \
+                    info.key != _entry_key(name, tag, e.manifest):
+                log.warning("skipping catalog entry %s: it names %s:%s -> %s, which is not where it lives",
+                            where, e.name, e.tag, e.manifest)
+                continue
+            out.append(e)
         legacy = self._legacy_tags().get((name, tag))
         if legacy and all(e.manifest != legacy for e in out):
             try:
@@ -580,9 +716,34 @@ class Catalog:
         """``{"name", "profile_digest", "profile"}`` last published for ``name``, or ``None``."""
         _check_name("snapshot name", name)
         key = f"{CATALOG_PREFIX}{name}/profile.json"
-        if not self.backend.exists(key):
+        where = self.backend.location(key)
+        try:
+            data = load_limited(self.backend, key, MAX_PROFILE_BYTES, "profile record")
+        except ObjectNotFound:
             return None
-        return json.loads(self.backend.load(key))
+        except IntegrityError as e:
+            raise CatalogError(str(e)) from None
+        try:
+            rec = ProfileRecord.model_validate_json(data)
+        except ValidationError as e:
+            why = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'document'}: {x['msg']}" for x in e.errors()[:3])
+            raise CatalogError(f"profile record {where} is unusable: {why}") from None
+        if rec.name != name:
+            raise CatalogError(f"profile record {where} is of {rec.name!r}, not {name!r}")
+        return rec.model_dump()
+
+    def entry_signatures(self, entry: CatalogEntry) -> EntrySignatures | None:
+        """The signatures stored beside ``entry`` (None: none). Raises :class:`TrustError` for an
+        unreadable or oversized signature object, naming it."""
+        key = _sig_key(entry.name, entry.tag, entry.manifest)
+        try:
+            data = load_limited(self.backend, key, MAX_SIGNATURE_BYTES, "entry signature")
+            return EntrySignatures.model_validate_json(data)
+        except ObjectNotFound:
+            return None
+        except (ValidationError, ValueError, IntegrityError) as e:
+            raise TrustError(f"catalog entry signature {self.backend.location(key)} is unreadable: "
+                             f"{str(e).splitlines()[0]}") from None
 
     def referenced_manifests(self) -> set[str]:
         """Digests of every manifest some catalog entry (or earlier-layout store tag) names, for
@@ -613,42 +774,96 @@ class Catalog:
         digest: str | None = None,
         insecure: bool = False,
         driver: DriverPolicy = "exact",
+        accepted: Accepted | None = None,
+        allow_rollback: bool = False,
     ) -> Resolution:
-        """What ``up NAME`` restores on this host: select among ``name``:``tag`` entries (or take
-        the manifest ``digest`` itself, ``NAME@sha256:...``, named by a tag or not), then verify
-        the chosen manifest's signature and integrity (:func:`verify_manifest`), then re-check
-        the *signed* manifest (its name and host fingerprint, since catalog entries are unsigned
-        pointers). Nothing is pulled or materialized here.
+        """What ``up NAME`` restores on this host: among ``name``:``tag``'s entries that fit
+        this host (newest first), the first that is usable (:meth:`accept`: the entry signed by
+        a trusted key, its manifest signed, intact and agreeing with it, not older than what
+        ``accepted`` remembers unless ``allow_rollback``); or the manifest ``digest`` itself
+        (``NAME@sha256:...``, named by a tag or not; never a rollback). Each unusable newer
+        candidate is in ``resolution.skipped`` with why (``up`` says it fell back). The chosen
+        entry is recorded in ``accepted``. Nothing is pulled or materialized here.
 
         Raises :class:`SnapshotNotFound` when no entry exists or none fits (the message lists
-        every rejected candidate with its one reason), :class:`TrustError` (unsigned, untrusted,
-        bad signature, or the signed manifest contradicts its entry; ``insecure`` downgrades the
-        signature part to a warning in ``resolution.verification.warning``),
-        :class:`warmctl.errors.IntegrityError`.
+        every rejected candidate with its one reason), :class:`TrustError` (no fitting candidate
+        is usable: unsigned, untrusted, bad signature, a rollback, or the signed manifest
+        contradicts its entry; ``insecure`` downgrades the signature part to a warning in
+        ``resolution.verification.warning``), :class:`warmctl.errors.IntegrityError` (the
+        candidates' manifests are missing or corrupt).
         """
         ref = f"{name}@{digest}" if digest else f"{name}:{tag}"
-        rejections: list[Rejection] = []
         if digest:
             if not self.store.has_manifest(digest):
                 raise SnapshotNotFound(f"no snapshot {ref}: no manifest {digest} in the store at {self.backend.location()}")
-            chosen_digest = digest
-        else:
-            entries = self.entries(name, tag)
-            if not entries:
-                raise SnapshotNotFound(f"no snapshot {ref} in the catalog at {self.location()}")
-            chosen, rejections = select(entries, fp, driver=driver)
-            if chosen is None:
-                raise nothing_fits(ref, len(entries), fp, rejections)
-            chosen_digest = chosen.manifest
-        v = verify_manifest(self.store, chosen_digest, keys_dir, insecure=insecure)
-        if v.manifest.name != name:
-            raise TrustError(f"{ref} points at manifest {chosen_digest} of {v.manifest.name!r}")
-        ok, why = select([v.manifest], fp, driver=driver)
-        if ok is None:
-            if digest:
+            v = verify_manifest(self.store, digest, keys_dir, insecure=insecure)
+            if v.manifest.name != name:
+                raise TrustError(f"{ref} points at manifest {digest} of {v.manifest.name!r}")
+            ok, why = select([v.manifest], fp, driver=driver)
+            if ok is None:
                 raise SnapshotNotFound(f"snapshot {ref} does not fit this host ({fp.summary()}): {why[0].reason}")
-            raise TrustError(f"catalog entry {ref} -> {chosen_digest}: the signed manifest's host does not fit: {why[0].reason}")
-        return Resolution(digest=chosen_digest, entry=None if digest else chosen, verification=v, rejections=rejections)
+            return Resolution(digest=digest, entry=None, verification=v)
+        entries = self.entries(name, tag)
+        if not entries:
+            raise SnapshotNotFound(f"no snapshot {ref} in the catalog at {self.location()}")
+        fits, rejections = ranked(entries, fp, driver=driver)
+        if not fits:
+            raise nothing_fits(ref, len(entries), fp, rejections)
+        skipped: list[Rejection] = []
+        failures: list[WarmctlError] = []
+        for e in fits:
+            try:
+                v, key = self.accept(e, fp, keys_dir, insecure=insecure, driver=driver)
+                if accepted is not None and not allow_rollback:
+                    accepted.check(e)
+            except (TrustError, IntegrityError, CatalogError) as err:
+                rule = "rollback" if str(err).startswith("rollback refused") else \
+                    "signature" if isinstance(err, TrustError) else "integrity"
+                skipped.append(Rejection(digest=e.manifest, rule=rule, reason=str(err)))
+                failures.append(err)
+                continue
+            if accepted is not None:
+                accepted.record(e, self.location())
+            return Resolution(digest=e.manifest, entry=e, verification=v, rejections=rejections + skipped,
+                              skipped=skipped, entry_key=key)
+        if len(failures) == 1:
+            raise failures[0]
+        lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in skipped)
+        raise type(failures[0])(f"none of the {len(fits)} snapshot(s) of {ref} that fit this host is usable:\n{lines}")
+
+    def accept(self, e: CatalogEntry, fp: HostFingerprint | None, keys_dir: str | Path, *, insecure: bool = False,
+               driver: DriverPolicy = "exact") -> tuple[Verification, str | None]:
+        """Whether this node may act on entry ``e`` (found under its own name and tag): its
+        manifest's signature and bytes verify (:func:`verify_manifest`), a trusted key signed
+        the entry itself (:func:`warmctl.trust.check_entry`; an entry is a signed name, not a
+        pointer to trust), and the signed manifest agrees with the entry (name, ``created``,
+        profile digest, kind of host) and fits this host (``fp``; None: any host). Returns (the manifest's verification,
+        the entry's key id; None when ``insecure`` let an unsigned entry through, with a
+        warning added to the verification). Raises :class:`TrustError`,
+        :class:`warmctl.errors.IntegrityError`."""
+        where = self.backend.location(_entry_key(e.name, e.tag, e.manifest))
+        v = verify_manifest(self.store, e.manifest, keys_dir, insecure=insecure)
+        m = v.manifest
+        ref = f"{e.name}:{e.tag}"
+        if m.name != e.name:
+            raise TrustError(f"{ref} points at manifest {e.manifest} of {m.name!r}")
+        ok, why = select([m], fp, driver=driver) if fp is not None else (m, [])
+        if ok is None:
+            raise TrustError(f"catalog entry {ref} -> {e.manifest}: the signed manifest's host does not fit: {why[0].reason}")
+        for what, bad in (("created", m.created != e.created), ("profile digest", m.profile_digest != e.profile_digest),
+                          ("host", compat_key(m.host) != e.compat or compat_key(e.host) != e.compat)):
+            if bad:
+                raise TrustError(f"catalog entry {ref} -> {e.manifest} ({where}): its {what} is not the signed manifest's")
+        key: str | None = None
+        try:
+            key = check_entry(e, self.entry_signatures(e), load_trusted_keys(keys_dir), where)
+        except TrustError as err:
+            if not insecure:
+                raise
+            note = f"INSECURE: using a catalog entry whose signature was not verified: {err}"
+            log.warning(note)
+            v = v.model_copy(update={"insecure": True, "warning": f"{v.warning}; {note}" if v.warning else note})
+        return v, key
 
 
 def nothing_fits(ref: str, candidates: int, fp: HostFingerprint, rejections: list[Rejection], where: str = "") -> SnapshotNotFound:

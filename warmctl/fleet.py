@@ -16,14 +16,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 from warmctl import faults
-from warmctl.catalog import Catalog, CatalogEntry, DriverPolicy, Ref, nothing_fits, select
+from warmctl.catalog import Accepted, Catalog, CatalogEntry, DriverPolicy, Ref, Rejection, entry_key, nothing_fits, select
 from warmctl.config import Settings
 from warmctl.errors import SnapshotNotFound, WarmctlError
 from warmctl.host import HostFingerprint
 from warmctl.manifest import Manifest
 from warmctl.store import CopyReport, Store, copy_manifest, open_store
+from warmctl.trust import check_entry, load_trusted_keys, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -38,50 +40,91 @@ class Copied:
     report: CopyReport
 
 
-def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress | None = None) -> Copied:
-    """Copy ``entry`` and everything it names from ``src`` to ``dst`` (see the module doc).
+def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress | None = None, *,
+               keys_dir: str | Path | None = None) -> Copied:
+    """Copy ``entry`` and everything it names from ``src`` to ``dst`` (see the module doc): the
+    chunks, the manifest and its signatures, then the entry's own signatures and the entry, and
+    the profile record from the (digest-checked) manifest.
 
-    ``progress(n)``: snapshot file bytes accounted for. Raises :class:`warmctl.errors.IntegrityError`
-    (a source chunk or the manifest is missing or corrupt: nothing is named in ``dst``),
-    :class:`warmctl.errors.HostError` (disk full), the backends' errors (an outage that outlasts
-    the retry window).
+    ``keys_dir``: trusted keys; given, nothing is named in ``dst`` unless a trusted key signed
+    the entry (checked before anything is copied) and the manifest as it now lies in ``dst``
+    (checked after the copy, before the name is written): what ``pull`` and ``up`` do, so that
+    nothing unsigned is ever named locally. ``progress(n)``: snapshot file bytes accounted for.
+    Raises :class:`warmctl.trust.TrustError` (``keys_dir``: unsigned or untrusted),
+    :class:`warmctl.errors.IntegrityError` (a source chunk or the manifest is missing or
+    corrupt: nothing is named in ``dst``), :class:`warmctl.errors.HostError` (disk full), the
+    backends' errors (an outage that outlasts the retry window).
     """
     def advance(n: int) -> None:
         faults.point("transfer_chunks")  # a test's kill -9 amid the chunks
         if progress is not None:
             progress(n)
 
+    src_cat = Catalog(src)
+    sigs = src_cat.entry_signatures(entry)  # read once: what is checked is what is written
+    if keys_dir is not None:
+        check_entry(entry, sigs, load_trusted_keys(keys_dir), src.backend.location(entry_key(entry)))
     report = copy_manifest(src, dst, entry.manifest, progress=advance)
     faults.point("transfer_catalog")  # chunks, manifest and signatures written; the name not yet
-    profile = Catalog(src).profile(entry.name)
+    m = dst.get_manifest(entry.manifest)
+    if keys_dir is not None:
+        verify_manifest(dst, entry.manifest, keys_dir)
     Catalog(dst).add(entry.model_copy(update={"published": _now()}),
-                     profile=profile["profile"] if profile and profile.get("profile_digest") == entry.profile_digest else None)
+                     profile=m.profile if m.profile_digest == entry.profile_digest else None, signatures=sigs)
     return Copied(entry, report)
 
 
 def entries_to_copy(src: Store, ref: Ref, fp: HostFingerprint | None = None, *,
-                    driver: DriverPolicy = "exact", only: str | None = None) -> list[CatalogEntry]:
+                    driver: DriverPolicy = "exact", only: str | None = None, keys_dir: str | Path | None = None,
+                    accepted: Accepted | None = None, allow_rollback: bool = False,
+                    notes: list[str] | None = None) -> list[CatalogEntry]:
     """The entries of ``ref`` (``NAME:TAG``) in ``src``'s catalog to copy: all of them, or with
     ``fp`` only the one this host would restore (``up``'s choice), or with ``only`` the one of
-    that manifest digest. Raises :class:`SnapshotNotFound` naming the catalog, or, with ``fp``,
-    every candidate and why it does not fit."""
+    that manifest digest.
+
+    ``keys_dir`` (``pull``): only entries this node may act on (:meth:`Catalog.accept`: entry
+    and manifest signed by trusted keys, agreeing with each other); with ``fp`` exactly
+    :meth:`Catalog.resolve`'s choice (falling back past unusable newer entries, each reason
+    appended to ``notes``; refusing a rollback below what ``accepted`` remembers unless
+    ``allow_rollback``). Raises :class:`SnapshotNotFound` naming the catalog, or, with ``fp``,
+    every candidate and why it does not fit; :class:`warmctl.trust.TrustError` when none is
+    usable."""
     cat = Catalog(src)
     if ref.digest:
         found = [e for t in cat.tags(ref.name) for e in cat.entries(ref.name, t) if e.manifest == ref.digest]
         if not found:
             raise SnapshotNotFound(f"no catalog entry names {ref} in the catalog at {cat.location()}")
+        if keys_dir is not None:
+            cat.accept(found[0], fp, keys_dir, driver=driver)
         return found[:1]
+    if keys_dir is not None and fp is not None and not only:
+        res = cat.resolve(ref.name, fp, keys_dir, tag=ref.tag, driver=driver, accepted=accepted,
+                          allow_rollback=allow_rollback)
+        if notes is not None:
+            notes += [fallback_line(r) for r in res.skipped]
+        return [res.entry]  # type: ignore[list-item]
     entries = cat.entries(ref.name, ref.tag)
     if only:
         entries = [e for e in entries if e.manifest == only]
     if not entries:
         raise SnapshotNotFound(f"no snapshot {ref} in the catalog at {cat.location()}")
+    if keys_dir is not None:  # every kind of host's (pull --all): each must be usable
+        for e in entries:
+            cat.accept(e, None, keys_dir, driver=driver)
+            if accepted is not None and not allow_rollback:
+                accepted.check(e)
+        return entries
     if fp is None:
         return entries
     chosen, rejections = select(entries, fp, driver=driver)
     if chosen is None:
         raise nothing_fits(str(ref), len(entries), fp, rejections, cat.location())
     return [chosen]
+
+
+def fallback_line(r: Rejection) -> str:
+    """The line saying that a newer candidate was passed over, and why."""
+    return f"passed over {r.digest} (newer, {r.rule}): {r.reason.splitlines()[0]}; using the next valid one"
 
 
 def transfer(src: Store, dst: Store, entries: list[CatalogEntry], progress: Progress | None = None) -> list[Copied]:

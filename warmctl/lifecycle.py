@@ -38,13 +38,14 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from warmctl import enginelock, fleet
 from warmctl import snapshot as snap
-from warmctl.catalog import Catalog, CatalogEntry, CatalogError
+from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import affinity, capture, criu
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
@@ -196,7 +197,7 @@ def _link_or_copy(src: Path, dest: Path) -> None:
 
 def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest", digest: str | None = None,
        profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
-       snapshot_after: bool = False, insecure: bool = False) -> UpResult:
+       snapshot_after: bool = False, insecure: bool = False, allow_rollback: bool = False) -> UpResult:
     """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
     (serving, ``/health`` answering) is left alone and reported (``already_up``).
 
@@ -209,6 +210,9 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     ``digest``) and its signature verified before anything is written
     (:meth:`warmctl.catalog.Catalog.resolve`);
     ``insecure`` turns an unsigned or untrusted snapshot into a loud warning instead of an error.
+    A snapshot older than the newest this node accepted for ``name:tag`` on this kind of host is
+    refused (a rollback) unless ``allow_rollback`` or pinned by ``digest``; an unusable newer
+    entry is passed over with a line saying why; the digest and age of what is restored are said.
     ``profile`` is needed for the cold path (no snapshot) and to check that a snapshot was made
     from the same profile; without it, the snapshot's embedded profile is used.
     Raises :class:`HostError` (pre-flight), :class:`SnapshotNotFound` (no snapshot, and no
@@ -224,13 +228,15 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
         already = _adopt_or_clear(name, settings, digest)
         if already is not None:
             return already
-        return _up(name, settings, reporter, tag, digest, profile, public_port, public_host, snapshot_after, insecure)
+        return _up(name, settings, reporter, tag, digest, profile, public_port, public_host, snapshot_after, insecure,
+                   allow_rollback)
 
 
 def _up(name: str, settings: Settings, reporter: Reporter, tag: str, digest: str | None, profile: Profile | None,
-        public_port: int | None, public_host: str | None, snapshot_after: bool, insecure: bool) -> UpResult:
+        public_port: int | None, public_host: str | None, snapshot_after: bool, insecure: bool,
+        allow_rollback: bool = False) -> UpResult:
     """:func:`up` once no engine ``name`` is serving (under its lock)."""
-    found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure)
+    found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure, allow_rollback)
     try:
         if found.manifest is None:
             if profile is None:
@@ -295,6 +301,7 @@ class _Found:
     entry: CatalogEntry | None = None
     reason: str = ""
     fetched: Fetched = field(default_factory=Fetched)
+    insecure: bool = False  # a signature was not verified: nothing of it is named locally
 
     def close(self) -> None:
         """Release the stores' writer locks (the cache writes chunks)."""
@@ -304,7 +311,7 @@ class _Found:
 
 
 def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, digest: str | None,
-                   profile: Profile | None, insecure: bool) -> _Found:
+                   profile: Profile | None, insecure: bool, allow_rollback: bool = False) -> _Found:
     """Resolve ``NAME:TAG`` in the catalog (the remote store when configured; chunks then stream
     from it through the local store, which keeps them as a cache for the next up). A snapshot
     made from another profile than ``profile`` is not used. Raises
@@ -314,10 +321,15 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
     found = _Found(name, store, None if store is local else local, fingerprint(criu=settings.criu))
     try:
         res = Catalog(store).resolve(name, found.fp, settings.keys_dir, tag=tag, digest=digest,
-                                     insecure=insecure, driver=settings.match_driver)
+                                     insecure=insecure, driver=settings.match_driver,
+                                     accepted=Accepted.for_settings(settings), allow_rollback=allow_rollback)
         found.manifest, found.digest, found.entry = res.manifest, res.digest, res.entry
+        found.insecure = res.verification.insecure
+        for r in res.skipped:
+            reporter.info(f"[yellow]{escape(fleet.fallback_line(r))}[/]")
         if res.verification.warning:
-            reporter.info(f"[bold red]{res.verification.warning}[/]")
+            reporter.info(f"[bold red]{escape(res.verification.warning)}[/]")
+        reporter.info(escape(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res)))
     except SnapshotNotFound as e:
         found.reason = str(e)
     except BaseException:
@@ -331,6 +343,22 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
             f"snapshot {name}:{tag} ({found.digest[:19]})")
         found.manifest = None
     return found
+
+
+def escape(text: str) -> str:
+    """``text`` safe to print as console markup (a store's text may hold ``[...]``)."""
+    return text.replace("[", "\\[")
+
+
+def restoring_line(ref: str, res) -> str:
+    """``snapshot REF = DIGEST, created DATE (AGE ago), signed by key K``: what ``up`` says it
+    restores (issue 31: the digest and the age, so a rollback is visible)."""
+    created = res.manifest.created
+    age = (datetime.now(timezone.utc) - created).total_seconds()
+    ago = f"{age / 86400:.1f} days" if age >= 86400 else f"{age / 3600:.1f} h" if age >= 3600 else f"{max(age, 0) / 60:.0f} min"
+    key = res.verification.key_id
+    who = f"signed by key {key}" if key else "NOT signed by a trusted key"
+    return f"snapshot {ref} = {res.digest}, created {created.isoformat(timespec='seconds')} ({ago} ago), {who}"
 
 
 def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_port: int | None,
@@ -395,21 +423,24 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     if found.cache is not None:
         reporter.info(f"fetched {fetched['remote'] / 2**20:,.0f} MiB from {found.store.location}, "
                       f"{fetched['local'] / 2**20:,.0f} MiB from the local store")
-        _keep_locally(found, reporter)
+        _keep_locally(found, reporter, settings)
     return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched)  # type: ignore[arg-type]
 
 
-def _keep_locally(found: _Found, reporter: Reporter) -> None:
+def _keep_locally(found: _Found, reporter: Reporter, settings: Settings) -> None:
     """After a restore from a remote store: name the snapshot in the local store's catalog too
     (its chunks are there already, as the cache; the manifest and signatures are copied), so a
     later ``up`` or ``pull`` needs no remote. A snapshot pinned by digest is not named. Never
     fails the serving engine: a problem is reported and left."""
     if found.entry is None or found.cache is None:
         return
+    if found.insecure:
+        reporter.info("[yellow]the restored snapshot is not named in the local store: its signature was not verified[/]")
+        return
     try:
-        fleet.copy_entry(found.store, found.cache, found.entry)
-    except WarmctlError as e:
-        reporter.info(f"[yellow]the restored snapshot is not named in the local store: {e}[/]")
+        fleet.copy_entry(found.store, found.cache, found.entry, keys_dir=settings.keys_dir)
+    except Exception as e:  # noqa: BLE001 - the engine serves: never a traceback after the port opened
+        reporter.info(f"[yellow]the restored snapshot is not named in the local store: {escape(str(e))}[/]")
 
 
 def restore_pages(settings: Settings, binary: str, plugins: tuple[str, ...], reporter: Reporter) -> str:

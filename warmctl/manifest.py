@@ -280,7 +280,10 @@ class Manifest(_M):
         :func:`check_absolute_path`). Raises ValueError naming each problem and where it is
         (e.g. ``files.3.path: path '../x' has a '..' component``) for an unknown ``format``,
         bad JSON, a missing field or a bad path."""
-        obj = json.loads(data)
+        try:
+            obj = json.loads(data)
+        except RecursionError:
+            raise ValueError("the manifest's JSON is nested too deeply") from None
         if not isinstance(obj, dict):
             raise ValueError("a manifest is a JSON object")
         if obj.get("format") != MANIFEST_FORMAT:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import os
 from datetime import datetime, timezone
@@ -31,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import Manifest
+from warmctl.store.backend import ObjectNotFound, load_limited
+from warmctl.store.layout import MAX_SIGNATURE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,13 @@ log = logging.getLogger(__name__)
 SIGNATURE_DOMAIN = b"warmctl/manifest-signature/v1\n"
 SIGNATURE_FORMAT = 1
 SIGNATURES_PREFIX = "signatures/"
+#: Prefix of a signed catalog entry's message (issue 31: names are signed, like manifests).
+ENTRY_SIGNATURE_DOMAIN = b"warmctl/catalog-entry-signature/v1\n"
+#: The entry fields an entry signature covers: everything a node acts on (the path it lives at
+#: repeats name, tag and manifest; ``created`` orders entries and is what rollback protection
+#: compares; ``compat`` and ``profile_digest`` choose among them). ``published``, ``size``,
+#: ``host`` and ``signed_by`` are not covered: ``host`` is checked against the signed manifest's.
+ENTRY_SIGNED_FIELDS = ("name", "tag", "manifest", "created", "compat", "profile_digest")
 
 
 class TrustError(WarmctlError):
@@ -234,8 +244,8 @@ def signatures(store: Any, digest: str) -> list[SignatureDoc | str]:
     backend = store.backend
     for info in sorted(backend.list(signature_prefix(digest)), key=lambda i: i.key):
         try:
-            doc = SignatureDoc.model_validate_json(backend.load(info.key))
-        except (ValidationError, ValueError) as e:
+            doc = SignatureDoc.model_validate_json(load_limited(backend, info.key, MAX_SIGNATURE_BYTES, "signature"))
+        except (ValidationError, ValueError, IntegrityError) as e:
             out.append(f"{backend.location(info.key)}: unreadable signature: {str(e).splitlines()[0]}")
             continue
         out.append(doc)
@@ -351,6 +361,82 @@ def signature_summary(store: Any, digest: str, keys_dir: str | Path | None) -> s
         if not docs:
             return "unsigned"
         return f"signed by {', '.join(d.key_id for d in docs)}; not trusted here ({str(e)[:120]})"
+
+
+# --------------------------------------------------------------------------- signed catalog entries
+
+
+class EntrySignature(BaseModel):
+    """One signature of a catalog entry: ``key_id``, ``algorithm`` and base64 ``signature``
+    over :func:`entry_message`; ``signed`` (UTC) is informational."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: str = "ed25519"
+    key_id: str
+    signed: datetime
+    signature: str
+
+
+class EntrySignatures(BaseModel):
+    """The object ``catalog/<name>/<tag>/<algo>-<hex>.sig`` beside an entry: its signatures."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: int = SIGNATURE_FORMAT
+    kind: str = "catalog-entry-signatures"
+    signatures: list[EntrySignature]
+
+
+def entry_fields(entry: Any) -> dict[str, str]:
+    """The signed fields of ``entry`` (a :class:`warmctl.catalog.CatalogEntry`) as strings;
+    ``created`` in UTC ISO 8601 (so a signer and a verifier that parsed it agree)."""
+    out = {}
+    for f in ENTRY_SIGNED_FIELDS:
+        v = getattr(entry, f)
+        out[f] = v.astimezone(timezone.utc).isoformat() if isinstance(v, datetime) else str(v)
+    return out
+
+
+def entry_message(entry: Any) -> bytes:
+    """The bytes an entry signature covers: :data:`ENTRY_SIGNATURE_DOMAIN` plus canonical JSON
+    (sorted keys, no spaces) of :func:`entry_fields`."""
+    return ENTRY_SIGNATURE_DOMAIN + json.dumps(entry_fields(entry), sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_entry(entry: Any, key: str | Path | Ed25519PrivateKey) -> EntrySignature:
+    """Sign catalog entry ``entry`` with ``key`` (a private key or its file). Raises
+    :class:`TrustError` for an unusable key file."""
+    k = key if isinstance(key, Ed25519PrivateKey) else load_private_key(key)
+    return EntrySignature(key_id=key_id(k.public_key()), signed=datetime.now(timezone.utc),
+                          signature=base64.b64encode(k.sign(entry_message(entry))).decode())
+
+
+def check_entry(entry: Any, sigs: EntrySignatures | None, trusted: dict[str, tuple[Path, Ed25519PublicKey]],
+                where: str) -> str:
+    """The id of a trusted key whose signature of ``entry`` verifies. ``trusted``:
+    :func:`load_trusted_keys`'s answer; ``where``: the entry's location, for messages.
+    Raises :class:`TrustError` saying what was found instead (unsigned, untrusted keys, a
+    signature that does not verify: the entry was changed, or written by someone else)."""
+    if sigs is None or not sigs.signatures:
+        raise TrustError(f"catalog entry {where} is unsigned (published before entries were signed, or "
+                         "not by a publisher: re-publish it, or `warmctl push` it from a host with signing_key)")
+    msg = entry_message(entry)
+    problems = []
+    for s in sigs.signatures:
+        if s.algorithm != "ed25519":
+            problems.append(f"algorithm {s.algorithm!r} by key {s.key_id}")
+            continue
+        if s.key_id not in trusted:
+            problems.append(f"signed by key {s.key_id}, which is not trusted")
+            continue
+        try:
+            trusted[s.key_id][1].verify(base64.b64decode(s.signature, validate=True), msg)
+        except (InvalidSignature, ValueError):
+            problems.append(f"the signature by trusted key {s.key_id} does not verify (the entry was changed)")
+            continue
+        return s.key_id
+    raise TrustError(f"catalog entry {where} is not trusted: " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------- the trusted-keys directory

@@ -100,6 +100,9 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JsonOpt,
         insecure: bool = typer.Option(False, "--insecure-skip-signature-check",
                                       help="INSECURE: restore an unsigned or untrusted snapshot (a snapshot is executable state)."),
+        allow_rollback: bool = typer.Option(False, "--allow-rollback",
+                                            help="Restore NAME:TAG even when it is older than the newest snapshot of it this node "
+                                                 "accepted for this kind of host (else refused as a rollback; NAME@DIGEST also pins one)."),
         cold_start: Optional[str] = typer.Option(None, "--cold-start", metavar="fallback|never",
                                                  help="No usable snapshot: cold-start from the profile (fallback) or fail naming why (never). Default: the cold_start setting."),
         api_key_file: Optional[Path] = typer.Option(None, "--api-key-file",
@@ -152,6 +155,9 @@ def register(app: typer.Typer) -> None:
         if settings.agent_url and restore_pages is not None:
             raise typer.BadParameter("with an agent, restore_pages is the agent's setting (in its config)",
                                      param_hint="--restore-pages")
+        if settings.agent_url and allow_rollback:
+            raise typer.BadParameter("with an agent, pin the snapshot by digest instead (NAME@sha256:...)",
+                                     param_hint="--allow-rollback")
         if settings.agent_url and any(gate_flags.values()):
             raise typer.BadParameter("with an agent, the gate's key and TLS files are the agent's settings "
                                      "(gate_api_key_file, gate_tls_cert, gate_tls_key in its config)")
@@ -170,7 +176,8 @@ def register(app: typer.Typer) -> None:
 
             code = fg.run(ref, settings, fg.NotifyingReporter(quiet=json_out),
                           lambda rep: run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port,
-                                             public_host=host, snapshot_after=snapshot_after, insecure=insecure),
+                                             public_host=host, snapshot_after=snapshot_after, insecure=insecure,
+                                             allow_rollback=allow_rollback),
                           show, lambda line: _err().print(line, markup=False, highlight=False))
             raise typer.Exit(code)
         rep = ConsoleReporter(quiet=json_out)
@@ -181,7 +188,7 @@ def register(app: typer.Typer) -> None:
                                                          cold_start=overrides.get("cold_start"))
         else:
             res = run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port, public_host=host,
-                         snapshot_after=snapshot_after, insecure=insecure)
+                         snapshot_after=snapshot_after, insecure=insecure, allow_rollback=allow_rollback)
         _show_up(res, json_out)
 
     def _show_up(res, json_out: bool) -> None:

@@ -71,11 +71,14 @@ def _remote(url: Optional[str], flag: str):
         raise WarmctlError(str(e)) from None
 
 
-def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: bool = False) -> None:
+def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: bool = False,
+          verify: bool = False, allow_rollback: bool = False) -> None:
     """Copy the catalog entries of ``ref`` with their data (:mod:`warmctl.fleet`), one progress
     bar, one summary line per entry (``json_out``: a JSON list on stdout instead, one object
-    per entry, docs/cli-json.md)."""
-    from warmctl.catalog import Ref
+    per entry, docs/cli-json.md). ``verify`` (``pull``): only entries this node may act on, each
+    checked against the trusted keys before anything is named (:func:`warmctl.fleet.copy_entry`),
+    refusing a rollback unless ``allow_rollback``."""
+    from warmctl.catalog import Accepted, Ref
     from warmctl.config import load_settings
     from warmctl.fleet import copy_entry, entries_to_copy
 
@@ -86,10 +89,16 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: 
         from warmctl.host import fingerprint
 
         fp = fingerprint(criu=settings.criu)
+    keys = settings.keys_dir if verify else None
+    notes: list[str] = []
     try:
-        entries = entries_to_copy(src, r, fp, driver=settings.match_driver)
+        entries = entries_to_copy(src, r, fp, driver=settings.match_driver, keys_dir=keys,
+                                  accepted=Accepted.for_settings(settings) if verify else None,
+                                  allow_rollback=allow_rollback, notes=notes)
+        for line in notes:
+            _console().print(line, markup=False, highlight=False)
         with byte_progress(f"{verb} {r}", sum(e.size for e in entries)) as advance:
-            done = [copy_entry(src, dst, e, progress=advance) for e in entries]
+            done = [copy_entry(src, dst, e, progress=advance, keys_dir=keys) for e in entries]
     finally:  # locks released now, also on failure (not at interpreter exit)
         src.close()
         dst.close()
@@ -155,18 +164,23 @@ def register(app: typer.Typer) -> None:
         from_: Optional[str] = typer.Option(None, "--from", help="Source store: a directory, s3://bucket/prefix or oci://HOST/REPO (default: WARMCTL_REMOTE_STORE)."),
         store: Optional[str] = typer.Option(None, "--store", help="Local store (default: the configured store_dir)."),
         all_hosts: bool = typer.Option(False, "--all", help="Every kind of host's snapshot of NAME:TAG, not only this host's."),
+        allow_rollback: bool = typer.Option(False, "--allow-rollback",
+                                            help="Pull NAME:TAG even when it is older than the newest this node accepted (a rollback)."),
         json_out: bool = JsonOpt,
     ) -> None:
         """Fetch NAME:TAG into the local store: the snapshot this host would restore (by the
         catalog's rules; `--all` for every kind of host), each chunk verified against its digest,
         then its manifest, signatures and catalog entry. `warmctl up NAME` then restores it
-        without a remote.
+        without a remote. Nothing is named locally unless a trusted key (keys_dir) signed both the
+        catalog entry and its manifest; an entry older than the newest this node accepted is
+        refused (a rollback) unless --allow-rollback or NAME@DIGEST.
 
         Resumable: a killed pull, rerun, fetches only the chunks still missing; the name appears
         only once every chunk and the manifest are in place. Example:
         `warmctl pull tiny --from s3://my-bucket/warmctl`
         """
-        _copy(_remote(from_, "--from"), _local(store), ref, "pull", for_this_host=not all_hosts, json_out=json_out)
+        _copy(_remote(from_, "--from"), _local(store), ref, "pull", for_this_host=not all_hosts, json_out=json_out,
+              verify=True, allow_rollback=allow_rollback)
 
     @app.command()
     def verify(

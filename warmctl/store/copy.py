@@ -7,16 +7,21 @@ layer up: :mod:`warmctl.fleet` copies catalog entries, each after the content it
 
 from __future__ import annotations
 
+import logging
 import time
+
+import pydantic_core
 
 from warmctl.errors import HostError, IntegrityError
 from warmctl.manifest import ChunkRef, Manifest
 from warmctl.store import chunks as ck
-from warmctl.store.backend import ObjectNotFound
+from warmctl.store.backend import ObjectNotFound, load_limited
 from warmctl.store.chunkio import Progress, load_verified, ordered_map, thread_buffers
-from warmctl.store.layout import attachment_prefixes, manifest_key
+from warmctl.store.layout import MAX_SIGNATURE_BYTES, attachment_prefixes, manifest_key
 from warmctl.store.reports import CopyReport
 from warmctl.store.store import Store
+
+log = logging.getLogger(__name__)
 
 
 def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None = None, workers: int | None = None) -> CopyReport:
@@ -75,13 +80,23 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
         if not dst.has_manifest(digest):  # pragma: no cover - would mean to_bytes is not canonical
             dst.backend.save(manifest_key(digest), data)
     # Attachments of the manifest (signatures, see warmctl.trust) travel with it.
+    # Each must be what the store writes there (a small JSON object; issue 31: a "signature" that
+    # was a link to /etc/shadow travelled onward): anything else is left behind, with a warning.
     for prefix in attachment_prefixes(digest):
         for o in src.backend.list(prefix):
-            blob = src.backend.load(o.key)
             try:
-                if dst.backend.load(o.key) == blob:
-                    continue
+                blob = load_limited(src.backend, o.key, MAX_SIGNATURE_BYTES, "signature")
+                if not o.key.endswith(".json") or not isinstance(pydantic_core.from_json(blob), dict):
+                    raise ValueError("not a JSON object named *.json")
             except ObjectNotFound:
+                continue
+            except (IntegrityError, ValueError) as e:
+                log.warning("not copying %s with %s: %s", src.backend.location(o.key), what, str(e).splitlines()[0])
+                continue
+            try:
+                if load_limited(dst.backend, o.key, MAX_SIGNATURE_BYTES, "signature") == blob:
+                    continue
+            except (ObjectNotFound, IntegrityError):
                 pass
             dst.commit(o.key, blob, f"copy of {what}")
     rep.seconds = time.monotonic() - t0

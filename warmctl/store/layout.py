@@ -14,6 +14,18 @@ from __future__ import annotations
 
 from warmctl.store import chunks as ck
 
+#: The most bytes each kind of small object may have; a larger one is refused unread
+#: (:func:`warmctl.store.backend.load_limited`), so a hostile store cannot make a node allocate
+#: it. Typical sizes: a catalog entry 2-5 KiB (its host fingerprint), a signature 0.3 KiB, a
+#: profile record 2-20 KiB, a manifest ~110 bytes per 4 MiB chunk (a 1 TB snapshot: ~28 MB).
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_ENTRY_BYTES = 64 << 10
+MAX_SIGNATURE_BYTES = 16 << 10
+MAX_PROFILE_BYTES = 1 << 20
+MAX_LOCK_BYTES = 16 << 10
+MAX_CONFIG_BYTES = 16 << 10
+MAX_TAG_BYTES = 1 << 10
+
 def chunk_key(digest: str) -> str:
     """Object key of the chunk ``digest``: ``chunks/<algo>/<hex[:2]>/<hex>``."""
     algo, hx = ck.split_digest(digest)

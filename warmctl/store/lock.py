@@ -22,15 +22,21 @@ gc can therefore never run at the same time.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
 
-from warmctl.errors import WarmctlError
+import pydantic_core
+
+from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.proc import pid_alive
-from warmctl.store.backend import Backend, ObjectNotFound
+from warmctl.store.backend import Backend, ObjectNotFound, load_limited
+from warmctl.store.layout import MAX_LOCK_BYTES
+
+log = logging.getLogger(__name__)
 
 LOCK_PREFIX = "locks/"
 #: Seconds a lock lives without a refresh (``$WARMCTL_LOCK_STALE_S`` overrides it, for tests
@@ -39,6 +45,17 @@ DEFAULT_STALE_AFTER = float(os.environ.get("WARMCTL_LOCK_STALE_S") or 120.0)
 #: A holder counts its lock lost once this fraction of the lifetime passed without a
 #: successful refresh (a margin for the clock of the host that judges staleness).
 LOST_AFTER = 5 / 6
+
+
+#: A lock's recorded lifetime counts up to this many seconds (a lock claiming a longer one, or
+#: a time ahead of its object's mtime by more than :data:`CLOCK_SKEW`, was not written by a
+#: warmctl: issue 31, a forged lock that would hold every writer off).
+MAX_LIFETIME = 600.0
+CLOCK_SKEW = 60.0
+
+
+def _num(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
 
 
 class StoreLocked(WarmctlError):
@@ -128,7 +145,7 @@ class Lock:
 
 
 def describe(info: dict) -> str:
-    age = time.time() - float(info.get("time", 0))
+    age = time.time() - (_num(info.get("time")) or 0.0)
     return f"{info.get('kind')} lock by {info.get('purpose', '?')} (host {info.get('host')}, pid {info.get('pid')}, refreshed {age:.0f}s ago)"
 
 
@@ -142,15 +159,20 @@ def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tu
         if info.key == own_key:
             continue
         try:
-            d = json.loads(backend.load(info.key))
+            d = pydantic_core.from_json(load_limited(backend, info.key, MAX_LOCK_BYTES, "store lock"))
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
         except ObjectNotFound:
             continue
-        except ValueError:
+        except (ValueError, IntegrityError):
             d = {"kind": "exclusive", "time": info.mtime, "purpose": "unreadable lock"}
-        t = max(float(d.get("time", 0)), info.mtime)
+        # The time it records counts only up to the object's own mtime (the store's clock, for a
+        # lock rewritten at each refresh): a lock dated in the future is judged by its mtime.
+        t = _num(d.get("time"))
+        t = info.mtime if t is None or t > info.mtime + CLOCK_SKEW else max(t, info.mtime)
         dead = d.get("host") == host and isinstance(d.get("pid"), int) and not pid_alive(d["pid"])
-        life = d.get("stale_after")
-        life = float(life) if isinstance(life, (int, float)) and life > 0 else stale_after
+        life = _num(d.get("stale_after"))
+        life = min(life, MAX_LIFETIME) if life is not None and life > 0 else stale_after
         if dead or now - t > life:
             stale.append(info.key)
         else:
@@ -167,6 +189,7 @@ def acquire(backend: Backend, kind: str, purpose: str, stale_after: float = DEFA
     """
     deadline = time.monotonic() + wait
     delay = 0.05
+    announced = False
     while True:
         lock = Lock(backend, kind, purpose, stale_after)
         lock.write()
@@ -176,6 +199,10 @@ def acquire(backend: Backend, kind: str, purpose: str, stale_after: float = DEFA
             lock.start_refresh()
             return lock
         lock.release()
+        if kind != "exclusive" and not announced and time.monotonic() < deadline:
+            announced = True  # never a silent wait: one line naming the holder and the limit
+            log.warning("store %s: waiting up to %.0f s for the %s to finish", backend.location(), wait,
+                        describe(conflict[0]))
         if kind == "exclusive" or time.monotonic() > deadline:
             raise StoreLocked(
                 f"store {backend.location()} is in use: {describe(conflict[0])}; "

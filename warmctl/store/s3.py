@@ -297,7 +297,7 @@ class S3Backend(Backend):
             finally:
                 body.close()
         except Exception as e:  # noqa: BLE001 - translated
-            if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":
+            if ((getattr(e, "response", None) or {}).get("Error") or {}).get("Code") == "InvalidRange":
                 return memoryview(b"")  # an empty object has no byte 0
             raise self._err("load", key, e) from e
         status = r.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)

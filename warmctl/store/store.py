@@ -21,16 +21,18 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
+import pydantic_core
+
 from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import ChunkRef, Manifest, sha256_digest
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
 from warmctl.store import maintenance
-from warmctl.store.backend import Backend, ObjectNotFound
+from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
 from warmctl.store.chunkio import read_file as _read_file
-from warmctl.store.layout import attachment_prefixes, chunk_key, manifest_key
+from warmctl.store.layout import MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import DuReport, Fetched, GcReport, VerifyReport
 
 _open_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
@@ -110,11 +112,13 @@ class Store:
         if self._config_checked:
             return
         try:
-            cfg = json.loads(self.backend.load("config"))
+            cfg = pydantic_core.from_json(load_limited(self.backend, "config", MAX_CONFIG_BYTES, "store config"))
         except ObjectNotFound:
             cfg = None
         except ValueError:
             raise IntegrityError(f"store config {self.backend.location('config')} is not valid JSON") from None
+        if cfg is not None and not isinstance(cfg, dict):
+            raise IntegrityError(f"store config {self.backend.location('config')} is not a JSON object")
         if cfg is not None and cfg.get("format") != ck.STORE_FORMAT:
             raise WarmctlError(
                 f"store {self.location} has format {cfg.get('format')!r}; this warmctl reads format {ck.STORE_FORMAT}"
@@ -307,7 +311,7 @@ class Store:
         """Verified canonical bytes of manifest ``digest``. Raises IntegrityError."""
         key = manifest_key(digest)
         try:
-            data = self.backend.load(key)
+            data = load_limited(self.backend, key, MAX_MANIFEST_BYTES, "manifest")
         except ObjectNotFound:
             raise IntegrityError(f"manifest {digest} is missing: not found at {self.backend.location(key)}") from None
         if sha256_digest(data) != digest:
