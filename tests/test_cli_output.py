@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from test_store_fixtures import chunk_files, snapshot, write_payload
 
+from warmctl.trust import generate_keypair
 from warmctl.store import open_store
 
 WARMCTL = [sys.executable, "-m", "warmctl"]
@@ -40,8 +41,9 @@ def home(tmp_path) -> dict:
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'home = "{root / "home"}"\nkeys_dir = "{root / "keys"}"\n')
     f = write_payload(tmp_path / "p.img", [("random", 3 * CH), ("zero", CH), ("text", CH)])
+    kp = generate_keypair(root / "keys", "publisher")  # trusted by this home: pull names only signed entries
     with open_store(root / "home" / "store", chunk_size=CH) as s:
-        digest = snapshot(s, "tiny", {"p.img": f})
+        digest = snapshot(s, "tiny", {"p.img": f}, signer=kp.private)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_") and k not in ("NO_COLOR", "FORCE_COLOR")}
     env.update({"WARMCTL_CONFIG": str(cfg), "COLUMNS": "80", "TERM": "xterm-256color"})
     return {"env": env, "root": root, "store": root / "home" / "store", "remote": tmp_path / "remote", "digest": digest}

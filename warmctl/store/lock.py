@@ -170,7 +170,8 @@ def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tu
         # lock rewritten at each refresh): a lock dated in the future is judged by its mtime.
         t = _num(d.get("time"))
         t = info.mtime if t is None or t > info.mtime + CLOCK_SKEW else max(t, info.mtime)
-        dead = d.get("host") == host and isinstance(d.get("pid"), int) and not pid_alive(d["pid"])
+        future = t > now + CLOCK_SKEW  # even its object dated ahead: not a warmctl's lock
+        dead = future or d.get("host") == host and isinstance(d.get("pid"), int) and not pid_alive(d["pid"])
         life = _num(d.get("stale_after"))
         life = min(life, MAX_LIFETIME) if life is not None and life > 0 else stale_after
         if dead or now - t > life:
