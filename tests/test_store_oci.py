@@ -34,6 +34,7 @@ from warmctl.errors import HostError, IntegrityError
 from warmctl.store import BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_store
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
+from warmctl.trust import generate_keypair
 
 pytestmark = pytest.mark.oci
 
@@ -290,14 +291,17 @@ def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
     """The commands a fleet uses, through the real CLI, with WARMCTL_REMOTE_STORE=oci://..."""
     home_a, home_b = tmp_path / "A", tmp_path / "B"
     f = write_payload(tmp_path / "p.img", [("random", 12 * MiB), ("zero", 4 * MiB)], seed=11)
+    kp = generate_keypair(tmp_path / "A-keys", "node-a")  # B trusts A's key: pull names only signed entries
+    (home_b / "keys").mkdir(parents=True)
+    (home_b / "keys" / "node-a.pub").write_bytes(kp.public.read_bytes())
     with open_store(home_a / "store") as s:
-        d = snapshot(s, "tiny", {"p.img": f})
+        d = snapshot(s, "tiny", {"p.img": f}, signer=kp.private)
     r = _warmctl(home_a, oci, "push", "tiny")
     assert r.returncode == 0, r.stderr
     r = _warmctl(home_b, oci, "ls", "--remote", "--json")
     assert r.returncode == 0, r.stderr
     assert d in r.stdout and "tiny" in r.stdout
-    r = _warmctl(home_b, oci, "pull", "tiny", "--all")
+    r = _warmctl(home_b, oci, "pull", "tiny", "--all", env_extra={"WARMCTL_KEYS_DIR": str(home_b / "keys")})
     assert r.returncode == 0, r.stderr
     assert tag_of(open_store(home_b / "store"), "tiny") == d
     packs = [l["digest"] for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
