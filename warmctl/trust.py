@@ -252,6 +252,22 @@ def signatures(store: Any, digest: str) -> list[SignatureDoc | str]:
     return out
 
 
+def _verify_by(trusted: dict[str, tuple[Path, Ed25519PublicKey]], kid: str, algorithm: str, signature: str,
+               message: bytes, among: str) -> str | None:
+    """None when the ed25519 ``signature`` (base64) of ``message`` by key ``kid`` is one a key in
+    ``trusted`` makes; else the problem, in words (``among``: where trusted keys are)."""
+    if algorithm != "ed25519":
+        return f"signature by key {kid}: algorithm {algorithm!r} is not ed25519"
+    if kid not in trusted:
+        return f"signed by key {kid}, which is not trusted (not among {among})"
+    path, pub = trusted[kid]
+    try:
+        pub.verify(base64.b64decode(signature, validate=True), message)
+    except (InvalidSignature, ValueError):
+        return f"signature by trusted key {kid} ({path}) does not verify"
+    return None
+
+
 def check_signatures(store: Any, digest: str, keys_dir: str | Path) -> tuple[str, Path]:
     """The trust decision alone: ``(key_id, key_file)`` of a trusted key whose signature of
     ``digest`` verifies. Raises :class:`TrustError` listing what was found otherwise (no trusted
@@ -270,19 +286,11 @@ def check_signatures(store: Any, digest: str, keys_dir: str | Path) -> tuple[str
         if doc.manifest != digest:
             problems.append(f"signature by key {doc.key_id} is for {doc.manifest}, not {digest}")
             continue
-        if doc.algorithm != "ed25519":
-            problems.append(f"signature by key {doc.key_id}: algorithm {doc.algorithm!r} is not ed25519")
+        problem = _verify_by(trusted, doc.key_id, doc.algorithm, doc.signature, signed_message(digest), f"{keys_dir}/*.pub")
+        if problem:
+            problems.append(problem)
             continue
-        if doc.key_id not in trusted:
-            problems.append(f"signed by key {doc.key_id}, which is not trusted (not among {keys_dir}/*.pub)")
-            continue
-        path, pub = trusted[doc.key_id]
-        try:
-            pub.verify(base64.b64decode(doc.signature, validate=True), signed_message(digest))
-        except (InvalidSignature, ValueError):
-            problems.append(f"signature by trusted key {doc.key_id} ({path}) does not verify")
-            continue
-        return doc.key_id, path
+        return doc.key_id, trusted[doc.key_id][0]
     if not problems:
         raise TrustError(
             f"snapshot {digest} is unsigned: no signature at {store.backend.location(signature_prefix(digest))}"
@@ -424,16 +432,9 @@ def check_entry(entry: Any, sigs: EntrySignatures | None, trusted: dict[str, tup
     msg = entry_message(entry)
     problems = []
     for s in sigs.signatures:
-        if s.algorithm != "ed25519":
-            problems.append(f"algorithm {s.algorithm!r} by key {s.key_id}")
-            continue
-        if s.key_id not in trusted:
-            problems.append(f"signed by key {s.key_id}, which is not trusted")
-            continue
-        try:
-            trusted[s.key_id][1].verify(base64.b64decode(s.signature, validate=True), msg)
-        except (InvalidSignature, ValueError):
-            problems.append(f"the signature by trusted key {s.key_id} does not verify (the entry was changed)")
+        problem = _verify_by(trusted, s.key_id, s.algorithm, s.signature, msg, "the trusted keys")
+        if problem:
+            problems.append(problem + (" (the entry was changed)" if problem.endswith("does not verify") else ""))
             continue
         return s.key_id
     raise TrustError(f"catalog entry {where} is not trusted: " + "; ".join(problems))
