@@ -553,3 +553,24 @@ def test_s3_sizes_names_rollback_and_streamed_listing(tmp_path, s3_url):
     assert first.key.startswith("junk/") and sum(1 for _ in it) == 1_099
     with pytest.raises(SnapshotNotFound):
         Catalog(remote).resolve("ghost", f.fp(), b)
+
+
+# ----------------------------------------------------------------------------- older entries
+
+
+def test_an_entry_from_before_signed_entries_is_refused_until_its_publisher_pushes_it(tmp_path):
+    """Backward compatibility: an entry without a signature (written by an older warmctl) is
+    refused by nodes, naming what to do; the publisher's `push` with signing_key signs it."""
+    f = Fleet(tmp_path)
+    d, m = publish_snapshot(f.a, tmp_path, f.fp(), 1, created=T1)
+    Catalog(f.a).publish(d, m, signer=f.a_key.private)
+    f.a.backend.remove(entry_key(Catalog(f.a).entries("tiny")[0])[: -len(".json")] + ".sig")  # as an older one wrote it
+    a_env = isolated_env(tmp_path / "a", 18200, 18280)
+    assert warmctl("push", "tiny", "--to", f.remote_url, env=a_env, check=False).returncode == 0
+    r = f.b_run("pull", "tiny")
+    assert r.returncode == 8 and "is unsigned" in r.stderr and "signing_key" in r.stderr, r.stderr
+    a_env["WARMCTL_SIGNING_KEY"] = str(f.a_key.private)
+    assert warmctl("push", "tiny", "--to", f.remote_url, env=a_env, check=False).returncode == 0
+    r = f.b_run("pull", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert [e.manifest for e in Catalog(f.b()).entries("tiny")] == [d]

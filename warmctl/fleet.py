@@ -25,7 +25,7 @@ from warmctl.errors import SnapshotNotFound, WarmctlError
 from warmctl.host import HostFingerprint
 from warmctl.manifest import Manifest
 from warmctl.store import CopyReport, Store, copy_manifest, open_store
-from warmctl.trust import check_entry, load_trusted_keys, verify_manifest
+from warmctl.trust import EntrySignatures, check_entry, load_trusted_keys, sign_entry, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,12 @@ class Copied:
 
 
 def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress | None = None, *,
-               keys_dir: str | Path | None = None) -> Copied:
+               keys_dir: str | Path | None = None, signer: str | Path | None = None) -> Copied:
     """Copy ``entry`` and everything it names from ``src`` to ``dst`` (see the module doc): the
     chunks, the manifest and its signatures, then the entry's own signatures and the entry, and
-    the profile record from the (digest-checked) manifest.
+    the profile record from the (digest-checked) manifest. ``signer`` (``push`` on a publisher
+    with ``signing_key``): an entry that has no signatures (written by a warmctl before entries
+    were signed) is signed with it on the way, so nodes accept it.
 
     ``keys_dir``: trusted keys; given, nothing is named in ``dst`` unless a trusted key signed
     the entry (checked before anything is copied) and the manifest as it now lies in ``dst``
@@ -62,6 +64,8 @@ def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress |
 
     src_cat = Catalog(src)
     sigs = src_cat.entry_signatures(entry)  # read once: what is checked is what is written
+    if sigs is None and signer is not None:
+        sigs = EntrySignatures(signatures=[sign_entry(entry, signer)])
     if keys_dir is not None:
         check_entry(entry, sigs, load_trusted_keys(keys_dir), src.backend.location(entry_key(entry)))
     report = copy_manifest(src, dst, entry.manifest, progress=advance)

@@ -72,12 +72,13 @@ def _remote(url: Optional[str], flag: str):
 
 
 def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: bool = False,
-          verify: bool = False, allow_rollback: bool = False) -> None:
+          verify: bool = False, allow_rollback: bool = False, sign: bool = False) -> None:
     """Copy the catalog entries of ``ref`` with their data (:mod:`warmctl.fleet`), one progress
     bar, one summary line per entry (``json_out``: a JSON list on stdout instead, one object
     per entry, docs/cli-json.md). ``verify`` (``pull``): only entries this node may act on, each
     checked against the trusted keys before anything is named (:func:`warmctl.fleet.copy_entry`),
-    refusing a rollback unless ``allow_rollback``."""
+    refusing a rollback unless ``allow_rollback``. ``sign`` (``push``): entries without
+    signatures are signed with the ``signing_key`` setting, when one is set."""
     from warmctl.catalog import Accepted, Ref
     from warmctl.config import load_settings
     from warmctl.fleet import copy_entry, entries_to_copy
@@ -98,7 +99,8 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: 
         for line in notes:
             _console().print(line, markup=False, highlight=False)
         with byte_progress(f"{verb} {r}", sum(e.size for e in entries)) as advance:
-            done = [copy_entry(src, dst, e, progress=advance, keys_dir=keys) for e in entries]
+            signer = settings.signing_key if sign else None
+            done = [copy_entry(src, dst, e, progress=advance, keys_dir=keys, signer=signer) for e in entries]
     finally:  # locks released now, also on failure (not at interpreter exit)
         src.close()
         dst.close()
@@ -153,10 +155,13 @@ def register(app: typer.Typer) -> None:
         catalog entry and the profile record, last. Every node that reads the remote's catalog
         then sees it (a tag already there for the same kind of host moves to it).
 
+        An entry written by a warmctl that did not sign entries yet is signed on the way with the
+        signing_key setting, when one is set (nodes act only on signed entries).
+
         Safe to interrupt and rerun: only what is missing is sent. Example:
         `warmctl push tiny:latest --to s3://my-bucket/warmctl`
         """
-        _copy(_local(store), _remote(to, "--to"), ref, "push", json_out=json_out)
+        _copy(_local(store), _remote(to, "--to"), ref, "push", json_out=json_out, sign=True)
 
     @app.command()
     def pull(
