@@ -53,11 +53,12 @@ ENV_VARS = {
     "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
     "cold_start": "WARMCTL_COLD_START",
     "restore_pages": "WARMCTL_RESTORE_PAGES",
+    "seal_key": "WARMCTL_SEAL_KEY",
 }
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
 PATH_FIELDS = ("home", "store", "keys_dir", "signing_key", "agent_token_file", "gate_api_key_file",
-               "gate_tls_cert", "gate_tls_key")
+               "gate_tls_cert", "gate_tls_key", "seal_key")
 
 
 class ConfigError(WarmctlError):
@@ -122,6 +123,11 @@ class Settings(BaseModel):
       command`` shows it; the manifest records it by name). A credential passed through
       reaches the engine's memory, and ``snapshot`` then refuses to publish (docs/operations.md,
       "Credentials and snapshots").
+    - ``seal_key``: the fleet key file (32 bytes of base64, mode 0600) with which this host
+      reads and writes sealed stores (those holding ``sealed.json``, made by ``warmctl seal
+      URL``): every object encrypted and authenticated (AES-256-GCM) before it leaves
+      the host (docs/store-format.md, "Sealed stores"). Unset: a sealed store is refused,
+      naming its key ids.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -151,6 +157,7 @@ class Settings(BaseModel):
     cold_start: Literal["fallback", "never"] = "fallback"
     restore_pages: Literal["auto", "lazy", "eager"] = "eager"
     engine_env_passthrough: list[str] = []
+    seal_key: Path | None = None
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 

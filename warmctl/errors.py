@@ -54,6 +54,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "LockLost": (35, "warmctl.store.lock"),
     "LazyPagesError": (36, "warmctl.checkpoint.criu"),
     "SecretInSnapshot": (37, "warmctl.credentials"),
+    "SealKeyError": (38, "warmctl.store.sealed"),
 }
 #: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
 #: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import dataclasses
@@ -141,7 +142,7 @@ def _digests(s, refs: Optional[list[str]]) -> Optional[list[str]]:
 
 
 def register(app: typer.Typer) -> None:
-    """Add push, pull, verify, gc and du to ``app``."""
+    """Add push, pull, verify, gc, seal and du to ``app``."""
 
     @app.command()
     def push(
@@ -251,6 +252,35 @@ def register(app: typer.Typer) -> None:
         if gone:
             _out().print(f"{verb} {len(gone)} kept restore image(s) ({_human(sum(e.bytes for e in gone))}) "
                          f"from {cache.root}", highlight=False)
+
+    @app.command()
+    def seal(
+        url: str = typer.Argument(..., metavar="STORE", help="Store to seal: a directory or s3://bucket/prefix."),
+        key: Optional[Path] = typer.Option(None, "--key", help="Fleet key file (default: the configured seal_key)."),
+        old_key: Optional[Path] = typer.Option(None, "--old-key", help="Rotate: the fleet key the store is sealed for now; its data key is re-wrapped for --key."),
+        keep_old: bool = typer.Option(False, "--keep-old", help="With --old-key: the old key keeps opening the store too."),
+        json_out: bool = JsonOpt,
+    ) -> None:
+        """Seal a new, empty store for a fleet key, or rotate its fleet key: from then on every
+        object but its config, lock files and sealed.json is encrypted and authenticated
+        (AES-256-GCM) before it leaves a host, and only hosts whose seal_key is one the store
+        is sealed for can read or write it. Rotating re-wraps the store's data key: no object
+        is rewritten. A key file: `head -c 32 /dev/urandom | base64 > fleet.key; chmod 600
+        fleet.key`. See docs/store-format.md, "Sealed stores"."""
+        from warmctl.config import load_settings
+        from warmctl.store import open_backend
+        from warmctl.store.sealed import SealKeyError, key_id, load_key, seal_store
+
+        path = key or load_settings().seal_key
+        if path is None:
+            raise SealKeyError("no fleet key: give --key FILE or set seal_key in the config")
+        new = load_key(path)
+        doc = seal_store(open_backend(url, unseal=False), new, load_key(old_key) if old_key else None, drop_old=not keep_old)
+        if json_out:
+            emit_json({"store": url, "data_key": doc["data_key"]["id"], "fleet_keys": sorted(doc["data_key"]["wrapped"])})
+            return
+        _out().print(f"store {url}: sealed, data key {doc['data_key']['id']}, opened by fleet key(s) "
+                     f"{', '.join(sorted(doc['data_key']['wrapped']))} (this one: {key_id(new)})", highlight=False)
 
     @app.command()
     def du(

@@ -39,6 +39,7 @@ from warmctl.store.local import LocalBackend
 from warmctl.store.lock import LockLost, StoreLocked
 from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
 from warmctl.store.s3 import S3Backend
+from warmctl.store.sealed import SEALED, SealedBackend, SealKeyError, load_key, read_seal
 from warmctl.store.store import Store
 
 __all__ = [
@@ -62,6 +63,8 @@ __all__ = [
     "ObjectNotFound",
     "RetryingBackend",
     "S3Backend",
+    "SealedBackend",
+    "SealKeyError",
     "STORE_FORMAT",
     "Store",
     "LockLost",
@@ -77,14 +80,35 @@ __all__ = [
 ]
 
 
-def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None) -> Backend:
+def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None, unseal: bool = True) -> Backend:
     """The backend for ``url``: a directory path or ``file:///path`` (local), or
     ``s3://bucket[/prefix]`` (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``,
     credentials from boto3's usual chain), or ``oci://HOST[:PORT]/REPOSITORY`` (an OCI registry,
     :mod:`warmctl.store.oci`; credentials from the Docker config). Remote backends are wrapped in
     :class:`RetryingBackend` when ``retry``, retrying an outage for ``outage_window`` seconds
-    (default: the ``s3_outage_s`` setting, 60 s unless configured). Raises ValueError for
-    another scheme, :class:`warmctl.config.ConfigError` for a bad ``s3_outage_s``."""
+    (default: the ``s3_outage_s`` setting, 60 s unless configured); a sealed store (one
+    holding ``sealed.json``, :mod:`warmctl.store.sealed`) in :class:`SealedBackend` with the
+    configured ``seal_key`` (``unseal=False``: the raw backend, objects as stored). Raises
+    ValueError for another scheme, :class:`warmctl.config.ConfigError` for a bad
+    ``s3_outage_s``, :class:`SealKeyError` for an unusable key file."""
+    b = _open_plain(url, retry, outage_window)
+    if unseal and b.exists(SEALED):  # a sealed store: objects encrypted with this host's fleet key
+        return _sealed(b)
+    return b
+
+
+def _sealed(b: Backend) -> Backend:
+    """``b`` (a sealed store's backend) wrapped in :class:`SealedBackend` with the configured
+    ``seal_key`` (none: every sealed object raises :class:`SealKeyError` naming the key ids)."""
+    from warmctl.config import load_settings
+
+    path = load_settings().seal_key
+    doc = read_seal(b)
+    assert doc is not None
+    return SealedBackend(b, load_key(path) if path else None, doc, path)
+
+
+def _open_plain(url: str | Path, retry: bool, outage_window: float | None) -> Backend:
     s = str(url)
     u = urlparse(s)
     if u.scheme == "oci":

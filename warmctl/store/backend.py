@@ -211,7 +211,58 @@ class _Peeked:
         yield from self._it
 
 
-class RetryingBackend(Backend):
+class ForwardingBackend(Backend):
+    """A wrapper that passes every call to ``inner`` unchanged; wrappers (retry, sealing)
+    subclass it and override what they change."""
+
+    def __init__(self, inner: Backend):
+        self.inner = inner
+
+    @property
+    def properties(self) -> BackendProperties:  # type: ignore[override]
+        return self.inner.properties
+
+    def location(self, key: str = "") -> str:
+        return self.inner.location(key)
+
+    def save(self, key: str, data: bytes | memoryview) -> None:
+        self.inner.save(key, data)
+
+    def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.load(key, offset, length)
+
+    def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
+        return self.inner.load_into(key, buf, limit)
+
+    def prefetch(self, key: str) -> None:
+        self.inner.prefetch(key)
+
+    def endpoint(self) -> str:
+        return self.inner.endpoint()
+
+    def stat(self, key: str) -> ObjectInfo:
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def remove(self, key: str) -> None:
+        self.inner.remove(key)
+
+    def list_tmp(self) -> Iterator[ObjectInfo]:
+        return self.inner.list_tmp()
+
+    def keep(self, key: str, data: bytes | memoryview) -> None:
+        self.inner.keep(key, data)
+
+    def forget(self, key: str) -> bool:
+        return self.inner.forget(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class RetryingBackend(ForwardingBackend):
     """Wraps a backend: retries :class:`TransientBackendError` with jittered exponential
     backoff for up to ``window`` seconds of outage, then raises :class:`BackendUnavailable`.
 
@@ -247,7 +298,7 @@ class RetryingBackend(Backend):
             raise ValueError("attempts must be >= 1")
         if window < 0:
             raise ValueError("window must be >= 0 seconds")
-        self.inner = inner
+        super().__init__(inner)
         self.window = window
         self.attempts = attempts
         self.base_delay = base_delay
@@ -321,13 +372,6 @@ class RetryingBackend(Backend):
             self._answered()
             return result
 
-    @property
-    def properties(self) -> BackendProperties:  # type: ignore[override]
-        return self.inner.properties
-
-    def location(self, key: str = "") -> str:
-        return self.inner.location(key)
-
     def save(self, key: str, data: bytes | memoryview) -> None:
         self._call("save", key, lambda: self.inner.save(key, data))
 
@@ -336,12 +380,6 @@ class RetryingBackend(Backend):
 
     def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
         return self._call("load", key, lambda: self.inner.load_into(key, buf, limit))  # type: ignore[return-value]
-
-    def prefetch(self, key: str) -> None:
-        self.inner.prefetch(key)
-
-    def endpoint(self) -> str:
-        return self.inner.endpoint()
 
     def stat(self, key: str) -> ObjectInfo:
         return self._call("stat", key, lambda: self.inner.stat(key))  # type: ignore[return-value]
@@ -371,15 +409,3 @@ class RetryingBackend(Backend):
 
     def remove(self, key: str) -> None:
         self._call("remove", key, lambda: self.inner.remove(key))
-
-    def list_tmp(self) -> Iterator[ObjectInfo]:
-        return self.inner.list_tmp()
-
-    def keep(self, key: str, data: bytes | memoryview) -> None:
-        self.inner.keep(key, data)
-
-    def forget(self, key: str) -> bool:
-        return self.inner.forget(key)
-
-    def close(self) -> None:
-        self.inner.close()
