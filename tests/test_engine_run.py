@@ -18,7 +18,7 @@ from warmctl.engine.run import EngineRun
 from warmctl.errors import CheckpointError
 from warmctl.manifest import CanaryRecord, Manifest, RestoreInfo
 from warmctl.profile import load_profile
-from warmctl.proc import CTIME_TOLERANCE_S, ProcessId, kill_child, kill_tree, pid_alive, signal_process, tree_pids
+from warmctl.proc import CLK_TCK, ProcessId, kill_child, kill_tree, pid_alive, signal_process, tree_pids
 from warmctl.progress import Reporter
 from warmctl.state import EngineState
 
@@ -47,8 +47,10 @@ def test_process_identity_survives_only_as_the_same_process():
     try:
         me = ProcessId.of(p.pid)
         assert me is not None and me.alive()
-        imposter = ProcessId(p.pid, me.ctime + 100)  # the same PID, reused by another process
-        assert not imposter.alive()
+        imposter = ProcessId(p.pid, me.ctime + 1, start=me.start + 100)  # the same PID, reused by another process
+        assert not imposter.alive() and "another process now" in imposter.mismatch()
+        legacy = ProcessId(p.pid, me.ctime + 100)  # a record from before start ticks: psutil's ctime decides
+        assert not legacy.alive()
         assert kill_tree(imposter) is False and pid_alive(p.pid)  # never signalled
         other_exe = ProcessId(p.pid, me.ctime, "/usr/bin/not-" + Path(me.exe).name)  # same PID and time, exec'd since
         assert not other_exe.alive() and "runs" in other_exe.mismatch()
@@ -135,7 +137,7 @@ def test_teardown_strays_kills_only_recorded_identities(tmp_path):
 
         again = EngineRun(run_dir, "cold", 1)  # a recovery that only finds the directory
         stale = ProcessId.of(shell.pid)
-        (again.dir / "engine.pid").write_text(json.dumps({**stale.as_record(), "ctime": stale.ctime - 1000}))
+        (again.dir / "engine.pid").write_text(json.dumps({**stale.as_record(), "start": stale.start - 1000}))
         rep = again.teardown(strays=True)
         assert rep.killed == [] and shell.poll() is None
         assert any("another process now" in r for r in rep.refused), rep.refused
@@ -148,7 +150,7 @@ def test_teardown_strays_kills_only_recorded_identities(tmp_path):
 def test_teardown_strays_restore_pidfile_only_within_the_recorded_restore(tmp_path):
     run_dir = tmp_path / "run"
     older = _tree()  # created before the restore was recorded: not ours
-    time.sleep(CTIME_TOLERANCE_S + 0.2)
+    time.sleep(3 / CLK_TCK)  # a few clock ticks: start times count in ticks
     run = EngineRun(run_dir, "r", 1).prepare()
     run.record(EngineState(name="r", phase="restoring", source="restore", internal_port=1, public_host="127.0.0.1",
                            public_port=2, served_model_name="r", log_path=str(run.log_path)))

@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from warmctl.errors import HostError
-from warmctl.proc import ProcessId, create_time, kill_child, kill_tree, signal_process
+from warmctl.proc import ProcessId, kill_child, kill_tree, signal_process, start_ticks
 
 BUF = 256 * 1024
 #: Longest request head (request line + headers) accepted, bytes; longer gets 431.
@@ -753,9 +753,9 @@ class LazyWatch:
     @classmethod
     def from_json(cls, text: str) -> "LazyWatch":
         d = json.loads(text)
-        ids = [ProcessId.recorded(x["pid"], x["ctime"], x.get("exe"), x.get("cmdline")) for x in (d["daemon"], d["engine"])]
+        ids = [ProcessId.from_record(x) for x in (d["daemon"], d["engine"])]
         if None in ids:
-            raise ValueError("a process record without pid/ctime")
+            raise ValueError("a process record without pid and start/ctime")
         return cls(ids[0], Path(d["log"]), ids[1], Path(d["failed"]))  # type: ignore[arg-type]
 
     def attach(self) -> tuple[int | None, str | None]:
@@ -820,13 +820,13 @@ async def _serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, re
         loop.add_signal_handler(sig, on_term)
     loop.add_signal_handler(signal.SIGHUP, gate.reload, "SIGHUP")
 
-    engine_started = create_time(engine_pid) if engine_pid else None
+    engine_started = start_ticks(engine_pid) if engine_pid else None
 
     async def watch() -> None:
-        # engine gone, or its PID reused by another process (creation time differs): close;
+        # engine gone, or its PID reused by another process (start ticks differ): close;
         # key/certificate files changed: reload
         while not stop.is_set():
-            if engine_pid and create_time(engine_pid) != engine_started:
+            if engine_pid and start_ticks(engine_pid) != engine_started:
                 print(f"engine pid {engine_pid} is gone; closing the gate", flush=True)
                 now.set()
                 stop.set()

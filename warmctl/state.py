@@ -8,7 +8,6 @@ atomic (temp file + rename).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +15,7 @@ from pydantic import BaseModel
 
 from warmctl.errors import HostError
 from warmctl.private import private_dir, write_private
-from warmctl.proc import ProcessId
+from warmctl.proc import ProcessId, Stamp
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,17 @@ class EngineState(BaseModel):
     profile_digest: str | None = None
     root_pid: int | None = None
     gate_pid: int | None = None
-    #: Creation times (psutil, Unix seconds) of those PIDs: PIDs are reused quickly (pid_max can
-    #: be 32768 and an engine uses ~70 of them), so a PID alone never identifies our process.
+    #: Creation times (Unix seconds, for reports) of those PIDs: PIDs are reused quickly (pid_max
+    #: can be 32768 and an engine uses ~70 of them), so a PID alone never identifies our process.
     root_ctime: float | None = None
     gate_ctime: float | None = None
+    #: Their start times in clock ticks since boot (``/proc/PID/stat`` ``starttime``): the
+    #: identity (:class:`warmctl.proc.ProcessId`; None in records written before they were kept,
+    #: which are judged by ``*_ctime``).
+    root_start: int | None = None
+    gate_start: int | None = None
+    #: The boot (``/proc/sys/kernel/random/boot_id``) the start ticks and ``started_boot`` count in.
+    boot_id: str | None = None
     #: Executables (``/proc/PID/exe``) and command lines of those processes when recorded: a
     #: signal goes only to a PID that still runs the recorded executable
     #: (:class:`warmctl.proc.ProcessId`; None in records written before they were kept).
@@ -58,47 +64,67 @@ class EngineState(BaseModel):
     #: file to its original name during restore, and that name must go at ``down`` too.
     shm_inodes: list[tuple[int, int]] = []
     log_path: str
+    #: When the run began: Unix seconds (reports; ``/dev/shm`` file times) and seconds since boot
+    #: (``CLOCK_BOOTTIME``; None in older records): processes "started after the record" are
+    #: judged against ``started_boot`` (:func:`warmctl.proc.created_during`).
     started_at: float = 0.0
+    started_boot: float | None = None
     timings: dict[str, float] = {}
     #: How the restore copied the engine's memory: ``lazy`` (a ``criu lazy-pages`` daemon copies
     #: pages on demand and in the background, see :func:`warmctl.checkpoint.criu.lazy_restore`),
     #: ``eager``, or None (a cold start, or a record written before this was kept).
     restore_pages: str | None = None
-    #: The lazy-pages daemon as recorded (PID, creation time, executable, argv); None without one.
+    #: The lazy-pages daemon as recorded (PID, start time, executable, argv); None without one.
     lazy_pid: int | None = None
     lazy_ctime: float | None = None
+    lazy_start: int | None = None
     lazy_exe: str | None = None
     lazy_cmdline: list[str] = []
 
     def set_root(self, ident: ProcessId | None) -> None:
-        """Record the engine tree's root process (PID, creation time, executable, argv)."""
-        self.root_pid, self.root_ctime, self.root_exe, self.root_cmdline = _fields(ident)
+        """Record the engine tree's root process (PID, start time, executable, argv)."""
+        self.root_pid, self.root_ctime, self.root_exe, self.root_cmdline, self.root_start = _fields(ident)
+        self._keep_boot(ident)
 
     def set_gate(self, ident: ProcessId | None) -> None:
-        """Record the gate process (PID, creation time, executable, argv)."""
-        self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline = _fields(ident)
+        """Record the gate process (PID, start time, executable, argv)."""
+        self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline, self.gate_start = _fields(ident)
+        self._keep_boot(ident)
 
     @property
     def root(self) -> ProcessId | None:
         """The engine tree's root process as recorded (None before it started)."""
-        return ProcessId.recorded(self.root_pid, self.root_ctime, self.root_exe, self.root_cmdline)
+        return ProcessId.recorded(self.root_pid, self.root_ctime, self.root_exe, self.root_cmdline,
+                                  self.root_start, self.boot_id)
 
     @property
     def gate(self) -> ProcessId | None:
         """The gate process as recorded (None before it opened)."""
-        return ProcessId.recorded(self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline)
+        return ProcessId.recorded(self.gate_pid, self.gate_ctime, self.gate_exe, self.gate_cmdline,
+                                  self.gate_start, self.boot_id)
 
     def set_lazy(self, ident: ProcessId | None) -> None:
-        """Record the lazy-pages daemon (PID, creation time, executable, argv)."""
-        self.lazy_pid, self.lazy_ctime, self.lazy_exe, self.lazy_cmdline = _fields(ident)
+        """Record the lazy-pages daemon (PID, start time, executable, argv)."""
+        self.lazy_pid, self.lazy_ctime, self.lazy_exe, self.lazy_cmdline, self.lazy_start = _fields(ident)
+        self._keep_boot(ident)
 
     @property
     def lazy(self) -> ProcessId | None:
         """The lazy-pages daemon as recorded (None for an eager restore or a cold start)."""
-        return ProcessId.recorded(self.lazy_pid, self.lazy_ctime, self.lazy_exe, self.lazy_cmdline)
+        return ProcessId.recorded(self.lazy_pid, self.lazy_ctime, self.lazy_exe, self.lazy_cmdline,
+                                  self.lazy_start, self.boot_id)
+
+    def _keep_boot(self, ident: ProcessId | None) -> None:
+        if ident is not None and ident.boot is not None:
+            self.boot_id = ident.boot
+
+    @property
+    def since(self) -> Stamp:
+        """When the run began, in both clocks (:class:`warmctl.proc.Stamp`)."""
+        return Stamp(self.started_at, self.started_boot, self.boot_id if self.started_boot is not None else None)
 
     def engine_alive(self) -> bool:
-        """True if the recorded root PID still is *our* process (same creation time) and alive."""
+        """True if the recorded root PID still is *our* process (same start time) and alive."""
         return self.root is not None and self.root.alive()
 
     def gate_alive(self) -> bool:
@@ -106,10 +132,10 @@ class EngineState(BaseModel):
         return self.gate is not None and self.gate.alive()
 
 
-def _fields(ident: ProcessId | None) -> tuple[int | None, float | None, str | None, list[str]]:
+def _fields(ident: ProcessId | None) -> tuple[int | None, float | None, str | None, list[str], int | None]:
     if ident is None:
-        return None, None, None, []
-    return ident.pid, ident.ctime, ident.exe, list(ident.cmdline)
+        return None, None, None, [], None
+    return ident.pid, ident.ctime, ident.exe, list(ident.cmdline), ident.start
 
 
 def state_path(run_dir: Path, name: str) -> Path:
@@ -143,7 +169,8 @@ def save(run_dir: Path, st: EngineState) -> None:
     private_dir(run_dir)
     private_dir(p.parent)
     if not st.started_at:
-        st.started_at = time.time()
+        now = Stamp.now()
+        st.started_at, st.started_boot, st.boot_id = now.wall, now.boot, st.boot_id or now.boot_id
     write_private(p, st.model_dump_json(indent=2))
 
 

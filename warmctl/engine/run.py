@@ -10,7 +10,7 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/images/       CRIU image directory (dump target; materialized before a restore)
     <run>/weights/      rank weight files kept outside the image (``checkpoint.weights_outside_image``)
     <run>/shm/          copies of CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` at dump
-    <run>/engine.pid    the root's identity (JSON: pid, ctime, exe, cmdline), written the moment
+    <run>/engine.pid    the root's identity (JSON: pid, start, boot, ctime, exe, cmdline), written the moment
                         the root is known (:meth:`EngineRun.set_root`), removed by the teardown
     <run>/restore.pid   the bare root PID ``criu restore --pidfile`` writes; removed once
                         ``engine.pid`` holds the root's identity (:meth:`EngineRun.adopt_restored`)
@@ -21,7 +21,7 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/gate.log      the gate's output
     <run>/state.json    the persisted record (:mod:`warmctl.state`), while the run is recorded
 
-Processes are held as :class:`warmctl.proc.ProcessId` (PID, creation time, executable), so a
+Processes are held as :class:`warmctl.proc.ProcessId` (PID, start time, executable), so a
 teardown never signals a process that merely reuses a recorded PID.
 """
 
@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmctl.checkpoint import capture
 from warmctl.private import private_dir, trusted, untrusted, write_private
-from warmctl.proc import CTIME_TOLERANCE_S, ProcessId, kill_tree
+from warmctl.proc import ProcessId, Stamp, created_during, kill_tree
 from warmctl.state import EngineState
 from warmctl.state import load as load_state
 from warmctl.state import remove as remove_state
@@ -74,7 +73,7 @@ class EngineRun:
     """
 
     def __init__(self, run_dir: Path, name: str, internal_port: int, *, log_path: Path | str | None = None,
-                 cwd: Path | str | None = None, started_at: float | None = None):
+                 cwd: Path | str | None = None, since: Stamp | None = None):
         self.run_dir = Path(run_dir)
         self.name = name
         self.dir = self.run_dir / name
@@ -97,7 +96,9 @@ class EngineRun:
         self.gate: ProcessId | None = None
         self.shm_files: list[str] = []
         self.shm_inodes: list[tuple[int, int]] = []
-        self.started_at = started_at if started_at is not None else time.time()
+        #: when the run began (wall and boot clock): the reference for "started after the record"
+        self.since = since or Stamp.now()
+        self.started_at = self.since.wall
         self.state: EngineState | None = None
         #: the engine's environment by name (variable -> source), set by a cold start
         #: (:func:`warmctl.engine.cold.start`) for the manifest; never values
@@ -109,7 +110,7 @@ class EngineRun:
     def of_state(cls, run_dir: Path, st: EngineState) -> "EngineRun":
         """The run a persisted record describes (identities, ``/dev/shm`` files, paths)."""
         run = cls(run_dir, st.name, st.internal_port, log_path=st.log_path or None,
-                  started_at=st.started_at or None)
+                  since=st.since if st.started_at else None)
         run.root, run.gate, run.lazy = st.root, st.gate, st.lazy
         run.shm_files, run.shm_inodes = list(st.shm_files), [tuple(x) for x in st.shm_inodes]
         run.state = st
@@ -145,10 +146,10 @@ class EngineRun:
         return self.root.pid
 
     def set_root(self, pid: int) -> None:
-        """Record ``pid`` (now alive) as the tree's root with its identity (creation time,
+        """Record ``pid`` (now alive) as the tree's root with its identity (start time,
         executable, argv): at once in ``<run>/engine.pid`` (0600), and in the record when
-        the run is recorded. A PID already gone is recorded with creation time 0 (matches
-        nothing, so it is never signalled)."""
+        the run is recorded. A PID already gone is recorded with no start and creation time 0
+        (matches nothing, so it is never signalled)."""
         self.root = ProcessId.of(pid) or ProcessId(pid, 0.0)
         private_dir(self.dir)
         write_private(self.pidfile, json.dumps(self.root.as_record()))
@@ -197,7 +198,8 @@ class EngineRun:
         st.set_gate(self.gate)
         st.set_lazy(self.lazy)
         st.shm_files, st.shm_inodes = list(self.shm_files), [tuple(x) for x in self.shm_inodes]
-        st.started_at = self.started_at
+        st.started_at, st.started_boot = self.since.wall, self.since.boot
+        st.boot_id = self.since.boot_id or st.boot_id
         save_state(self.run_dir, st)
 
     # --- teardown -------------------------------------------------------------------------
@@ -276,14 +278,14 @@ class EngineRun:
 
     @staticmethod
     def _recorded(f: Path, refused: list[str]) -> ProcessId | None:
-        """The identity in a pid file this user wrote (JSON: pid, ctime, exe, cmdline), or None."""
+        """The identity in a pid file this user wrote (JSON: :meth:`ProcessId.as_record`), or None."""
         if not trusted(f):
             if f.exists() or f.is_symlink():
                 refused.append(f"{f}: {untrusted(f)}")
             return None
         try:
             d = json.loads(f.read_text())
-            return ProcessId.recorded(d.get("pid"), d.get("ctime"), d.get("exe"), d.get("cmdline"))
+            return ProcessId.from_record(d)
         except (OSError, ValueError, AttributeError, TypeError):
             refused.append(f"{f}: unreadable")
             return None
@@ -296,9 +298,9 @@ class EngineRun:
           state was not recorded yet); killed only while it is still that process.
         - ``restore.pid`` (bare PID from CRIU: the restore finished, the identity was never
           written): only with a record of this restore (``state.json`` written before CRIU
-          ran, :attr:`started_at`), and only a process created after the record and no later
-          than CRIU wrote the file (its mtime), each within
-          :data:`warmctl.proc.CTIME_TOLERANCE_S`. A stale file naming a reused PID fails this.
+          ran, :attr:`since`), and only a process started after the record and no later than
+          CRIU wrote the file (its mtime): :func:`warmctl.proc.created_during`, in clock ticks
+          since boot. A stale file naming a reused PID fails this.
 
         Both files must be records this process's user wrote (:func:`warmctl.private.trusted`).
         """
@@ -306,7 +308,7 @@ class EngineRun:
         if trusted(self.pidfile):
             try:
                 d = json.loads(self.pidfile.read_text())
-                ident = ProcessId.recorded(d.get("pid"), d.get("ctime"), d.get("exe"), d.get("cmdline"))
+                ident = ProcessId.from_record(d)
             except (OSError, ValueError, AttributeError, TypeError):
                 ident = None
                 refused.append(f"{self.pidfile}: unreadable")
@@ -335,15 +337,12 @@ class EngineRun:
         if why is not None:
             refused.append(f"{f}: {why}")
             return []
-        ident = ProcessId.of(pid)
-        if ident is None or pid in done:
+        if pid in done:
             return []
-        lo, hi = self.state.started_at - CTIME_TOLERANCE_S, mtime + CTIME_TOLERANCE_S  # type: ignore[union-attr]
-        if not lo <= ident.ctime <= hi:
-            refused.append(f"{f}: pid {pid} was created at {ident.ctime:.2f}, not during the restore "
-                           f"recorded at {lo + CTIME_TOLERANCE_S:.2f}..{mtime:.2f}")
-            return []
-        return [pid] if kill_tree(ident) else []
+        ident, why = created_during(pid, self.state.since, mtime)  # type: ignore[union-attr]
+        if why is not None:
+            refused.append(f"{f}: {why}")
+        return [pid] if ident is not None and kill_tree(ident) else []
 
 
 def in_shm(p: Path) -> bool:
