@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,24 +64,66 @@ def wait_until(cond, timeout_s: float = 20.0) -> bool:
     return cond()
 
 
+#: The temp directory, where vLLM binds its ZMQ IPC sockets (``<uuid>``) unless
+#: ``VLLM_RPC_BASE_PATH`` says otherwise (warmctl gives each engine its own, issue 24 item 5).
+TMP = Path(tempfile.gettempdir())
+
+
+def _tmp_sockets() -> set[str]:
+    """Unix socket files directly in the temp directory, as ``tmp:NAME``."""
+    out = set()
+    try:
+        for e in os.scandir(TMP):
+            try:
+                if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
+                    out.add(f"tmp:{e.name}")
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def _bound_socket_paths() -> set[str]:
+    """Paths of the Unix sockets bound in this network namespace (``/proc/net/unix``)."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {parts[7] for parts in map(str.split, lines) if len(parts) >= 8}
+
+
 def shm_names() -> set[str]:
-    """Names in ``/dev/shm`` now."""
-    return set(os.listdir("/dev/shm"))
+    """Names in ``/dev/shm`` now, and the Unix sockets in the temp directory (``tmp:NAME``)."""
+    return set(os.listdir("/dev/shm")) | _tmp_sockets()
+
+
+def _left(before: set[str]) -> set[str]:
+    from warmctl.bench.shm import left_since
+
+    bound = _bound_socket_paths()
+    return ({f.path.name for f in left_since(before)}
+            | {n for n in _tmp_sockets() - before if str(TMP / n[4:]) not in bound})
 
 
 def shm_leaked(before: set[str]) -> set[str]:
-    """/dev/shm files that appeared since ``before`` and that no process uses, twice 2 s apart:
-    what a run leaked. Files of live processes (other engines on a shared host) and another
-    run's passing CRIU files are not counted."""
+    """/dev/shm files that appeared since ``before`` and that no process uses, and Unix socket
+    files that appeared in the temp directory (``tmp:NAME``, vLLM's ZMQ IPC sockets) that no
+    socket is bound to, twice 2 s apart: what a run leaked. Files of live processes (other
+    engines on a shared host) and another run's passing CRIU files are not counted."""
     import time
 
-    from warmctl.bench.shm import left_since
-
-    first = {f.path.name for f in left_since(before)}
+    first = _left(before)
     if not first:
         return first
     time.sleep(2)
-    return first & {f.path.name for f in left_since(before)}
+    return first & _left(before)
+
+
+def engine_tmp_dirs(env: dict[str, str]) -> list[Path]:
+    """The engines' own scratch directories (``<home>/run/NAME/tmp``) left in the home of the
+    warmctl environment ``env``: none once every engine is down."""
+    return sorted((Path(env["WARMCTL_TEST_HOME"]) / "run").glob("*/tmp"))
 
 def wait_agent_ready(url: str, proc: subprocess.Popen, log_text, timeout_s: float = 60) -> None:
     """Poll ``url``/readyz every 0.1 s until it answers 200; fails with the agent's log

@@ -12,11 +12,15 @@ under its own tag; ``push``, ``pull`` and ``gc`` work on that snapshot with a di
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from tests.conftest import listening, shm_leaked, shm_names, warmctl
+
+from tests.conftest import WARMCTL, engine_tmp_dirs, listening, shm_leaked, shm_names, warmctl
 
 from tests.test_e2e_main import _settings
 from warmctl.store import open_store
@@ -77,6 +81,7 @@ def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     # and another suite's restore on this host may hold it right now; _left counts those)
     assert not {f.path for f in m.files if f.role == "shm" and not f.path.startswith("link_remap.")} & shm_names()
     assert not shm_leaked(shm0), shm_leaked(shm0)
+    assert engine_tmp_dirs(wc_env) == []  # the engine's own sockets directory went with it
 
 
 def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, engine_ports, tmp_path):
@@ -93,6 +98,7 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
     assert "tiny:crash" in " ".join(out.split())
     assert _ours(wc_env) == [] and not listening(engine)
     assert not shm_leaked(shm0), shm_leaked(shm0)
+    assert engine_tmp_dirs(wc_env) == []
     _verify(wc_env)
 
     # push to a directory remote: killed amid the chunks, and before the name is written
@@ -115,3 +121,49 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
         _verify(wc_env, "--store", str(remote))
     warmctl("gc", "--grace", "0", "--store", str(remote), env=wc_env)
     _verify(wc_env, "--store", str(remote))
+
+
+TIMENS = Path(__file__).resolve().parent / "timens.py"
+
+
+def test_killed_cold_starts_are_cleaned_where_the_boot_time_fraction_is_near_one(wc_env, engine_ports):
+    """Issue 24, item 3, on a host whose boot time has a fraction of 0.99 s (psutil's creation
+    times 0.99 s early), made from this one with a time namespace (tests/timens.py): nothing of
+    warmctl is told. ``snapshot`` killed during its engine's cold start, twice (the second run's
+    pre-flight tears down what the first left), then ``down``: no engine process, port,
+    ``/dev/shm`` file or socket file is left."""
+    sys.path.insert(0, str(TIMENS.parent))
+    import timens
+
+    engine, _ = engine_ports
+    off = timens.offset_for(0.99)
+    inside = [sys.executable, str(TIMENS), repr(off), "--"]
+    probe = subprocess.run([*inside, sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import timens; "
+                            "print(timens.boot_fraction())", str(TIMENS.parent)], capture_output=True, text=True, check=True)
+    assert float(probe.stdout) == pytest.approx(0.99, abs=0.005), probe.stdout
+    shm0 = shm_names()
+
+    def run(*args: str, kill: str | None = None) -> subprocess.CompletedProcess:
+        env = {**wc_env, **({KILL: kill} if kill else {})}
+        return subprocess.run([*inside, *WARMCTL, *args], env=env, capture_output=True, text=True, timeout=900)
+
+    for _ in range(2):
+        r = run("snapshot", "tiny", "--tag", "frac", kill="cold_start")
+        assert r.returncode == -9, r.stdout + r.stderr
+    assert _ours(wc_env), "the killed snapshot's engine should still be starting"
+    r = run("down", "tiny")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert wait_until_gone(wc_env), [p.cmdline() for p in _ours(wc_env)]
+    assert not listening(engine)
+    assert not shm_leaked(shm0), shm_leaked(shm0)
+    assert engine_tmp_dirs(wc_env) == []
+    assert "frac" not in warmctl("ls", env=wc_env).stdout
+
+
+def wait_until_gone(env, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _ours(env):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

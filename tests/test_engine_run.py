@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -233,3 +235,58 @@ def test_cuda_plan_refuses_a_tree_without_gpu_and_a_snapshot_without_gpu_record(
             plan.after_restore(run, RestoreInfo(log_path="/x"), [], [], Reporter())
     finally:
         _reap(tree)
+
+
+def test_the_engines_sockets_directory_is_its_own_and_goes_with_the_teardown(tmp_path):
+    """Issue 24, item 5: vLLM binds its ZMQ IPC sockets under ``VLLM_RPC_BASE_PATH``; each run
+    gives its engine ``<run>/tmp`` (recorded, so down and recovery find it) and the teardown
+    removes the sockets and the directory; from a directory a snapshot recorded elsewhere it
+    removes nothing but sockets."""
+    import socket
+
+    from warmctl.engine.run import MAX_SOCKET_DIR, socket_dir
+
+    run = EngineRun(tmp_path / "run", "e", 1).prepare()
+    if len(str(run.dir / "tmp")) <= MAX_SOCKET_DIR:
+        assert run.tmp == run.dir / "tmp"
+    deep = Path("/var/lib/warmctl/run") / ("n" * 128)  # the longest engine name
+    assert socket_dir(deep).parent == Path(tempfile.gettempdir()) and socket_dir(deep) != socket_dir(deep.with_name("m"))
+    assert len(str(socket_dir(deep) / str(uuid.uuid4()))) <= 107
+    assert run.tmp.is_dir() and oct(run.tmp.stat().st_mode)[-3:] == "700"
+    assert run.tmp_env == {"VLLM_RPC_BASE_PATH": str(run.tmp)}
+    run.record(EngineState(name="e", phase="starting", source="cold", internal_port=1, public_host="",
+                           public_port=0, served_model_name="e", log_path=str(run.log_path)))
+    live, stale = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    try:
+        live.bind(str(run.tmp / "1b4e28ba-2fa1-11d2-883f-0016d3cca427"))
+        stale.bind(str(run.tmp / "6fa459ea-ee8a-3ca4-894e-db77e160355e"))
+        stale.close()  # a killed engine's socket: the file stays
+        again = EngineRun.load(tmp_path / "run", "e")
+        assert again.tmp == run.tmp  # from the record
+        rep = again.teardown()
+        assert len(rep.removed_tmp) == 3 and not run.tmp.exists()
+    finally:
+        live.close()
+
+    elsewhere = Path(tempfile.mkdtemp(prefix="warmctl-test-"))  # recorded by a snapshot, elsewhere
+    restored = EngineRun(tmp_path / "run", "r", 1, tmp_dir=elsewhere).prepare()
+    keep = elsewhere / "notes.txt"
+    keep.write_text("not a socket")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(elsewhere / "sock"))
+    s.close()
+    assert restored.teardown().removed_tmp == [str(elsewhere / "sock")]
+    assert keep.exists() and not (elsewhere / "sock").exists()
+    shutil.rmtree(elsewhere)
+
+    old = EngineRun(tmp_path / "run", "o", 1, tmp_dir=False).prepare()  # a snapshot from before: none
+    assert old.tmp is None and old.tmp_env == {} and old.teardown().removed_tmp == []
+
+
+@pytest.mark.parametrize("tmp_dir", ["/tmp", "/etc/tmp", "/r/tiny/../tmp", "/tmp/warmctl-XYZ", "relative/tmp"])
+def test_restore_record_refuses_a_sockets_directory_warmctl_would_not_make(tmp_dir):
+    """``up`` creates ``restore.tmp_dir`` and removes sockets from it: only ``<cwd>/tmp`` or a
+    ``warmctl-<16 hex>`` directory is accepted, never any path a manifest names."""
+    with pytest.raises(ValidationError, match="tmp_dir"):
+        _manifest({"cwd": "/r/tiny", "tmp_dir": tmp_dir})
+    assert _manifest({"cwd": "/r/tiny", "tmp_dir": "/r/tiny/tmp"}).restore.tmp_dir == "/r/tiny/tmp"

@@ -379,7 +379,8 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     pages = restore_pages(settings, criu.check(settings.criu), plan.criu_plugins, reporter)
     plan.before_restore(m.restore, reporter)  # AMD: free VRAM per GPU (the amdgpu plugin allocates it in CRIU)
 
-    run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd)
+    run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd,
+                    tmp_dir=m.restore.tmp_dir or False)
     run.dir.mkdir(parents=True, exist_ok=True)
     # the gate's interpreter starts now, beside the restore; it listens only once opened
     pending_gate = prestart_gate(host_, port, prof.engine.port, run.gate_log, args=gate_args)

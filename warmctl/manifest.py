@@ -23,6 +23,7 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 #: Version of the manifest schema; readers refuse versions they do not know.
@@ -193,7 +194,10 @@ class RestoreInfo(_Recorded):
     image files; ``cpu_affinity``: ``{CPU list: [thread IDs in the engine's PID namespace]}``
     of the threads bound to fewer CPUs than the snapshotting warmctl could use (CRIU does not
     restore affinity; ``up`` puts it back, :mod:`warmctl.checkpoint.affinity`; absent when no
-    thread was bound); ``gpu`` / ``weights``: present only for those checkpoint flavours;
+    thread was bound); ``tmp_dir``: the engine's scratch directory on the snapshot host
+    (``VLLM_RPC_BASE_PATH``, where its ZMQ IPC sockets are bound; CRIU binds them again there, so a
+    restore creates it; absent in manifests written before engines had one, whose sockets are in
+    the temp directory); ``gpu`` / ``weights``: present only for those checkpoint flavours;
     ``engine_env``: the engine's environment at the cold start by name only, ``{variable:
     source}`` with source ``base``, ``passthrough``, ``warmctl`` or ``profile``
     (:class:`warmctl.engine.vllm.EngineEnv`; never a value: the profile's own values are in
@@ -203,6 +207,7 @@ class RestoreInfo(_Recorded):
 
     log_path: str | None = None
     cwd: str | None = None
+    tmp_dir: str | None = None
     internal_port: int | None = None
     required_files: dict[str, int] = {}
     required_digests: dict[str, str] = {}
@@ -212,10 +217,23 @@ class RestoreInfo(_Recorded):
     weights: WeightsRestore | None = None
     engine_env: dict[str, Literal["base", "passthrough", "warmctl", "profile"]] = {}
 
-    @field_validator("log_path", "cwd")
+    @field_validator("log_path", "cwd", "tmp_dir")
     @classmethod
     def _abs_ok(cls, v: str | None) -> str | None:
         return None if v is None else check_absolute_path(v)
+
+    @model_validator(mode="after")
+    def _tmp_dir_ok(self) -> "RestoreInfo":
+        # up creates this directory (0700) and removes sockets from it: only the two shapes
+        # warmctl.engine.run.socket_dir makes, never any path a manifest names
+        t = self.tmp_dir
+        if t is not None:
+            name, parent = t.rstrip("/").rsplit("/", 1)[1], t.rstrip("/").rsplit("/", 1)[0]
+            if not ((name == "tmp" and self.cwd is not None and parent == self.cwd.rstrip("/"))
+                    or (len(name) == 24 and name.startswith("warmctl-")
+                        and all(c in "0123456789abcdef" for c in name[8:]))):
+                raise ValueError(f"tmp_dir {t!r} is neither <cwd>/tmp nor a warmctl-<16 hex> directory")
+        return self
 
     @field_validator("cpu_affinity")
     @classmethod

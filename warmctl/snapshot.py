@@ -305,6 +305,8 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
                           engine_env=run.engine_env)
     if dumped.cpu_affinity:
         restore.cpu_affinity = dumped.cpu_affinity
+    if run.tmp is not None:
+        restore.tmp_dir = str(run.tmp)
     if dumped.gpu is not None:
         restore.gpu = dumped.gpu
     if weights is not None:

@@ -64,6 +64,9 @@ class EngineState(BaseModel):
     #: file to its original name during restore, and that name must go at ``down`` too.
     shm_inodes: list[tuple[int, int]] = []
     log_path: str
+    #: The engine's scratch directory (``VLLM_RPC_BASE_PATH``: vLLM's ZMQ IPC sockets), removed
+    #: by the teardown; None in records written before engines had one.
+    tmp_dir: str | None = None
     #: When the run began: Unix seconds (reports; ``/dev/shm`` file times) and seconds since boot
     #: (``CLOCK_BOOTTIME``; None in older records): processes "started after the record" are
     #: judged against ``started_boot`` (:func:`warmctl.proc.created_during`).

@@ -20,8 +20,8 @@ For every trusted engine directory:
   while each still is the recorded process (PID, creation time, executable), as is a root
   whose identity only reached ``engine.pid`` and a tree CRIU restored during the recorded
   restore whose PID only reached ``restore.pid``; never a process for its working directory;
-  ``/dev/shm`` files, a left-over materialized image directory (``images/``), the PID files
-  and the state removed.
+  ``/dev/shm`` files, a left-over materialized image directory (``images/``), the engine's
+  sockets directory (``tmp/``: vLLM's ZMQ IPC sockets), the PID files and the state removed.
 
 Then ``/dev/shm`` semaphores created since the interrupted jobs started that no live process
 maps are removed (:func:`warmctl.checkpoint.capture.orphaned_shm`).
@@ -164,8 +164,12 @@ def _clean(settings: Settings, name: str, st: EngineState | None) -> RecoveryAct
         parts.append(f"killed left-over processes {strays}")
     if rep.removed_scratch:
         parts.append("removed a half-written image directory")
+    if rep.removed_tmp:
+        parts.append(f"removed the engine's sockets directory ({len(rep.removed_tmp) - 1} sockets)"
+                     if run.tmp is not None and str(run.tmp) in rep.removed_tmp
+                     else f"removed {len(rep.removed_tmp)} engine sockets")
     if rep.refused:
         parts.append("left alone: " + "; ".join(rep.refused))
-    if st is None and not (strays or rep.removed_scratch or rep.refused):
+    if st is None and not (strays or rep.removed_scratch or rep.removed_tmp or rep.refused):
         return None
     return RecoveryAction(action="cleaned", engine=name, detail=", ".join(parts[:1]) + "".join("; " + x for x in parts[1:]))

@@ -63,7 +63,7 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
     """
     run.prepare()
     offset = run.log_path.stat().st_size if run.log_path.exists() else 0
-    eng = vllm.start(profile, model, run.log_path, cwd=run.cwd, passthrough=passthrough)
+    eng = vllm.start(profile, model, run.log_path, env=run.tmp_env, cwd=run.cwd, passthrough=passthrough)
     run.engine_env = eng.env_sources
     run.set_root(eng.root_pid)
     if run.state is None:  # recorded at once: a killed warmctl leaves a tree the next run finds

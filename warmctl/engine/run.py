@@ -10,6 +10,12 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/images/       CRIU image directory (dump target; materialized before a restore)
     <run>/weights/      rank weight files kept outside the image (``checkpoint.weights_outside_image``)
     <run>/shm/          copies of CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` at dump
+    <run>/tmp/          the engine's own scratch directory: ``VLLM_RPC_BASE_PATH``, where vLLM binds
+                        its ZMQ IPC sockets (``<uuid>`` files that outlive a killed tree; a run
+                        directory too deep for socket paths gets one in the temp dir, see
+                        :func:`socket_dir`); a
+                        restore uses the directory the snapshot recorded (CRIU binds the sockets
+                        at the same paths); the teardown removes the sockets and the directory
     <run>/engine.pid    the root's identity (JSON: pid, start, boot, ctime, exe, cmdline), written the moment
                         the root is known (:meth:`EngineRun.set_root`), removed by the teardown
     <run>/restore.pid   the bare root PID ``criu restore --pidfile`` writes; removed once
@@ -28,13 +34,15 @@ teardown never signals a process that merely reuses a recorded PID.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmctl.checkpoint import capture
 from warmctl.private import private_dir, trusted, untrusted, write_private
-from warmctl.proc import ProcessId, Stamp, created_during, kill_tree
+from warmctl.proc import ProcessId, Stamp, created_during, kill_tree, owned_by_me
 from warmctl.state import EngineState
 from warmctl.state import load as load_state
 from warmctl.state import remove as remove_state
@@ -50,6 +58,8 @@ class TeardownReport:
     killed: list[int] = field(default_factory=list)
     removed_shm: list[str] = field(default_factory=list)
     removed_scratch: bool = False
+    #: the engine's sockets directory and the sockets in it that were removed (:meth:`EngineRun.remove_tmp`)
+    removed_tmp: list[str] = field(default_factory=list)
     #: what the teardown found but left alone, and why (an identity that did not match, a
     #: record it did not write, a recorded path outside ``/dev/shm``)
     refused: list[str] = field(default_factory=list)
@@ -66,6 +76,9 @@ class EngineRun:
     ``run_dir``: ``<home>/run``; ``name``: the engine's name; ``internal_port``: the engine's
     loopback port. ``log_path`` / ``cwd`` default to ``<run>/engine.log`` and ``<run>``; a
     restore passes those the snapshot recorded (CRIU reopens them at the same paths).
+    ``tmp_dir``: the engine's scratch directory (``VLLM_RPC_BASE_PATH``): True (default)
+    ``<run>/tmp`` (:func:`socket_dir`), a path (what a snapshot recorded), or False/None for none (a snapshot or
+    record written before warmctl gave engines one: their sockets are in the host's temp dir).
     ``root`` / ``gate``: the engine tree's root process (its PID namespace's PID 1) and the gate,
     once they exist. ``shm_files`` / ``shm_inodes``: ``/dev/shm`` files of the run (by name; by
     (st_dev, st_ino) where known, and then removed by inode only). ``state``: the persisted
@@ -73,7 +86,8 @@ class EngineRun:
     """
 
     def __init__(self, run_dir: Path, name: str, internal_port: int, *, log_path: Path | str | None = None,
-                 cwd: Path | str | None = None, since: Stamp | None = None):
+                 cwd: Path | str | None = None, since: Stamp | None = None,
+                 tmp_dir: Path | str | None | bool = True):
         self.run_dir = Path(run_dir)
         self.name = name
         self.dir = self.run_dir / name
@@ -83,6 +97,7 @@ class EngineRun:
         self.images = self.dir / "images"
         self.weights = self.dir / "weights"
         self.shm_copies = self.dir / "shm"
+        self.tmp: Path | None = (socket_dir(self.dir) if tmp_dir is True else Path(tmp_dir) if tmp_dir else None)
         self.pidfile = self.dir / "engine.pid"
         self.criu_pidfile = self.dir / "restore.pid"
         self.restore_log = self.dir / "restore.log"
@@ -110,7 +125,7 @@ class EngineRun:
     def of_state(cls, run_dir: Path, st: EngineState) -> "EngineRun":
         """The run a persisted record describes (identities, ``/dev/shm`` files, paths)."""
         run = cls(run_dir, st.name, st.internal_port, log_path=st.log_path or None,
-                  since=st.since if st.started_at else None)
+                  since=st.since if st.started_at else None, tmp_dir=st.tmp_dir)
         run.root, run.gate, run.lazy = st.root, st.gate, st.lazy
         run.shm_files, run.shm_inodes = list(st.shm_files), [tuple(x) for x in st.shm_inodes]
         run.state = st
@@ -123,13 +138,22 @@ class EngineRun:
         return None if st is None else cls.of_state(run_dir, st)
 
     def prepare(self) -> "EngineRun":
-        """Create the run directory (0700, as ``<home>/run``), the log's directory and the
-        working directory; returns self."""
+        """Create the run directory (0700, as ``<home>/run``), the log's directory, the
+        working directory and the scratch directory (0700); returns self."""
         private_dir(self.run_dir)
         private_dir(self.dir)
         for d in (self.log_path.parent, self.cwd):
             d.mkdir(parents=True, exist_ok=True)
+        if self.tmp is not None:
+            private_dir(self.tmp)
         return self
+
+    @property
+    def tmp_env(self) -> dict[str, str]:
+        """What the engine's environment needs from its run: ``VLLM_RPC_BASE_PATH`` (its ZMQ IPC
+        sockets in :attr:`tmp`, not the host's temp directory). TMPDIR is left alone: torch's
+        compile cache lives under it and is shared between cold starts on purpose."""
+        return {} if self.tmp is None else {"VLLM_RPC_BASE_PATH": str(self.tmp)}
 
     # --- processes ------------------------------------------------------------------------
 
@@ -198,6 +222,7 @@ class EngineRun:
         st.set_gate(self.gate)
         st.set_lazy(self.lazy)
         st.shm_files, st.shm_inodes = list(self.shm_files), [tuple(x) for x in self.shm_inodes]
+        st.tmp_dir = str(self.tmp) if self.tmp is not None else None
         st.started_at, st.started_boot = self.since.wall, self.since.boot
         st.boot_id = self.since.boot_id or st.boot_id
         save_state(self.run_dir, st)
@@ -205,7 +230,9 @@ class EngineRun:
     # --- teardown -------------------------------------------------------------------------
 
     def remove_scratch(self) -> bool:
-        """Remove the scratch directories (images, weights, shm copies); True if there was one."""
+        """Remove the scratch directories (images, weights, shm copies); True if there was one.
+        Not the engine's :attr:`tmp` (a running engine's sockets are in it): the teardown
+        removes that (:meth:`remove_tmp`)."""
         found = False
         if self.dir.is_symlink():  # never through a link: only the run's own directory
             return False
@@ -214,6 +241,34 @@ class EngineRun:
                 found = True
                 shutil.rmtree(d, ignore_errors=True)
         return found
+
+    def remove_tmp(self) -> list[str]:
+        """Remove the engine's scratch directory :attr:`tmp`: the Unix sockets in it that this
+        user owns, then the directory if that left it empty (it may be a path a snapshot
+        recorded, outside this run's directory: nothing but sockets is ever removed from it).
+        Never follows a link. Returns the paths removed."""
+        removed: list[str] = []
+        d = self.tmp
+        if d is None or d.is_symlink() or not d.is_dir():
+            return removed
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            return removed
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISSOCK(st.st_mode) and owned_by_me(st):
+                Path(e.path).unlink(missing_ok=True)
+                removed.append(e.path)
+        try:
+            d.rmdir()
+            removed.append(str(d))
+        except OSError:
+            pass  # not empty: something else is in it, left alone
+        return removed
 
     def teardown(self, *, strays: bool = False) -> TeardownReport:
         """Stop everything of this run and remove what it left; safe to call more than once.
@@ -227,8 +282,8 @@ class EngineRun:
         ``/dev/shm``; by inode where known: CRIU consumed the ``link_remap.N`` names at
         restore, and another restore on this host may have written the same names since),
         multiprocessing semaphores orphaned since the run started
-        (:func:`warmctl.checkpoint.capture.orphaned_shm`), the scratch directories, the PID
-        files and the record. Identities are checked before any signal
+        (:func:`warmctl.checkpoint.capture.orphaned_shm`), the scratch directories, the
+        engine's sockets directory (:meth:`remove_tmp`), the PID files and the record. Identities are checked before any signal
         (:func:`warmctl.proc.kill_tree`): a PID that now belongs to another process is left
         alone and named in ``refused``; a process is never killed for its working directory.
         """
@@ -268,6 +323,7 @@ class EngineRun:
             p.unlink(missing_ok=True)
             rep.removed_shm.append(str(p))
         rep.removed_scratch = self.remove_scratch()
+        rep.removed_tmp = self.remove_tmp()
         for f in (self.pidfile, self.criu_pidfile, self.lazy_pidfile, self.lazy_failed):
             if f.is_file() and not f.is_symlink():
                 f.unlink(missing_ok=True)
@@ -343,6 +399,25 @@ class EngineRun:
         if why is not None:
             refused.append(f"{f}: {why}")
         return [pid] if ident is not None and kill_tree(ident) else []
+
+
+#: The longest scratch directory vLLM's socket paths fit under: a Unix socket path is at most
+#: 107 bytes (``sun_path``), and vLLM adds ``/<uuid4>`` (37) to ``VLLM_RPC_BASE_PATH``.
+MAX_SOCKET_DIR = 107 - 37
+
+
+def socket_dir(run: Path) -> Path:
+    """The engine's scratch directory for the run directory ``run``: ``<run>/tmp``, or, where
+    that path is too long for a socket under it (:data:`MAX_SOCKET_DIR`: a deep home or a long
+    engine name), ``<temp dir>/warmctl-<16 hex digits of sha256(run)>``: still the run's own,
+    recorded and removed the same way."""
+    d = run / "tmp"
+    if len(os.fsencode(d)) <= MAX_SOCKET_DIR:
+        return d
+    import hashlib
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"warmctl-{hashlib.sha256(os.fsencode(run)).hexdigest()[:16]}"
 
 
 def in_shm(p: Path) -> bool:
