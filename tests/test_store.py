@@ -327,3 +327,24 @@ def test_digest_helpers():
     assert ck.is_zero_chunk(ck.zero_digest(10, "sha256"), 10)
     assert not ck.is_zero_chunk(ck.zero_digest(10), 11)
     assert ChunkRef(digest=ck.hash_bytes(data), size=3).size == 3
+
+
+def test_a_lock_whose_pid_is_another_process_now_is_stale(tmp_path):
+    """Issue 24: a lock taken on this host names its holder by PID and start ticks; a PID that
+    is alive but started at another moment (reused) is a gone holder, the live holder is not."""
+    import json as _json
+    import socket
+
+    from warmctl.proc import boot_id, start_ticks
+    from warmctl.store.lock import holder_gone
+
+    me = {"pid": os.getpid(), "start": start_ticks(os.getpid()), "boot": boot_id(), "host": socket.gethostname()}
+    assert holder_gone(me) is False
+    assert holder_gone({**me, "start": me["start"] - 1}) is True  # the PID was reused
+    assert holder_gone({"pid": os.getpid()}) is False  # a lock from before start ticks: the PID alone
+    assert holder_gone({**me, "boot": "another-boot"}) is False  # cannot tell: the PID alone
+    s = open_store(tmp_path / "store")
+    (tmp_path / "store" / "locks").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "store" / "locks" / "reused").write_text(_json.dumps(
+        {**me, "start": me["start"] - 1, "kind": "exclusive", "time": time.time(), "purpose": "a killed gc"}))
+    assert s.gc(grace=0).locks_removed == 1  # not refused as a live exclusive lock

@@ -1,11 +1,13 @@
 """Store locks (restic style): writers hold shared locks, gc holds an exclusive one.
 
 A lock is an object ``locks/<id>`` holding JSON ``{"kind": "shared"|"exclusive", "host",
-"pid", "time", "purpose", "stale_after"}``. Its holder rewrites it every ``stale_after/3``
+"pid", "start", "boot", "time", "purpose", "stale_after"}`` (``start``/``boot``: the holder's
+start in clock ticks since boot and the boot id, :class:`warmctl.proc.ProcessId`). Its holder rewrites it every ``stale_after/3``
 seconds. A lock is stale when not refreshed for its ``stale_after`` seconds (the holder's
 lifetime, recorded in the lock; default :data:`DEFAULT_STALE_AFTER`, 120 s, or
 ``$WARMCTL_LOCK_STALE_S``), or when it was taken on this host by a process that no longer
-exists (a killed push); stale locks are ignored and gc removes them.
+exists (a killed push; its PID now another process's, or recorded in an earlier boot, counts
+as gone: :func:`holder_gone`); stale locks are ignored and gc removes them.
 
 A holder that could not refresh its lock in time (paused by SIGSTOP or a suspended VM, a
 store unreachable for longer than the lifetime) has *lost* it: a gc may have judged it stale
@@ -32,7 +34,7 @@ import uuid
 import pydantic_core
 
 from warmctl.errors import IntegrityError, WarmctlError
-from warmctl.proc import pid_alive
+from warmctl.proc import ProcessId, boot_id, pid_alive, start_ticks
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.layout import MAX_LOCK_BYTES
 
@@ -85,7 +87,8 @@ class Lock:
 
     def _body(self) -> bytes:
         return json.dumps(
-            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "start": _MY_START,
+             "boot": boot_id(), "time": time.time(),
              "purpose": self.purpose, "stale_after": self.stale_after}
         ).encode()
 
@@ -144,6 +147,27 @@ class Lock:
             pass
 
 
+_MY_START = start_ticks(os.getpid())
+
+
+def holder_gone(d: dict) -> bool:
+    """True if the lock body ``d``, written on a host of this name, names a process that is
+    gone: its PID is not alive, or (a lock that records ``start`` in this boot) that PID is
+    another process now. A lock of another boot id (an earlier boot, or another machine with
+    the same host name: the two cannot be told apart) and one from before ``start`` was kept
+    are judged by the PID alone, as before. False without a PID."""
+    pid = d.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    start = d.get("start")
+    if not isinstance(start, int) or isinstance(start, bool):
+        return not pid_alive(pid)  # a lock from before start ticks were kept
+    boot = d.get("boot") if isinstance(d.get("boot"), str) else None
+    if boot is not None and boot != boot_id():
+        return not pid_alive(pid)
+    return not ProcessId(pid, 0.0, start=start, boot=boot).alive()
+
+
 def describe(info: dict) -> str:
     age = time.time() - (_num(info.get("time")) or 0.0)
     return f"{info.get('kind')} lock by {info.get('purpose', '?')} (host {info.get('host')}, pid {info.get('pid')}, refreshed {age:.0f}s ago)"
@@ -171,7 +195,7 @@ def other_locks(backend: Backend, own_key: str | None, stale_after: float) -> tu
         t = _num(d.get("time"))
         t = info.mtime if t is None or t > info.mtime + CLOCK_SKEW else max(t, info.mtime)
         future = t > now + CLOCK_SKEW  # even its object dated ahead: not a warmctl's lock
-        dead = future or d.get("host") == host and isinstance(d.get("pid"), int) and not pid_alive(d["pid"])
+        dead = future or d.get("host") == host and holder_gone(d)
         life = _num(d.get("stale_after"))
         life = min(life, MAX_LIFETIME) if life is not None and life > 0 else stale_after
         if dead or now - t > life:
