@@ -13,9 +13,9 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/tmp/          the engine's own scratch directory: ``VLLM_RPC_BASE_PATH``, where vLLM binds
                         its ZMQ IPC sockets (``<uuid>`` files that outlive a killed tree; a run
                         directory too deep for socket paths gets one in the temp dir, see
-                        :func:`socket_dir`); a
-                        restore uses the directory the snapshot recorded (CRIU binds the sockets
-                        at the same paths); the teardown removes the sockets and the directory
+                        :func:`socket_dir`); a restore uses the directory the snapshot recorded
+                        (CRIU binds the sockets at the same paths); the teardown removes the
+                        sockets and the directory
     <run>/engine.pid    the root's identity (JSON: pid, start, boot, ctime, exe, cmdline), written the moment
                         the root is known (:meth:`EngineRun.set_root`), removed by the teardown
     <run>/restore.pid   the bare root PID ``criu restore --pidfile`` writes; removed once
@@ -77,8 +77,9 @@ class EngineRun:
     loopback port. ``log_path`` / ``cwd`` default to ``<run>/engine.log`` and ``<run>``; a
     restore passes those the snapshot recorded (CRIU reopens them at the same paths).
     ``tmp_dir``: the engine's scratch directory (``VLLM_RPC_BASE_PATH``): True (default)
-    ``<run>/tmp`` (:func:`socket_dir`), a path (what a snapshot recorded), or False/None for none (a snapshot or
-    record written before warmctl gave engines one: their sockets are in the host's temp dir).
+    ``<run>/tmp`` (:func:`socket_dir`), a path (what a snapshot recorded), or False/None for
+    none (a snapshot or record written before warmctl gave engines one: their sockets are in
+    the host's temp directory).
     ``root`` / ``gate``: the engine tree's root process (its PID namespace's PID 1) and the gate,
     once they exist. ``shm_files`` / ``shm_inodes``: ``/dev/shm`` files of the run (by name; by
     (st_dev, st_ino) where known, and then removed by inode only). ``state``: the persisted
