@@ -84,15 +84,6 @@ def _tmp_sockets() -> set[str]:
     return out
 
 
-def _bound_socket_paths() -> set[str]:
-    """Paths of the Unix sockets bound in this network namespace (``/proc/net/unix``)."""
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return set()
-    return {parts[7] for parts in map(str.split, lines) if len(parts) >= 8}
-
-
 def shm_names() -> set[str]:
     """Names in ``/dev/shm`` now, and the Unix sockets in the temp directory (``tmp:NAME``)."""
     return set(os.listdir("/dev/shm")) | _tmp_sockets()
@@ -100,8 +91,9 @@ def shm_names() -> set[str]:
 
 def _left(before: set[str]) -> set[str]:
     from warmctl.bench.shm import left_since
+    from warmctl.checkpoint.capture import bound_unix_sockets
 
-    bound = _bound_socket_paths()
+    bound = bound_unix_sockets()
     return ({f.path.name for f in left_since(before)}
             | {n for n in _tmp_sockets() - before if str(TMP / n[4:]) not in bound})
 

@@ -263,8 +263,11 @@ def test_the_engines_sockets_directory_is_its_own_and_goes_with_the_teardown(tmp
         stale.close()  # a killed engine's socket: the file stays
         again = EngineRun.load(tmp_path / "run", "e")
         assert again.tmp == run.tmp  # from the record
-        rep = again.teardown()
-        assert len(rep.removed_tmp) == 3 and not run.tmp.exists()
+        rep = again.teardown()  # a socket still bound (another restore's engine) stays
+        assert rep.removed_tmp == [str(run.tmp / "6fa459ea-ee8a-3ca4-894e-db77e160355e")] and run.tmp.exists()
+        live.close()
+        assert len(EngineRun(tmp_path / "run", "e", 1, tmp_dir=run.tmp).teardown().removed_tmp) == 2
+        assert not run.tmp.exists()
     finally:
         live.close()
 

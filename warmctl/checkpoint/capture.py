@@ -147,6 +147,17 @@ def orphaned_shm(since: float) -> list[Path]:
     return [p for p in candidates if str(p) not in in_use]
 
 
+def bound_unix_sockets() -> set[str]:
+    """Paths of the Unix sockets bound now in this network namespace (``/proc/net/unix``'s
+    last column; abstract names left out): a socket file no live socket is bound to is what a
+    killed process left. Empty if the table cannot be read."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {parts[7] for parts in map(str.split, lines) if len(parts) >= 8 and parts[7].startswith("/")}
+
+
 def remove_by_inode(inodes) -> list[Path]:
     """Unlink every ``/dev/shm`` entry whose (st_dev, st_ino) is in ``inodes``; returns them.
 

@@ -244,10 +244,12 @@ class EngineRun:
         return found
 
     def remove_tmp(self) -> list[str]:
-        """Remove the engine's scratch directory :attr:`tmp`: the Unix sockets in it that this
-        user owns, then the directory if that left it empty (it may be a path a snapshot
-        recorded, outside this run's directory: nothing but sockets is ever removed from it).
-        Never follows a link. Returns the paths removed."""
+        """Remove the engine's scratch directory :attr:`tmp`: the Unix socket files in it that
+        this user owns and no live socket is bound to (the engine is gone by then; a restore of
+        the same snapshot under another home binds the same paths), then the directory if that
+        left it empty (it may be a path a snapshot recorded, outside this run's directory:
+        nothing but sockets is ever removed from it). Never follows a link. Returns the paths
+        removed."""
         removed: list[str] = []
         d = self.tmp
         if d is None or d.is_symlink() or not d.is_dir():
@@ -256,12 +258,13 @@ class EngineRun:
             entries = list(os.scandir(d))
         except OSError:
             return removed
+        bound = capture.bound_unix_sockets() if entries else set()
         for e in entries:
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISSOCK(st.st_mode) and owned_by_me(st):
+            if stat.S_ISSOCK(st.st_mode) and owned_by_me(st) and e.path not in bound:
                 Path(e.path).unlink(missing_ok=True)
                 removed.append(e.path)
         try:
