@@ -87,7 +87,7 @@ class Lock:
 
     def _body(self) -> bytes:
         return json.dumps(
-            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "start": _MY_START,
+            {"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "start": start_ticks(os.getpid()),
              "boot": boot_id(), "time": time.time(),
              "purpose": self.purpose, "stale_after": self.stale_after}
         ).encode()
@@ -145,9 +145,6 @@ class Lock:
             self._once().remove(self.key)
         except Exception:  # noqa: BLE001 - a leftover lock goes stale
             pass
-
-
-_MY_START = start_ticks(os.getpid())
 
 
 def holder_gone(d: dict) -> bool:
