@@ -574,3 +574,22 @@ def test_an_entry_from_before_signed_entries_is_refused_until_its_publisher_push
     r = f.b_run("pull", "tiny")
     assert r.returncode == 0, r.stderr
     assert [e.manifest for e in Catalog(f.b()).entries("tiny")] == [d]
+
+
+def test_a_directory_where_an_object_goes_is_a_clear_error(tmp_path):
+    f = Fleet(tmp_path)
+    d, m = publish_snapshot(f.a, tmp_path, f.fp(), 1, created=T1)
+    Catalog(f.a).publish(d, m, signer=f.a_key.private)
+    (f.remote_dir / "catalog" / "tiny" / "latest" / f"sha256-{d.split(':')[1]}.json").mkdir(parents=True)
+    with pytest.raises(IntegrityError, match=r"sha256-[0-9a-f]{64}\.json is a directory, not a regular file"):
+        with f.remote() as r:
+            for e in entries_to_copy(f.a, Ref(name="tiny")):
+                copy_entry(f.a, r, e)
+    import shutil
+
+    shutil.rmtree(f.remote_dir / "catalog" / "tiny" / "latest")
+    (f.remote_dir / "catalog" / "tiny" / "latest").write_text("a file where a directory goes")
+    with pytest.raises(IntegrityError, match="catalog/tiny/latest is a regular file, not a directory"):
+        with f.remote() as r:
+            for e in entries_to_copy(f.a, Ref(name="tiny")):
+                copy_entry(f.a, r, e)

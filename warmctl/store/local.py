@@ -87,7 +87,7 @@ def _existing_parent(p: Path) -> Path:
 
 def _kind(mode: int) -> str:
     """What a non-regular file is, for messages."""
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
         if test(mode):
             return name
@@ -215,7 +215,12 @@ class LocalBackend(Backend):
             parent = self._walk(parts[:-1], create=True)
             _fault_point()
             # rename replaces a link at the destination itself, never what it points at
-            os.replace(tmp, parts[-1], src_dir_fd=tmpdir, dst_dir_fd=parent)
+            try:
+                os.replace(tmp, parts[-1], src_dir_fd=tmpdir, dst_dir_fd=parent)
+            except OSError as e:
+                if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                raise self._unsafe(key, stat.S_IFDIR, "a regular file") from None
             tmp = ""
             if self.fsync:
                 os.fsync(parent)
