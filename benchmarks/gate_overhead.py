@@ -43,7 +43,7 @@ one process/worker thread each like the gate, stopped at the end) with the same 
 - ``haproxy+key``: HAProxy in HTTP mode, ``http-request deny deny_status 401`` unless the
   Authorization header equals ``Bearer KEY`` (ACL ``req.hdr(authorization) -m str``, exact and
   case-sensitive; ``http-request return`` with ``WWW-Authenticate``), 403 for paths under
-  :data:`warmctl.gate.CONTROL_PATHS` (``path_beg -i``), keep-alive to the engine
+  :data:`warmctl.gate.routes.CONTROL_PATHS` (``path_beg -i``), keep-alive to the engine
   (``http-reuse always``; ``retry-on empty-response``: see :data:`ENGINE_KEEP_ALIVE_S`),
   ``option http-no-delay`` (without it HAProxy sends with ``MSG_MORE``
   and SSE chunks arrive in pairs: seen here, first chunk 0.26 s late with 0.2 s between chunks).
@@ -351,7 +351,7 @@ def wait_listening(port: int, proc: subprocess.Popen, name: str, log: Path, time
 def start_alt(name: str, port: int, root: Path, procs: Processes) -> str:
     """Start the alternative ``name`` (:data:`ALTS`) on ``127.0.0.1:port`` in front of the
     engine; return its base URL once it listens and enforces the key."""
-    from warmctl.gate import CONTROL_PATHS
+    from warmctl.gate.routes import CONTROL_PATHS
 
     exe = shutil.which(name)
     if exe is None:

@@ -27,11 +27,11 @@ def _free_port() -> int:
 def upstream():
     app = FastAPI()
 
-    @app.get("/echo/{x}")
+    @app.get("/v1/responses/{x}")  # a template route of the allow list
     def echo(x: str):
         return {"x": x}
 
-    @app.get("/stream")
+    @app.get("/v1/completions")
     def stream():
         def gen():
             for i in range(5):
@@ -56,8 +56,8 @@ def test_relays_requests_and_streams(upstream, tmp_path):
     pid = gate.start("127.0.0.1", port, upstream, sleeper.pid, tmp_path / "gate.log")
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
-            assert c.get("/echo/abc").json() == {"x": "abc"}
-            with c.stream("GET", "/stream") as r:
+            assert c.get("/v1/responses/abc").json() == {"x": "abc"}
+            with c.stream("GET", "/v1/completions") as r:
                 arrivals = [time.monotonic() for _ in r.iter_lines() if _]
         assert len(arrivals) == 5
         assert arrivals[-1] - arrivals[0] > 0.15  # streamed, not buffered
@@ -91,7 +91,7 @@ def test_upstream_down_gives_502(tmp_path):
     port = _free_port()
     pid = gate.start("127.0.0.1", port, _free_port(), sleeper.pid, tmp_path / "gate.log")
     try:
-        assert httpx.get(f"http://127.0.0.1:{port}/x").status_code == 502
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 502
     finally:
         subprocess.run(["kill", str(pid)], check=False)
         sleeper.kill()
@@ -106,7 +106,7 @@ def test_prestarted_gate_listens_only_once_opened(upstream, tmp_path):
         assert pending.proc.poll() is None and gate.port_free("127.0.0.1", port)
         pid = pending.open(sleeper.pid)
         assert pid == pending.pid and not gate.port_free("127.0.0.1", port)
-        assert httpx.get(f"http://127.0.0.1:{port}/echo/abc").json() == {"x": "abc"}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/responses/abc").json() == {"x": "abc"}
         sleeper.kill()  # it follows the engine PID it was given at open
         sleeper.wait()
         pending.proc.wait(timeout=5)

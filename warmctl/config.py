@@ -87,9 +87,13 @@ class Settings(BaseModel):
       Must be private (mode 0600 or tighter, owned by root or this user), else ``up`` refuses it.
     - ``gate_tls_cert``/``gate_tls_key``: PEM certificate chain and private key; when set the
       public port speaks TLS only (both re-read on change). The key must be private too.
-    - ``gate_public_paths``: decoded paths answered without a key (default ``["/health"]``).
-    - ``gate_deny_paths``: paths refused on the public port in addition to vLLM's control and
-      development routes (:data:`warmctl.gate.CONTROL_PATHS`, always refused).
+    - ``gate_allow_paths``: paths the public port serves beside vLLM's inference API
+      (:data:`warmctl.gate.routes.DEFAULT_ALLOW_PATHS`), e.g. ``["/metrics"]``; ``{name}``
+      matches one path segment. Every other path is refused without reaching the engine.
+    - ``gate_public_paths``: decoded paths answered without a key (default ``["/health"]``;
+      served even if not in the allow list).
+    - ``gate_deny_paths``: paths refused (403) on the public port, with everything below them,
+      even if allowed; vLLM's control routes (:data:`warmctl.gate.routes.CONTROL_PATHS`) always are.
     - ``gate_drain_s``: seconds ``down`` lets in-flight requests finish after the public
       listener closed (default 30; ``down --now``: none).
     - ``agent_url``/``agent_token_file``: when set, the CLI talks to that agent.
@@ -144,6 +148,7 @@ class Settings(BaseModel):
     gate_api_key_file: Path | None = None
     gate_tls_cert: Path | None = None
     gate_tls_key: Path | None = None
+    gate_allow_paths: list[str] = []
     gate_public_paths: list[str] = ["/health"]
     gate_deny_paths: list[str] = []
     gate_drain_s: float = Field(30.0, ge=0)
