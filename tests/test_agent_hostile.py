@@ -409,3 +409,63 @@ def test_home_files_are_private_and_docs_are_not_served(tmp_path):
         assert httpx.get(a.url + "/openapi.json").status_code == 200
     finally:
         a.stop()
+
+
+def _exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
+    """Send ``data`` and read until the agent closes (at most ``timeout`` s). (No half-close:
+    uvicorn closes a half-closed connection before its app answers.)"""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while got := s.recv(65536):
+                out += got
+        except (ConnectionResetError, socket.timeout):
+            pass
+        return out
+
+
+@pytest.mark.parametrize("upgrade", [b"Upgrade: x\r\n", b"Connection: Upgrade\r\nUpgrade: h2c\r\n",
+                                     b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"])
+def test_the_gates_probes_on_the_agent_upgrade_opens_nothing(agent_proc, upgrade):
+    """Issue 30's Upgrade tunnel, tried on the agent: a request with ``Upgrade`` after an open
+    probe, then one to a /v1 route without the token; the /v1 route never answers 200 or
+    switches protocols."""
+    raw = _exchange(agent_proc.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n"
+                    b"GET /v1/engines HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    statuses = [line.split()[1] for line in raw.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+    assert b"101" not in statuses and b'"engines"' not in raw, raw
+    assert statuses.count(b"200") <= 1  # /healthz at most; /v1/engines never
+    # the same straight to a /v1 route
+    raw = _exchange(agent_proc.port, b"GET /v1/engines HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + upgrade
+                    + b"\r\n")
+    assert raw.startswith(b"HTTP/1.1 401") or raw.startswith(b"HTTP/1.1 400"), raw
+
+
+@pytest.mark.parametrize("suffix", ["%0A", "%0D%0A", "%00", "%09"])
+def test_the_gates_probes_on_the_agent_a_control_suffix_is_no_name(agent_proc, suffix):
+    """``%0A`` after an open path needs the token like any other path; after an engine name
+    (with the token) it is not that engine: Python's ``$`` matches before a final newline, the
+    name rule must not."""
+    raw = _exchange(agent_proc.port, f"GET /healthz{suffix} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    assert raw.startswith(b"HTTP/1.1 401"), raw
+    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    raw = _exchange(agent_proc.port, f"GET /v1/engines/tiny{suffix} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode()
+                    + auth + b"\r\n")
+    assert raw.startswith((b"HTTP/1.1 400", b"HTTP/1.1 422")), raw
+    raw = _exchange(agent_proc.port, f"POST /v1/engines/tiny{suffix}/down HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode() + auth
+                    + b"Content-Length: 0\r\n\r\n")
+    assert raw.startswith((b"HTTP/1.1 400", b"HTTP/1.1 422")), raw
+    from warmctl.names import check_name
+
+    with pytest.raises(ValueError):
+        check_name("engine name", "tiny\n")
+
+
+@pytest.mark.parametrize("target,status", [(b"http://127.0.0.1/v1/engines", b"401"), (b"http://[::1/v1/engines", b"400"),
+                                           (b"http://x/healthz", b"200")])
+def test_the_gates_probes_on_the_agent_absolute_form(agent_proc, target, status):
+    raw = _exchange(agent_proc.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 " + status), raw
+    assert b"Traceback" not in agent_proc.log.read_bytes()

@@ -17,6 +17,6 @@ NAME_RULE = "a letter or digit, then letters, digits, '.', '_' or '-' (at most 1
 
 def check_name(what: str, value: str, error: type[Exception] = ValueError) -> str:
     """``value`` if it follows the rule, else raise ``error`` naming ``what`` and the rule."""
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):  # fullmatch: `$` would pass "x\n"
         raise error(f"{what} {value!r}: want {NAME_RULE}")
     return value

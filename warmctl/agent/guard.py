@@ -61,8 +61,10 @@ class Guard:
         self.app, self.token, self.open_paths, self.max_body = app, token, frozenset(open_paths), max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
+        if scope["type"] != "http":  # a WebSocket (uvicorn runs with ws="none": never): refused unread
+            return await send({"type": "websocket.close", "code": 1008})
         headers: dict[bytes, bytes] = {}
         for k, v in scope.get("headers", []):
             headers.setdefault(k.lower(), v)

@@ -118,7 +118,7 @@ def recover(settings: Settings, interrupted: list[Job]) -> RecoveryReport:
 def _record(d: Path, name: str) -> tuple[EngineState | None, str | None]:
     """The engine directory ``d``'s record, or why recovery must not act on it: (state or
     None when there is none, None) when trusted; (None, reason) otherwise."""
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         return None, "not an engine name (the name rule: letter or digit, then letters, digits, '.', '_', '-'; at most 128)"
     why = untrusted(d, kind="dir")
     if why is not None:

@@ -197,6 +197,7 @@ def run(config: AgentConfig) -> None:
                            ssl_certfile=str(config.tls_cert) if config.tls_cert else None,
                            ssl_keyfile=str(config.tls_key) if config.tls_key else None,
                            timeout_graceful_shutdown=5, lifespan="on", http=guarded_protocol(),
+                           ws="none",  # no WebSocket: an Upgrade is answered as plain HTTP (guarded)
                            limit_concurrency=LIMIT_CONCURRENCY, timeout_keep_alive=KEEP_ALIVE_S)
 
     class Server(uvicorn.Server):
