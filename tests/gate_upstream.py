@@ -1,7 +1,7 @@
 """A stand-in engine for the gate's tests that reads what the gate sends with a second strict
 HTTP/1.1 parser, h11 (the gate reads clients with llhttp), and records every request.
 
-    from gate_upstream import RecordingUpstream     # tests/ is on sys.path under pytest
+    from tests.gate_upstream import RecordingUpstream
     up = RecordingUpstream(); ...; up.seen(); up.errors; up.close()
 
 Each request is answered 200 with ``{"ok": true}`` (keep-alive), except as its query asks:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gate_upstream import KEY, RecordingUpstream, free_port, read_response
+from tests.gate_upstream import KEY, RecordingUpstream, free_port, read_response
 from warmctl import gate
 
 AUTH = f"Authorization: Bearer {KEY}\r\n".encode()

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gate_upstream import KEY, RecordingUpstream, free_port  # tests/ is on sys.path under pytest
+from tests.gate_upstream import KEY, RecordingUpstream, free_port
 from warmctl import gate
 from warmctl.gate.routes import CONTROL_PATHS, DEFAULT_ALLOW_PATHS
 

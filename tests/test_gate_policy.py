@@ -27,7 +27,7 @@ from cryptography.x509.oid import NameOID
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from gate_upstream import read_response as _read_response  # tests/ is on sys.path under pytest
+from tests.gate_upstream import read_response as _read_response
 from warmctl import gate
 from warmctl.gate.http import MAX_HEAD
 from warmctl.gate.relay import ResponseTracker
