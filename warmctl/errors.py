@@ -32,7 +32,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "ConfigError": (13, "warmctl.config"),
     "CatalogError": (14, "warmctl.catalog"),
     "ProfileError": (15, "warmctl.profile"),
-    "GateConfigError": (16, "warmctl.gate"),
+    "GateConfigError": (16, "warmctl.gate.files"),
     "TransientBackendError": (17, "warmctl.store.backend"),
     "BackendUnavailable": (18, "warmctl.store.backend"),
     "ChunkMissing": (19, "warmctl.store.chunkio"),
