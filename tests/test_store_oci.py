@@ -354,9 +354,9 @@ def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, 
             served = {p: [x for x in origin_log[before:] if x[0] == "GET" and x[1].endswith(f"/blobs/{p}") and x[2] in (200, 206)]
                       for p in packs}
             print({p[:19]: len(v) for p, v in served.items()})
-            # Distribution 2.8 fetches a missing blob twice (one copy kept, one streamed), more when a read
-            # comes before the kept copy is committed: a few per pack for the first node, not one per read
-            assert all(1 <= len(v) <= 4 for v in served.values()), served
+            # Distribution 2.8 fetches a missing blob twice (one copy kept, one streamed); a probe that comes
+            # before the kept copy is committed costs one more (OCIBackend._wait_cached): not one per read
+            assert all(2 <= len(v) <= 3 for v in served.values()), served
             # the second node costs the origin no blob at all: everything came from the mirror's cache
             assert not [x for x in origin_log[after_b:] if x[0] == "GET" and "/blobs/" in x[1] and x[2] in (200, 206)]
             assert sum(1 for x in mirror.access_log() if x[0] == "GET" and "/blobs/" in x[1] and x[2] == 206) >= 8

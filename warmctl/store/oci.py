@@ -901,7 +901,30 @@ class OCIBackend(Backend):
             r.close()
         if len(data) != want:
             raise TransientBackendError(f"{where}: body cut short: {len(data)} of {want} bytes")
+        if first and r.status_code == 200:
+            self._wait_cached(pack)
         return data
+
+    def _wait_cached(self, pack: str, limit: float = 30.0) -> None:
+        """After a whole-blob answer to the first read of ``pack`` (a pull-through mirror that did
+        not hold it), wait until the mirror answers a 1-byte range (206: its copy is committed),
+        for up to ``limit`` seconds, so that the reads waiting for this pack do not each make the
+        mirror fetch it from its origin again. Each probe that comes too early costs the origin
+        one cut-short fetch; the probes start after 0.25 s and back off to 2 s."""
+        delay, deadline = 0.25, time.monotonic() + limit
+        while time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+            try:
+                r = self._send("GET", self._url(f"blobs/{pack}"), f"probe pack {pack}", stream=True, ok=(200, 206),
+                               headers={"Range": "bytes=0-0"})
+                st = r.status_code
+                r.close()
+            except (TransientBackendError, ObjectNotFound):
+                return  # the reads themselves will say what is wrong
+            if st == 206:
+                return
+        log.debug("pack %s: the registry still answers whole blobs after %g s", pack, limit)
 
     def stat(self, key: str) -> ObjectInfo:
         d = _digest_from_chunk_key(key)
