@@ -17,7 +17,7 @@ from warmctl.store import chunks as ck
 #: The most bytes each kind of small object may have; a larger one is refused unread
 #: (:func:`warmctl.store.backend.load_limited`), so a hostile store cannot make a node allocate
 #: it. Typical sizes (docs/store-format.md, section 10): a catalog entry ~1.9 KiB (its host
-#: fingerprint), a signature ~0.3 KiB, a manifest ~110 bytes per 4 MiB chunk.
+#: fingerprint), a signature ~0.3 KiB, a manifest 100 bytes per 4 MiB chunk reference.
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ENTRY_BYTES = 64 << 10
 MAX_SIGNATURE_BYTES = 16 << 10
