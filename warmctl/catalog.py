@@ -445,13 +445,13 @@ class ProfileRecord(BaseModel):
 
 
 class Accepted:
-    """What this node accepted, for rollback protection (issue 31; docs/store-format.md, "Names,
-    signatures and rollback"): per name, tag and kind of host (:func:`compat_key`), the newest
+    """What this node accepted, for rollback protection (issue 31; docs/store-format.md, section
+    10, "No rollback"): per name, tag and kind of host (:func:`compat_key`), the newest
     signed entry a resolve chose, as ``ROOT/<name>/<tag>/<compat hex>.json`` =
     ``{"manifest", "created", "accepted", "catalog"}``. An entry older than that (by its signed
     ``created``) is refused unless asked for by digest or with ``allow_rollback``.
 
-    ``root``: a directory of this node (``Settings.accepted_dir``, ``$WARMCTL_HOME/accepted``),
+    ``root``: a directory of this node (:meth:`for_settings`: ``$WARMCTL_HOME/accepted``),
     never the store's: a store's writer could roll it back with the entries."""
 
     def __init__(self, root: str | Path):
