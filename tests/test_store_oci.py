@@ -12,7 +12,10 @@ push/pull/ls/rm/gc with small synthetic snapshots, two homes with their own keys
 pulls), chunk-level dedup of a second snapshot, a wrong password (one line, no retry), the
 registry down for a few seconds mid-pull (retried, then complete), a corrupted pack blob
 (refused, naming it), a snapshot artifact naming a missing layer (clear error, nothing named
-locally, a rerun completes once the layer is back), bounded metadata reads.
+locally, a rerun completes once the layer is back), bounded metadata reads, the bearer-token
+flow with tokens expiring mid-pull, two nodes through a pull-through mirror (the origin's access
+log), the real CLI on two homes and the agent's catalog routes. The real engine restored from a
+registry and through a mirror: ``tests/test_e2e_fleet.py``.
 """
 
 from __future__ import annotations
@@ -411,3 +414,26 @@ def test_a_new_snapshot_under_the_same_tag_moves_it_and_gc_frees_the_old(oci, tm
     assert rep.manifests_removed == [d1] and rep.chunks_removed == 2
     b = open_store(tmp_path / "b")
     assert pull(_store(oci), b, "tiny").chunks_copied == 2 and tag_of(b, "tiny") == d2
+
+
+def test_agent_lists_and_removes_snapshots_of_a_registry_remote(oci, tmp_path):
+    """The agent's catalog and snapshot routes with ``remote_store = oci://...``."""
+    from fastapi.testclient import TestClient
+
+    from warmctl.agent import create_app
+    from warmctl.config import Settings
+
+    home = tmp_path / "home"
+    local = open_store(home / "store")
+    d = snapshot(local, "tiny", {"p.img": write_payload(tmp_path / "p.img", [("random", 4 * MiB)], seed=30)})
+    push(local, _store(oci), "tiny")
+    s = Settings(home=home, keys_dir=home / "keys", profile_dirs=[home / "profiles"], remote_store=oci)
+    with TestClient(create_app(s, "tok-0123456789abcdef", run_startup=False)) as c:
+        h = {"Authorization": "Bearer tok-0123456789abcdef"}
+        r = c.get("/v1/catalog", headers=h)
+        assert r.status_code == 200 and [(e["name"], e["tag"], e["manifest"]) for e in r.json()] == [("tiny", "latest", d)]
+        r = c.delete("/v1/snapshots/tiny/latest", headers=h)
+        assert r.status_code == 200, r.text
+        assert r.json()["digests"] == [d] and any(x.startswith("oci://") for x in r.json()["catalogs"]), r.json()
+        assert c.get("/v1/catalog", headers=h).json() == []
+    assert tag_of(open_store(oci), "tiny") is None
