@@ -2,12 +2,19 @@
 uses) against requests (what oras-py is built on), and warmctl's own chunk reads.
 
     .venv/bin/python benchmarks/oci_client.py --mib 256 --threads 16 --runs 3
+    .venv/bin/python benchmarks/oci_client.py --pull --mib 256 --pack-mib 64 --runs 3
 
 Starts a Distribution 2.8 (``docker-registry``; TLS from a CA made here, htpasswd auth) with
 ``tests/registry_server.py``, uploads one blob of ``--mib`` MiB, then reads it as 4 MiB ranges
 (``Range: bytes=a-b``) from ``--threads`` threads, each client with one shared connection pool:
 ``httpx.Client`` and ``requests.Session`` (urllib3 pool of ``--threads``). Each run reads every
 range once; runs alternate between the clients. Prints MiB/s per run and the median.
+
+With ``--pull``: a synthetic snapshot of ``--mib`` MiB of random data (4 MiB chunks, packs of
+``--pack-mib``) is pushed with warmctl, then, alternating, warmctl's ``pull`` of it into an empty
+local store (ranged reads of the packs, every chunk decompressed, hashed and written) against a
+plain parallel download of the artifact's layers (one GET per blob, ``--threads`` threads, to
+files). MiB/s of stored bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import base64
 import hashlib
 import importlib.util
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,7 +47,11 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pull", action="store_true", help="warmctl pull vs a plain download of the layers")
+    ap.add_argument("--pack-mib", type=int, default=1024)
     a = ap.parse_args()
+    if a.pull:
+        return pull_bench(a)
     import httpx
     import requests
     import requests.adapters
@@ -86,6 +98,62 @@ def main() -> None:
             print(f"{a.mib} MiB blob, {len(ranges)} ranges of 4 MiB, {a.threads} threads, TLS, {a.runs} runs (MiB/s):")
             for name, v in res.items():
                 print(f"  {name:9s} " + "  ".join(f"{x:7.1f}" for x in v) + f"   median {statistics.median(v):7.1f}")
+
+
+def pull_bench(a) -> None:
+    sys.path.insert(0, str(HERE / "tests"))
+    from test_store_fixtures import push, snapshot, write_payload
+
+    from warmctl.catalog import Ref
+    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.store import open_store
+    from warmctl.store import oci as ocimod
+    from warmctl.store.oci import OCIBackend, parse_url
+
+    ocimod.PACK_BYTES = a.pack_mib << 20
+    with tempfile.TemporaryDirectory() as td:
+        d = Path(td)
+        ca = rs.make_ca(d / "ca")
+        with rs.Registry(d / "reg", rs.free_port(), ca=ca, users={USER: PW}) as reg:
+            os.environ["WARMCTL_OCI_CA_BUNDLE"] = str(ca.ca_cert)
+            os.environ["REGISTRY_AUTH_FILE"] = str(rs.docker_config(d / "auth.json", reg.host, USER, PW))
+            url = f"oci://{reg.host}/bench/pull"
+            local = open_store(d / "a")
+            digest = snapshot(local, "bench", {"p.img": write_payload(d / "p.img", [("random", 16 << 20)] * (a.mib // 16))})
+            push(local, open_store(url), "bench")
+            b = OCIBackend(*parse_url(url))
+            layers = b._get_manifest(f"manifest-{digest[7:]}", "artifact")[1]["layers"]
+            packs = sum(1 for x in layers if x["mediaType"] == ocimod.PACK_LAYER)
+
+            def get(layer: dict, out: Path) -> int:
+                r = b._send("GET", b._url(f"blobs/{layer['digest']}"), "blob", stream=True)
+                n = 0
+                with open(out / layer["digest"].replace(":", "_"), "wb") as f:
+                    for chunk in r.iter_bytes(1 << 20):
+                        f.write(chunk)
+                        n += len(chunk)
+                r.close()
+                return n
+
+            res: dict[str, list[float]] = {"warmctl pull": [], "plain layers": []}
+            for i in range(a.runs):
+                dst = open_store(d / f"b{i}")
+                src = open_store(url)
+                t0 = time.perf_counter()
+                (c,) = transfer(src, dst, entries_to_copy(src, Ref.parse("bench")))
+                res["warmctl pull"].append(c.report.bytes_copied / (1 << 20) / (time.perf_counter() - t0))
+                out = d / f"plain{i}"
+                out.mkdir()
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(a.threads) as ex:
+                    n = sum(ex.map(lambda x: get(x, out), layers))
+                res["plain layers"].append(n / (1 << 20) / (time.perf_counter() - t0))
+                shutil.rmtree(out)
+                shutil.rmtree(d / f"b{i}")
+            print(f"{a.mib} MiB snapshot in {packs} pack(s) of <= {a.pack_mib} MiB ({len(layers)} layers), "
+                  f"{a.threads} threads, TLS, {a.runs} runs (MiB/s of stored bytes):")
+            for name, v in res.items():
+                print(f"  {name:13s} " + "  ".join(f"{x:7.1f}" for x in v) + f"   median {statistics.median(v):7.1f}")
 
 
 if __name__ == "__main__":
