@@ -10,9 +10,10 @@ directory first, as ``up`` would materialize them)::
 
     python benchmarks/secret_scan.py --store /var/lib/warmctl/store --secrets 1 4 16 --rounds 3
 
-Each round times ``cat`` once and the scan once per ``--secrets`` count (random values of 20
-to 40 bytes, none present, so every window is searched in full: the worst case). Prints one JSON
-document: bytes, files, and per count the best and median GiB/s of the scan and of ``cat``.
+Each round times ``cat`` once and the scan once per ``--secrets`` count and ``--workers`` count
+(random values of 20 to 40 bytes, none present, so every window is searched in full: the worst
+case). Prints one JSON document: bytes, files, usable CPUs, and per count the best and median
+GiB/s of ``cat`` and of each scan.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from warmctl.credentials import Secret, scan_files  # noqa: E402
+from warmctl.credentials import Secret, scan_files, scan_workers  # noqa: E402
 
 
 def materialize(store_dir: Path, out: Path) -> list[Path]:
@@ -58,30 +59,36 @@ def main() -> None:
     src.add_argument("--store", type=Path, help="scan the newest snapshot of this store")
     ap.add_argument("--secrets", type=int, nargs="+", default=[1, 4, 16], help="secret counts to time")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 0],
+                    help="scan processes to time (0: one per usable CPU)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="secret-scan-") as tmp:
         files = (sorted(p for p in a.dir.iterdir() if p.is_file()) if a.dir else materialize(a.store, Path(tmp)))
         total = sum(p.stat().st_size for p in files)
         subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)  # into the page cache
-        rows: dict[str, dict[str, list[float]]] = {str(k): {"scan": [], "cat": []} for k in a.secrets}
+        cpus = len(os.sched_getaffinity(0))
+        workers = list(dict.fromkeys(w or cpus for w in a.workers))
+        rows: dict[str, dict[str, list[float]]] = {
+            str(k): {"cat": [], **{f"scan_{w}_workers": [] for w in workers}} for k in a.secrets}
         for _ in range(a.rounds):
             for k in a.secrets:
                 t0 = time.perf_counter()
                 subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
                 rows[str(k)]["cat"].append(time.perf_counter() - t0)
                 secrets = [Secret(f"s{i}", os.urandom(10 + i % 11).hex().encode()) for i in range(k)]
-                t0 = time.perf_counter()
-                found, n = scan_files([(p, p.name) for p in files], secrets)
-                rows[str(k)]["scan"].append(time.perf_counter() - t0)
-                assert n == total and not found
+                for w in workers:
+                    t0 = time.perf_counter()
+                    found, n = scan_files([(p, p.name) for p in files], secrets, workers=w)
+                    rows[str(k)][f"scan_{w}_workers"].append(time.perf_counter() - t0)
+                    assert n == total and not found
         gib = total / 2**30
 
         def rate(ts: list[float]) -> dict[str, float]:
             return {"best_gib_s": round(gib / min(ts), 2), "median_gib_s": round(gib / statistics.median(ts), 2)}
 
-        print(json.dumps({"bytes": total, "files": len(files), "rounds": a.rounds,
-                          "by_secret_count": {k: {"scan": rate(v["scan"]), "cat": rate(v["cat"])}
-                                              for k, v in rows.items()}}, indent=2))
+        print(json.dumps({"bytes": total, "files": len(files), "rounds": a.rounds, "cpus": cpus, "default_workers": scan_workers(),
+                          "by_secret_count": {k: {name: rate(ts) for name, ts in v.items()} for k, v in rows.items()}},
+                         indent=2))
 
 
 if __name__ == "__main__":

@@ -163,3 +163,23 @@ def test_scan_finds_an_environment_secret_in_real_criu_images(tmp_path):
     dump(engine_environment(prof, [], environ).values, tmp_path / "declared")
     files = [(p, p.name) for p in sorted((tmp_path / "declared").iterdir()) if p.is_file()]
     assert not [x for x in scan_files(files, secrets)[0] if x.secret.value == PROBE.encode()]
+
+
+def test_parallel_scan_finds_secrets_across_part_edges(tmp_path, monkeypatch):
+    """Parts scanned by worker processes: a secret straddling two parts is found once, at its
+    offset, and a secret in two files is named in each."""
+    monkeypatch.setattr(credentials, "PART", 1 << 20)
+    a, b = Secret("A", b"secret-aaaaaaaa"), Secret("B", b"secret-bbbbbbbb")
+    f1, f2 = tmp_path / "pages-1.img", tmp_path / "pages-2.img"
+    d1 = bytearray(os.urandom(3 << 20))
+    d1[(1 << 20) - 7:(1 << 20) + 8] = a.value  # across the first part edge
+    d1[(2 << 20) + 5:(2 << 20) + 20] = b.value
+    f1.write_bytes(bytes(d1))
+    d2 = bytearray(os.urandom(1 << 19))
+    d2[100:115] = a.value
+    f2.write_bytes(bytes(d2))
+    found, n = scan_files([(f1, "image file pages-1.img"), (f2, "image file pages-2.img")], [a, b], workers=2)
+    assert n == (3 << 20) + (1 << 19)
+    assert sorted((x.where, x.secret.source, x.offset) for x in found) == [
+        ("image file pages-1.img", "A", (1 << 20) - 7), ("image file pages-1.img", "B", (2 << 20) + 5),
+        ("image file pages-2.img", "A", 100)]

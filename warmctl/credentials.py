@@ -280,6 +280,8 @@ class Finding:
 
 #: Bytes of a file searched at once (a window; windows overlap by the longest secret).
 WINDOW = 64 << 20
+#: Bytes of a file one worker process scans (:func:`scan_files`), in windows of :data:`WINDOW`.
+PART = 512 << 20
 
 
 def scan_bytes(data, secrets: list[Secret], where: str) -> list[Finding]:
@@ -292,17 +294,20 @@ def scan_bytes(data, secrets: list[Secret], where: str) -> list[Finding]:
     return out
 
 
-def scan_file(path: Path, secrets: list[Secret], label: str | None = None) -> list[Finding]:
-    """Every secret of ``secrets`` in the file ``path`` (its first occurrence each), read
-    through a memory map in windows of :data:`WINDOW` bytes that overlap by the longest
-    secret, each window searched for every secret (``bytes.find``: a two-way search, memchr
-    fast) while it is hot in the cache. ``label`` names the file in findings (default: the path)."""
+def scan_file(path: Path, secrets: list[Secret], label: str | None = None, start: int = 0,
+              end: int | None = None) -> list[Finding]:
+    """Every secret of ``secrets`` that starts in bytes ``[start, end)`` of the file ``path``
+    (default: the whole file; its first occurrence each), read through a memory map in windows
+    of :data:`WINDOW` bytes that overlap by the longest secret, each window searched for every
+    secret (``bytes.find``: a two-way search, memchr fast) while it is hot in the cache.
+    ``label`` names the file in findings (default: the path)."""
     if not secrets:
         return []
     where = label or str(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size == 0:
+        end = size if end is None else min(end, size)
+        if start >= end:
             return []
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
@@ -311,11 +316,11 @@ def scan_file(path: Path, secrets: list[Secret], label: str | None = None) -> li
                 pass
             longest = max(len(s.value) for s in secrets)
             found: dict[bytes, Finding] = {}
-            pos = 0
-            while pos < size:
-                end = min(size, pos + WINDOW + longest - 1)
+            pos = start
+            while pos < end:
+                stop = min(size, min(end, pos + WINDOW) + longest - 1)
                 for s in secrets:
-                    if s.value not in found and (i := mm.find(s.value, pos, end)) >= 0:
+                    if s.value not in found and (i := mm.find(s.value, pos, stop)) >= 0:
                         found[s.value] = Finding(s, where, i)
                 if len(found) == len(secrets):
                     break
@@ -323,15 +328,53 @@ def scan_file(path: Path, secrets: list[Secret], label: str | None = None) -> li
             return list(found.values())
 
 
-def scan_files(files: Iterable[tuple[Path, str]], secrets: list[Secret]) -> tuple[list[Finding], int]:
+def _scan_part(task: tuple[str, str, int, int, list[Secret]]) -> list[Finding]:
+    path, label, start, end, secrets = task
+    return scan_file(Path(path), secrets, label, start, end)
+
+
+#: Below this many usable CPUs the scan stays in this process: on the 2-vCPU development VM
+#: two worker processes were no faster than one (docs/benchmarks.md, "The secret scan").
+MIN_CPUS_FOR_WORKERS = 4
+
+
+def scan_workers() -> int:
+    """Processes :func:`scan_files` uses by default: the CPUs this process may run on (the
+    engine is frozen or gone while a snapshot is scanned), or 1 below
+    :data:`MIN_CPUS_FOR_WORKERS`."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return n if n >= MIN_CPUS_FOR_WORKERS else 1
+
+
+def scan_files(files: Iterable[tuple[Path, str]], secrets: list[Secret],
+               workers: int | None = None) -> tuple[list[Finding], int]:
     """:func:`scan_file` over ``files`` (``(path on disk, name in findings)``); returns the
-    findings and the bytes scanned."""
-    out: list[Finding] = []
-    total = 0
-    for path, label in files:
-        total += Path(path).stat().st_size
-        out += scan_file(Path(path), secrets, label)
-    return out, total
+    findings (the first occurrence of each secret per file) and the bytes scanned. Each secret
+    costs one pass over the bytes, so the files are cut into parts of :data:`PART` bytes
+    scanned by ``workers`` processes (default :func:`scan_workers`; started with ``spawn``,
+    they import only this module) when there is more than one part and more than one worker."""
+    files = [(Path(p), label) for p, label in files]
+    sizes = [p.stat().st_size for p, _ in files]
+    total = sum(sizes)
+    tasks = [(str(p), label, off, min(off + PART, size), secrets)
+             for (p, label), size in zip(files, sizes) for off in range(0, size, PART)]
+    workers = scan_workers() if workers is None else workers
+    if not secrets or not tasks:
+        return [], total
+    if workers > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as ex:
+            parts = list(ex.map(_scan_part, tasks))
+    else:
+        parts = [_scan_part(t) for t in tasks]
+    first: dict[tuple[str, bytes], Finding] = {}
+    for f in (f for part in parts for f in part):
+        k = (f.where, f.secret.value)
+        if k not in first or f.offset < first[k].offset:
+            first[k] = f
+    return list(first.values()), total
 
 
 def refuse_if_found(findings: list[Finding], what: str) -> None:
