@@ -299,6 +299,20 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
         assert httpx.post(f"http://127.0.0.1:{gate}{path}", json={}, timeout=10,
                           headers={"Authorization": "Bearer sk-e2e-one"}).status_code == 403
     assert httpx.get(f"http://127.0.0.1:{gate}/health", timeout=10).status_code == 200
+    # the allow list against the installed engine's own route table: the gate read vLLM's
+    # /openapi.json and logged which routes stay closed; each of those is refused by the gate
+    gate_log = _settings(wc_env).run_dir / "tiny" / "gate.log"
+    deadline = time.monotonic() + 30
+    while not (report := [x for x in gate_log.read_text().splitlines() if "the engine serves" in x]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert report and "stay closed" in report[-1], report
+    closed = report[-1].rsplit(": ", 1)[-1].split()
+    assert "/v1/completions" not in closed and "/v1/chat/completions" not in closed and "/v1/models" not in closed
+    for path in closed:
+        if "{" not in path:
+            assert httpx.post(f"http://127.0.0.1:{gate}{path}", json={}, timeout=10, headers={
+                "Authorization": "Bearer sk-e2e-one"}).status_code in (403, 404), path
     assert "sk-e2e" not in json.dumps(json.loads(open(_settings(wc_env).run_dir / "tiny" / "state.json").read()))
     st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
     assert st["gate_api_key"] is True and st["gate_tls"] is False
