@@ -156,9 +156,7 @@ class RequestReader:
         carried = self.phase == "head"  # a head begun in an earlier block goes on
         try:
             self._parser.feed_data(data)
-        except _Stop:
-            pass
-        except httptools.HttpParserCallbackError:  # a callback raised: _Stop (refusal), else a bug
+        except httptools.HttpParserCallbackError:  # a callback raised (httptools wraps it): _Stop, else a bug
             if not self.stopped:
                 self._refuse(bad("malformed request"))
         except httptools.HttpParserUpgrade:  # Upgrade/CONNECT: refused in on_headers_complete

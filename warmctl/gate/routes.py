@@ -148,6 +148,7 @@ class Policy:
         return ok
 
     def needs_key(self, path: str) -> bool:
+        """True unless ``path`` is answered without a key (:attr:`public_paths`)."""
         return path not in self.public_paths
 
 
