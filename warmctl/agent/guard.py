@@ -12,7 +12,9 @@ middleware, :class:`GuardedFastAPI`) and answers from the request line and heade
   connection after the answer);
 - ``Content-Length`` above ``max_body`` bytes (or not a number): ``413`` (``400``) at once;
 - a body without ``Content-Length`` (chunked) is read up to ``max_body`` bytes and answered
-  ``413`` when it goes beyond; within the cap it is handed to the application unchanged.
+  ``413`` when it goes beyond; within the cap it is handed to the application unchanged;
+- a scope that is neither HTTP nor lifespan (a WebSocket: the server runs uvicorn with
+  ``ws="none"``, so none should come) is closed unread, never handed to the application.
 
 Errors have the agent's one error shape (``{"error", "message", "holder"}``).
 """
