@@ -32,13 +32,19 @@ KILL = "WARMCTL_TEST_KILL_AT_PHASE"
 
 
 def _ours(env) -> list[psutil.Process]:
-    """Processes started with this session's environment: engines (CRIU restores their
-    environment block too) and gates (python -m warmctl.gate)."""
+    """Processes of this session's home: engines (their ``VLLM_RPC_BASE_PATH`` is a directory
+    of the home's run directory: the engine's environment is declared, so nothing else of the
+    session's reaches it; CRIU restores the environment block too) and gates (python -m
+    warmctl.gate, started with the session's environment)."""
+    home = env["WARMCTL_TEST_HOME"]
     out = []
     for p in psutil.process_iter(["name", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if ("vllm" in cmd or "warmctl.gate" in cmd) and p.environ().get("WARMCTL_TEST_HOME") == env["WARMCTL_TEST_HOME"]:
+            if "vllm" not in cmd and "warmctl.gate" not in cmd:
+                continue
+            e = p.environ()
+            if e.get("WARMCTL_TEST_HOME") == home or e.get("VLLM_RPC_BASE_PATH", "").startswith(home + "/"):
                 out.append(p)
         except psutil.Error:
             continue
