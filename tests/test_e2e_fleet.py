@@ -193,3 +193,63 @@ def test_b_restores_from_ceph_rgw(fleet, engine_ports, tmp_path_factory):
             assert _answers(fleet["gate"]).strip()
         finally:
             warmctl("down", "tiny", env=b3, check=False)
+
+
+@pytest.mark.oci
+def test_b_restores_from_an_oci_registry_and_two_nodes_through_a_mirror(fleet, engine_ports, tmp_path_factory):
+    """A pushes to a registry (Distribution 2.8, TLS from a test CA, bearer tokens); a fresh B's ``up``
+    restores from it, the canary passes, B's second ``up`` fetches nothing remote. Then two fresh
+    nodes restore through a pull-through mirror of it: the origin serves each blob a few times
+    for both together (the mirror's fill), not once per node."""
+    from registry_server import Registry, TokenServer, docker_config, free_port, make_ca, missing_binary
+
+    from tests.conftest import need_service
+
+    need_service(missing_binary() and "docker-registry missing: run scripts/install-test-services.sh", "WARMCTL_REQUIRE_REGISTRY")
+    d = tmp_path_factory.mktemp("oci")
+    ca = make_ca(d / "ca")
+    tok = TokenServer(d / "tok", free_port(), ca, {"fleet": "fleet-pw"})  # the proxy logs in only with tokens
+    with Registry(d / "origin", free_port(), ca=ca, token=tok) as origin, \
+            Registry(d / "mirror", free_port(), ca=ca, proxy=(origin.url, "fleet", "fleet-pw")) as mirror:
+        auth = docker_config(d / "auth.json", origin.host, "fleet", "fleet-pw")
+        oenv = {"WARMCTL_OCI_CA_BUNDLE": str(ca.ca_cert), "REGISTRY_AUTH_FILE": str(auth)}
+        url = f"oci://{origin.host}/fleet/warmctl"
+        warmctl("push", "tiny", "--to", url, env=dict(fleet["a"], **oenv))
+        b = node(fleet["root"] / "b-oci", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=url, **oenv)
+        try:
+            r, res = _up(b, "--cold-start", "never")
+            assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
+            assert res["fetched"]["remote"] > 100 * 2**20
+            assert _answers(fleet["gate"]).strip()
+            warmctl("down", "tiny", env=b)
+            r, res = _up(b, "--cold-start", "never")
+            assert res["path"] == "restore" and res["fetched"]["remote"] == 0, res
+        finally:
+            warmctl("down", "tiny", env=b, check=False)
+        via = f"oci://{mirror.host}/fleet/warmctl"
+        marks = [len(origin.access_log())]
+        for name in ("c-oci", "d-oci"):
+            n = node(fleet["root"] / name, engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=via, **oenv)
+            try:
+                r, res = _up(n, "--cold-start", "never")
+                assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
+                assert res["fetched"]["remote"] > 100 * 2**20
+                assert _answers(fleet["gate"]).strip()
+            finally:
+                warmctl("down", "tiny", env=n, check=False)
+            marks.append(len(origin.access_log()))
+        log = origin.access_log()
+
+        def blob_gets(a: int, b: int) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for m, p, st in log[a:b]:
+                if m == "GET" and "/blobs/sha256:" in p and st in (200, 206):
+                    out[p] = out.get(p, 0) + 1
+            return out
+
+        first, second = blob_gets(marks[0], marks[1]), blob_gets(marks[1], marks[2])
+        print("origin blob GETs for the first node through the mirror:", sorted(first.values()))
+        # the mirror's fill: each blob twice (kept + streamed) plus early probes (docs/operations.md)
+        assert first and max(first.values()) <= 8, first
+        assert not second, second  # the second node costs the origin no blob
+    tok.stop()
