@@ -1,24 +1,29 @@
 """``warmctl up`` on a fleet node: from an empty local store through a remote, vs from a local store.
 
-Node A (this script's home) holds the ``tiny`` snapshot and pushes it to a directory remote and
-(unless ``--no-rgw``) to a one-node Ceph RGW on loopback (``tests/rgw_server.py``). Then, in
+Node A (this script's home) holds the ``tiny`` snapshot and pushes it to a directory remote,
+(unless ``--no-rgw``) to a one-node Ceph RGW on loopback (``tests/rgw_server.py``) and (unless
+``--no-oci``) to an OCI registry on loopback (Distribution 2.8, TLS from a CA made here, htpasswd;
+``tests/registry_server.py``). Then, in
 each round, interleaved (this machine is shared and noisy: the ratios of medians are the
 result, not the absolute seconds):
 
 - **local**: ``warmctl up tiny`` on a node whose local store already holds the snapshot;
 - **dir**: ``up`` on a fresh node (empty local store) with ``remote_store`` = the directory;
 - **rgw**: ``up`` on a fresh node with ``remote_store`` = ``s3://`` on the RGW;
+- **oci**: ``up`` on a fresh node with ``remote_store`` = ``oci://`` on the registry;
 
 each measured from the command's start to the first *correct* token on the public port (the
 canary's first token id), then ``down`` and the fresh node's home removed.
 
 Fetch throughput (once, after the rounds): warmctl's streaming fetch from RGW (``pull`` of the
 snapshot into an empty store: parallel ranged GETs, every chunk verified and written) against
-boto3's ``download_file`` of the same chunk objects to files with as many threads.
+boto3's ``download_file`` of the same chunk objects to files with as many threads; and from the
+registry: ``pull`` against a plain parallel download (httpx, one stream per blob, as many threads)
+of the layers of the snapshot's artifact.
 
 Usage::
 
-    python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--keep-home DIR]
+    python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--no-oci] [--keep-home DIR]
 
 Cleans up: every engine down, every node home and the RGW removed (``--keep-home`` keeps node
 A's home and its snapshot for the next run).
@@ -46,7 +51,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from restore_vs_cold import first_token  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-ENGINE_PORT, GATE_PORT = 18700, 18780
+ENGINE_PORT = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT") or 18700)
+GATE_PORT = int(os.environ.get("WARMCTL_TEST_GATE_PORT") or 18780)
 
 
 def wc(env, *args, check=True):
@@ -82,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-rgw", action="store_true", help="skip the Ceph RGW remote")
+    ap.add_argument("--no-oci", action="store_true", help="skip the OCI registry remote")
     ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep node A's home (its snapshot)")
     a = ap.parse_args()
 
@@ -117,6 +124,15 @@ def main() -> None:
             s3 = boto3.client("s3", endpoint_url=ep, aws_access_key_id=ak, aws_secret_access_key=sk, region_name="us-east-1")
             s3.create_bucket(Bucket=bucket)
             remotes["rgw"] = (f"s3://{bucket}/warmctl", s3env)
+        if not a.no_oci:
+            from registry_server import Registry, docker_config, make_ca
+            from registry_server import free_port as reg_port
+
+            ca = make_ca(work / "oci-ca")
+            reg = stack.enter_context(Registry(work / "oci", reg_port(), ca=ca, users={"fleet": "fleet-pw"}))
+            ocienv = {"WARMCTL_OCI_CA_BUNDLE": str(ca.ca_cert),
+                      "REGISTRY_AUTH_FILE": str(docker_config(work / "oci-auth.json", reg.host, "fleet", "fleet-pw"))}
+            remotes["oci"] = (f"oci://{reg.host}/fleet/warmctl", ocienv)
         for kind, (url, extra) in remotes.items():
             t0 = time.monotonic()
             wc(dict(env_a, **extra), "push", "tiny", "--to", url)
@@ -173,9 +189,49 @@ def main() -> None:
             print(f"\nfetch from RGW: warmctl {ours / 2**20:,.0f} MiB/s (verified, written) vs boto3 download_file "
                   f"{theirs / 2**20:,.0f} MiB/s ({src.workers} threads, {len(keys)} objects, {total / 2**20:,.0f} MiB): "
                   f"ratio {ours / theirs:.2f}")
+        if "oci" in remotes:
+            oci_fetch(remotes["oci"], work, entry.manifest)
     shutil.rmtree(work, ignore_errors=True)
     if a.keep_home is None:
         shutil.rmtree(root_a, ignore_errors=True)
+
+
+def oci_fetch(remote: tuple[str, dict], work: Path, digest: str) -> None:
+    """warmctl's pull from the registry against a plain parallel download of the artifact's layers."""
+    url, extra = remote
+    os.environ.update(extra)
+    from warmctl.catalog import Ref
+    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.store import open_store
+    from warmctl.store.oci import OCIBackend, parse_url
+
+    src, dst = open_store(url), open_store(work / "oci-pull-dst")
+    t0 = time.monotonic()
+    (c,) = transfer(src, dst, entries_to_copy(src, Ref.parse("tiny")))
+    dt_ours = time.monotonic() - t0
+    b = OCIBackend(*parse_url(url))
+    layers = b._get_manifest(f"manifest-{digest[7:]}", "artifact")[1]["layers"]
+    out = work / "oci-blobs"
+    out.mkdir()
+
+    def get(layer: dict) -> int:
+        r = b._send("GET", b._url(f"blobs/{layer['digest']}"), "blob", stream=True)
+        n = 0
+        with open(out / layer["digest"].replace(":", "_"), "wb") as f:
+            for chunk in r.iter_bytes(1 << 20):
+                f.write(chunk)
+                n += len(chunk)
+        r.close()
+        return n
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(src.workers) as ex:
+        total = sum(ex.map(get, layers))
+    dt = time.monotonic() - t0
+    ours = c.report.bytes_copied / dt_ours
+    print(f"\nfetch from the registry: warmctl {ours / 2**20:,.0f} MiB/s (ranged reads of packs, verified, written; "
+          f"{c.report.bytes_copied / 2**20:,.0f} MiB) vs a plain download of the artifact's {len(layers)} layers "
+          f"{total / dt / 2**20:,.0f} MiB/s ({src.workers} threads, {total / 2**20:,.0f} MiB): ratio {ours / (total / dt):.2f}")
 
 
 if __name__ == "__main__":
