@@ -69,6 +69,29 @@ else
   say "criu: installed /usr/local/sbin/criu ($CRIU_VERSION); 'criu check' passes"
 fi
 
+# --- CRIU's network lock ------------------------------------------------------------------------
+# A tensor-parallel engine's ranks hold established loopback TCP connections (their gloo group);
+# CRIU dumps and restores those only under a network lock: nftables (a CRIU built against
+# libnftables, as above, needs libnftables1 at run time) or iptables (iptables-restore).
+# warmctl picks the one this host has (warmctl/checkpoint/criu.py, network_lock_method).
+CRIU_RUN=${CRIU_BIN:-/usr/local/sbin/criu}
+netlock() {
+  if "$CRIU_RUN" check --feature network_lock_nftables >/dev/null 2>&1; then echo nftables
+  elif command -v iptables-restore >/dev/null 2>&1; then echo iptables
+  fi
+}
+NETLOCK=$(netlock)
+if [ -z "$NETLOCK" ]; then
+  apt_install libnftables1
+  NETLOCK=$(netlock)
+fi
+if [ -z "$NETLOCK" ]; then  # a distro CRIU built without libnftables: its default, iptables
+  apt_install iptables
+  NETLOCK=$(netlock)
+fi
+[ -n "$NETLOCK" ] || die "no CRIU network lock: '$CRIU_RUN check --feature network_lock_nftables' fails and iptables-restore is missing"
+say "criu: network lock $NETLOCK (for the established TCP connections of multi-rank engines)"
+
 # --- Python environment -------------------------------------------------------------------------
 if [ -x "$VENV/bin/python" ]; then
   say "venv: $VENV exists; reusing"

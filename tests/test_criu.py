@@ -1,6 +1,8 @@
 """Real CRIU on a small process tree (no engine): dump, restore with new host PIDs, errors."""
 
+import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -9,7 +11,7 @@ import psutil
 import pytest
 
 from warmctl.checkpoint import capture, criu
-from warmctl.errors import CheckpointError
+from warmctl.errors import CheckpointError, HostError
 from warmctl.proc import ProcessId, kill_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
@@ -204,3 +206,87 @@ def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
     assert list(tmp_path.glob("loaded.*")) == []
     # The empty plugin directories were removed.
     assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("warmctl-criu-noplugins-")]
+
+
+# --- network lock: established loopback TCP, as a tensor-parallel engine's ranks hold ---------
+
+_TCP_PAIR = r"""
+import socket, sys, time
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+cli = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()
+n = 0
+while True:
+    cli.sendall(b"x"); assert peer.recv(1) == b"x"; n += 1
+    print(n, flush=True); time.sleep(0.05)
+"""
+
+
+def _tcp_tree(tmp_path):
+    log = open(tmp_path / "out.log", "ab")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", os.sys.executable, "-c", _TCP_PAIR],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    for _ in range(100):
+        kids = psutil.Process(p.pid).children()
+        if kids and (tmp_path / "out.log").stat().st_size > 0:
+            return p, kids[0].pid
+        time.sleep(0.05)
+    raise AssertionError("the TCP pair did not start")
+
+
+def _counts(log: Path) -> list[int]:
+    """The round trips the TCP pair logged (the launcher's own lines, e.g. unshare's complaint
+    when CRIU killed its child, left out)."""
+    return [int(x) for x in log.read_text().split() if x.isdigit()]
+
+
+def test_network_lock_is_chosen_by_what_the_host_has(tmp_path):
+    binary = criu.check()
+    got = criu.network_lock_method(binary, tmp_path)
+    nft = subprocess.run([binary, "check", "--feature", "network_lock_nftables"], capture_output=True).returncode == 0
+    assert got == ("nftables" if nft else "iptables" if shutil.which("iptables-restore") else None)
+    assert json.loads((tmp_path / "criu-netlock.json").read_text())["network_lock"] == got
+
+
+def test_a_host_without_any_network_lock_is_refused_naming_both(tmp_path, monkeypatch):
+    fake = tmp_path / "criu"  # a CRIU whose nftables check fails, on a PATH without iptables
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert criu.network_lock_method(str(fake)) is None
+    with pytest.raises(HostError) as e:
+        criu.require_network_lock(str(fake), why="profile tiny-tp2 (TP2)")
+    msg = str(e.value)
+    assert "profile tiny-tp2 (TP2)" in msg and "network_lock_nftables" in msg and "iptables" in msg
+
+
+def test_established_tcp_dumps_and_restores_under_the_hosts_network_lock(tmp_path):
+    binary = criu.check()
+    if criu.network_lock_method(binary) is None:
+        pytest.fail("this host has no CRIU network lock (nftables or iptables): scripts/install.sh installs one")
+    launcher, root = _tcp_tree(tmp_path)
+    criu.dump(root, tmp_path / "img")  # network_lock="auto": the host's method
+    launcher.wait(10)
+    lines = _counts(tmp_path / "out.log")
+    new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+    try:
+        time.sleep(0.6)
+        after = _counts(tmp_path / "out.log")
+        assert after[-1] > lines[-1] + 3  # the restored connection still talks
+    finally:
+        kill_tree(ProcessId.of(new_root))
+
+
+def test_established_tcp_without_a_usable_lock_fails_the_dump_and_the_tree_keeps_running(tmp_path):
+    binary = criu.check()
+    if shutil.which("iptables-restore"):
+        pytest.skip("iptables is installed here: CRIU's default lock works (this shows the failure without it)")
+    launcher, root = _tcp_tree(tmp_path)
+    try:
+        with pytest.raises(CheckpointError, match="criu dump of pid .* failed"):
+            criu.dump(root, tmp_path / "img", network_lock=None, leave_running=True)  # CRIU's default: iptables
+        n = _counts(tmp_path / "out.log")[-1]
+        time.sleep(0.4)
+        assert _counts(tmp_path / "out.log")[-1] > n  # resumed: still talking
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)

@@ -193,7 +193,7 @@ def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequen
 
 
 def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600,
-         binary: str | None = None, plugins: Sequence[str] = ()) -> float:
+         binary: str | None = None, plugins: Sequence[str] = (), network_lock: str | None = "auto") -> float:
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
 
     Returns the seconds it took. The tree is killed after a successful dump unless
@@ -205,11 +205,14 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     :class:`CheckpointError` with the relevant lines of CRIU's log (``images_dir/dump.log``) on
     failure; the tree then keeps running (CRIU resumes it). ``plugins``: CRIU plugins to load
     (:func:`_plugin_libdir`; ``amdgpu_plugin.so`` for AMD GPU state), none by default.
+    ``network_lock``: CRIU's ``--network-lock`` method for the tree's established TCP
+    connections (``"auto"``: the host's, :func:`network_lock_method`; None: CRIU's default).
     """
     images_dir = Path(images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [check(binary), "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
-           *DUMP_FLAGS]
+    bin_ = check(binary)
+    cmd = [bin_, "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
+           *DUMP_FLAGS, *_network_lock_flags(bin_, network_lock)]
     if not leave_running:
         return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s, plugins)
     script = images_dir.parent / f".warmctl-post-dump-{os.getpid()}.sh"
@@ -230,7 +233,8 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
             binary: str | None = None, work_dir: Path | None = None,
-            plugins: Sequence[str] = (), lazy_pages: bool = False) -> tuple[int, float]:
+            plugins: Sequence[str] = (), lazy_pages: bool = False,
+            network_lock: str | None = "auto") -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
     ``log_file`` defaults to ``images_dir/restore.log``. ``work_dir``: where CRIU writes what
@@ -239,14 +243,16 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     the relevant lines of CRIU's log on failure (CRIU kills what it partly restored).
     ``plugins``: as for :func:`dump` (an image dumped with a plugin needs it at restore).
     ``lazy_pages``: ``--lazy-pages``, served by a ``criu lazy-pages`` daemon already listening
-    in ``work_dir`` (use :func:`lazy_restore`, which starts it).
+    in ``work_dir`` (use :func:`lazy_restore`, which starts it). ``network_lock``: as for
+    :func:`dump` (the restored TCP connections are locked until the tree resumes).
     """
     images_dir = Path(images_dir)
     log_file = Path(log_file or images_dir / "restore.log")
     pidfile = Path(pidfile)
     pidfile.unlink(missing_ok=True)
-    cmd = [check(binary), "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
-           "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS]
+    bin_ = check(binary)
+    cmd = [bin_, "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
+           "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS, *_network_lock_flags(bin_, network_lock)]
     if work_dir is not None:
         cmd += ["-W", str(work_dir)]
     if lazy_pages:
@@ -368,43 +374,118 @@ def lazy_log_status(log: Path) -> LazyLogStatus:
     return parse_lazy_log(text)
 
 
+def _cached_probe(binary: str, cache_dir: Path | None, file_name: str, field: str, probe):
+    """``probe()`` (JSON-able), cached as ``field`` in ``cache_dir/file_name`` per CRIU binary
+    (path, size, mtime) and kernel release (``uname -r``); without ``cache_dir``: once per
+    process. None when ``binary`` cannot be stat'ed."""
+    import json
+
+    try:
+        st = os.stat(binary)
+    except OSError:
+        return None
+    key = f"{os.path.realpath(binary)}|{st.st_size}|{st.st_mtime_ns}|{os.uname().release}"
+    cache = Path(cache_dir) / file_name if cache_dir is not None else None
+    if cache is None and (file_name, key) in _PROBED:
+        return _PROBED[(file_name, key)]
+    if cache is not None:
+        try:
+            d = json.loads(cache.read_text())
+            if d.get("key") == key and field in d:
+                _PROBED[(file_name, key)] = d[field]
+                return d[field]
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            pass
+    value = probe()
+    _PROBED[(file_name, key)] = value
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, field: value}))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    return value
+
+
+#: answers of :func:`_cached_probe` in this process: {(file name, binary key): value}
+_PROBED: dict[tuple[str, str], object] = {}
+
+
 def uffd_supported(binary: str, cache_dir: Path | None = None) -> bool:
     """True if ``criu check --feature uffd-noncoop`` passes (what a lazy restore of a
     multi-process tree needs: the fork/remove/unmap events of non-cooperative userfaultfd).
 
     The answer is cached in ``cache_dir/criu-uffd.json`` per CRIU binary (path, size, mtime)
     and kernel release (``uname -r``), so ``up`` pays the check (~10-50 ms) once per host and
-    CRIU/kernel upgrade, then one small file read. Without ``cache_dir``: not cached.
+    CRIU/kernel upgrade, then one small file read. Without ``cache_dir``: once per process.
     """
-    import json
 
-    try:
-        st = os.stat(binary)
-    except OSError:
-        return False
-    key = f"{os.path.realpath(binary)}|{st.st_size}|{st.st_mtime_ns}|{os.uname().release}"
-    cache = Path(cache_dir) / "criu-uffd.json" if cache_dir is not None else None
-    if cache is not None:
+    def probe() -> bool:
         try:
-            d = json.loads(cache.read_text())
-            if d.get("key") == key:
-                return bool(d["uffd_noncoop"])
-        except (OSError, ValueError, KeyError, AttributeError, TypeError):
-            pass
-    try:
-        ok = subprocess.run([binary, "check", "--feature", "uffd-noncoop"], capture_output=True,
-                            timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    if cache is not None:
+            return subprocess.run([binary, "check", "--feature", "uffd-noncoop"], capture_output=True,
+                                  timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    return bool(_cached_probe(binary, cache_dir, "criu-uffd.json", "uffd_noncoop", probe))
+
+
+# --- network lock (established TCP connections: tensor-parallel ranks' gloo group) -----------
+
+#: CRIU's ``--network-lock`` methods, in the order warmctl prefers them.
+NETWORK_LOCKS = ("nftables", "iptables")
+
+
+def network_lock_method(binary: str, cache_dir: Path | None = None) -> str | None:
+    """The ``--network-lock`` method this host supports for CRIU ``binary``: ``"nftables"``
+    when ``criu check --feature network_lock_nftables`` passes (CRIU built with libnftables,
+    ``libnftables1`` installed, kernel nf_tables with set concatenations), else ``"iptables"``
+    when ``iptables-restore`` is on ``PATH`` (CRIU's default method runs it), else None.
+    Cached like :func:`uffd_supported` (``cache_dir/criu-netlock.json``).
+
+    Why it matters: CRIU dumps an established TCP connection (``--tcp-established``; a
+    tensor-parallel vLLM's ranks hold several on loopback) only after locking it with the
+    network lock, and restores it under the same lock; without a usable method the dump fails
+    late ("Iptables configuration failed", "Failed to lock TCP connection")."""
+
+    def probe() -> str | None:
         try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({"key": key, "uffd_noncoop": ok}))
-            os.replace(tmp, cache)
-        except OSError:
+            if subprocess.run([binary, "check", "--feature", "network_lock_nftables"], capture_output=True,
+                              timeout=30).returncode == 0:
+                return "nftables"
+        except (OSError, subprocess.TimeoutExpired):
             pass
-    return ok
+        return "iptables" if shutil.which("iptables-restore") else None
+
+    found = _cached_probe(binary, cache_dir, "criu-netlock.json", "network_lock", probe)
+    return found if found in NETWORK_LOCKS else None
+
+
+def require_network_lock(binary: str, cache_dir: Path | None = None, why: str = "") -> str:
+    """:func:`network_lock_method`, or :class:`HostError` saying what to install (``why``:
+    what needs it, for the message): call it in pre-flight, before any engine starts."""
+    method = network_lock_method(binary, cache_dir)
+    if method is None:
+        raise HostError(f"{why or 'this engine'} holds established TCP connections, which CRIU dumps and restores "
+                        f"only under a network lock, and this host has no method for one: `{binary} check --feature "
+                        "network_lock_nftables` fails and iptables-restore is not on PATH; install libnftables1 "
+                        "(with a CRIU built against libnftables-dev, as scripts/install.sh builds it) or iptables")
+    return method
+
+
+def _network_lock_flags(binary: str, network_lock: str | None) -> list[str]:
+    """``["--network-lock", METHOD]``: ``network_lock`` (``"auto"``: :func:`network_lock_method`,
+    nothing when the host has none: CRIU's default then fails only on a tree that holds
+    established TCP connections), None: nothing."""
+    if network_lock == "auto":
+        network_lock = network_lock_method(binary)
+    if network_lock is None:
+        return []
+    if network_lock not in NETWORK_LOCKS:
+        raise HostError(f"network lock {network_lock!r} is not one of {', '.join(NETWORK_LOCKS)}")
+    return ["--network-lock", network_lock]
 
 
 def _start_lazy_daemon(binary: str, images_dir: Path, work_dir: Path, log_file: Path, libdir: list[str],
@@ -445,7 +526,7 @@ def _start_lazy_daemon(binary: str, images_dir: Path, work_dir: Path, log_file: 
 
 def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: Path | None = None,
                  daemon_log: Path | None = None, timeout_s: float = 600, binary: str | None = None,
-                 on_daemon=None) -> tuple[int, LazyPages, float]:
+                 on_daemon=None, network_lock: str | None = "auto") -> tuple[int, LazyPages, float]:
     """Restore the tree in ``images_dir`` detached, its memory on demand: start ``criu
     lazy-pages`` (its socket and ``stats`` in ``work_dir``, its log ``daemon_log``, default
     ``work_dir/lazy-pages.log``), then ``criu restore --lazy-pages``. Private anonymous memory
@@ -458,6 +539,7 @@ def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: P
     :func:`parse_lazy_log` for how to tell whether it ended complete. No CRIU plugins (a plan
     that needs them restores eagerly). Raises :class:`LazyPagesError` if the daemon cannot
     start, :class:`CheckpointError` if the restore fails (the daemon is then stopped).
+    ``network_lock``: as for :func:`restore`.
     """
     images_dir, work_dir = Path(images_dir), Path(work_dir)
     daemon_log = Path(daemon_log or work_dir / "lazy-pages.log")
@@ -469,7 +551,7 @@ def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: P
         if on_daemon is not None:
             on_daemon(lp)
         pid, _ = restore(images_dir, pidfile, log_file=log_file, timeout_s=timeout_s, binary=bin_, work_dir=work_dir,
-                         lazy_pages=True)
+                         lazy_pages=True, network_lock=network_lock)
     except BaseException:
         lp.stop()
         raise
