@@ -111,7 +111,7 @@ def test_tables_are_tab_separated_lines_off_a_terminal(home):
     r = run(home, "ls")
     assert r.returncode == 0 and not ESC.search(r.stdout)
     lines = r.stdout.splitlines()
-    assert lines[0] == "# snapshot\tdigest\tsize\tcreated\tcold start\thost"
+    assert lines[0] == "# snapshot\tdigest\tsize\tcreated\tcold start\tranks\thost"
     assert lines[1].split("\t")[:2] == ["tiny:latest", home["digest"][:19]]
     r = run(home, "config", "show")
     assert r.returncode == 0
@@ -142,7 +142,8 @@ def test_json_outputs_parse_with_documented_keys(home):
 
     rows = j("ls")
     assert [(e["name"], e["tag"], e["digest"]) for e in rows] == [("tiny", "latest", home["digest"])]
-    assert set(rows[0]) == _documented_keys("ls [--remote] --json") == {"name", "tag", "digest", "size", "created", "host", "profile"}
+    assert set(rows[0]) == _documented_keys("ls [--remote] --json") == {"name", "tag", "digest", "size", "created", "host", "profile",
+                                                                   "layout"}
     assert j("status") == []
     du = j("du")
     assert set(du) == _documented_keys("du --json") and du["rows"][0]["digest"] == home["digest"]

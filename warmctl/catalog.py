@@ -92,6 +92,7 @@ RULES = (
     "gpu memory (AMD): every GPU has at least the VRAM of the one it replaces",
     "gpu firmware (AMD): MEC and SDMA firmware on the restoring GPUs not older than at snapshot",
     "cpu: the host has every CPU feature recorded at snapshot (IGNORED_CPU_FLAGS excepted)",
+    "ranks: every rank of a multi-rank snapshot gets the CPUs it was bound to (the host lets warmctl use them)",
     "criu: CRIU installed, same major version, not older than at snapshot",
     "criu plugin (AMD): CRIU's amdgpu plugin (amdgpu_plugin.so) in CRIU's plugin directory",
     "known bad: no combination listed in KNOWN_BAD (e.g. CRIU 4.2.x restoring AMD GPU state)",
@@ -283,6 +284,13 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         return "cpu", f"host CPU lacks {shown}, recorded at snapshot ({snap.cpu.model or '?'} vs host {host.cpu.model or '?'})"
+    if snap.rank_cpus and host.cpus_allowed:
+        from warmctl.checkpoint.affinity import parse_cpu_list
+        from warmctl.checkpoint.layout import host_problems
+
+        short = host_problems(snap.rank_cpus, parse_cpu_list(host.cpus_allowed))
+        if short:
+            return "ranks", "; ".join(short)
     if snap.criu_version:
         if not host.criu_version:
             return "criu", f"snapshot was dumped by criu {snap.criu_version}; criu not found on host"
@@ -408,6 +416,8 @@ def compat_key(host: dict[str, Any]) -> str:
             "engine": fp.engine_version,
             "env": fp.env_digest,
         }
+        if fp.rank_cpus:  # the ranks rule (keys of snapshots without bound ranks unchanged)
+            crit["ranks"] = dict(sorted(fp.rank_cpus.items()))
         if fp.gpu_vendor == "amd":  # what the AMD rules compare besides (NVIDIA keys unchanged)
             crit["amd"] = {"memory": sorted(g.memory_bytes for g in fp.gpus),
                            "fw": sorted((g.fw_version or 0, g.sdma_fw_version or 0) for g in fp.gpus)}

@@ -26,3 +26,31 @@ def point(name: str) -> None:
     """SIGKILL this process if ``WARMCTL_TEST_KILL_AT_PHASE`` is ``name`` (see module doc)."""
     if os.environ.get(ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+#: The environment variable naming a rank to kill and where: ``POINT:ROLE`` (``ranks:Worker_TP1``).
+RANK_ENV = "WARMCTL_TEST_KILL_RANK"
+
+
+def kill_rank(name: str, root_pid: int) -> None:
+    """If ``WARMCTL_TEST_KILL_RANK`` is ``NAME:ROLE``: SIGKILL the rank ``ROLE`` (its process
+    title ``VLLM::ROLE``, :mod:`warmctl.checkpoint.layout`) of ``root_pid``'s tree at this point
+    and wait until it is dead, as a ``kill -9`` of one rank would (points: ``before_dump``,
+    after the warm-up and canary; ``ranks``, after a restore, before its ranks are checked).
+    Unset: one dictionary lookup."""
+    want = os.environ.get(RANK_ENV, "")
+    point_, _, role = want.partition(":")
+    if point_ != name or not role:
+        return
+    import time
+
+    from warmctl.checkpoint.layout import live_ranks
+    from warmctl.proc import ProcessId, pid_alive, signal_process
+
+    r = live_ranks(root_pid).get(role)
+    if r is None:
+        return
+    signal_process(ProcessId.of(r.pid), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while pid_alive(r.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)

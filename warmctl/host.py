@@ -160,11 +160,16 @@ class HostFingerprint(_M):
     gpu_source: str | None = None
     criu_plugin_dir: str | None = None
     criu_plugins: list[str] | None = None
+    #: CPUs warmctl may use on this host (kernel CPU list of its ``sched_getaffinity``)
+    cpus_allowed: str | None = None
+    #: snapshots only: ``{rank role: CPU list}`` each bound rank ran on (:mod:`warmctl.checkpoint.layout`);
+    #: the "ranks" rule of the catalog wants every one of them among a restoring host's ``cpus_allowed``
+    rank_cpus: dict[str, str] | None = None
 
     @model_serializer(mode="wrap")
     def _amd_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for k in ("gpu_source", "criu_plugin_dir", "criu_plugins"):
+        for k in ("gpu_source", "criu_plugin_dir", "criu_plugins", "cpus_allowed", "rank_cpus"):
             if data.get(k) is None:
                 data.pop(k, None)
         return data
@@ -492,4 +497,15 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> Host
         engine_version=engine_version(dists),
         python_version=pyver,
         env_digest=environment_digest(dists),
+        cpus_allowed=_cpus_allowed(),
     )
+
+
+def _cpus_allowed() -> str | None:
+    """The kernel CPU list of the CPUs this process may use, None when it cannot be read."""
+    from warmctl.checkpoint.affinity import cpu_list
+
+    try:
+        return cpu_list(os.sched_getaffinity(0))
+    except OSError:
+        return None

@@ -43,10 +43,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from warmctl import enginelock, fleet
+from warmctl import enginelock, faults, fleet
 from warmctl import snapshot as snap
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
-from warmctl.checkpoint import affinity, capture, criu
+from warmctl.checkpoint import affinity, capture, criu, layout
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
@@ -376,7 +376,11 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
-    pages = restore_pages(settings, criu.check(settings.criu), plan.criu_plugins, reporter)
+    binary = criu.check(settings.criu)
+    lay = m.restore.layout
+    if lay is not None and lay.world_size > 1:  # the ranks' TCP connections come back under CRIU's network lock
+        criu.require_network_lock(binary, settings.cache_dir, f"snapshot {m.name} ({lay.describe()})")
+    pages = restore_pages(settings, binary, plan.criu_plugins, reporter)
     plan.before_restore(m.restore, reporter)  # AMD: free VRAM per GPU (the amdgpu plugin allocates it in CRIU)
 
     run = EngineRun(settings.run_dir, found.name, prof.engine.port, log_path=m.restore.log_path, cwd=m.restore.cwd,
@@ -394,6 +398,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     lazy = None
     try:
         img, lazy = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins, pages)
+        _check_ranks(run, m, reporter)
         run.save(phase="health")
         plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
                            [x.uuid for x in found.fp.gpus], reporter)
@@ -479,6 +484,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
     returns it; ``eager`` returns None beside the image."""
     m = found.manifest
     assert m is not None
+    netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
             img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
@@ -492,14 +498,15 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                 run.lazy_failed.unlink(missing_ok=True)
                 pid, lazy, _ = criu.lazy_restore(img.images, run.criu_pidfile, run.dir, log_file=run.restore_log,
                                                  daemon_log=run.lazy_log, binary=settings.criu,
-                                                 on_daemon=lambda lp: run.set_lazy(lp.ident))
+                                                 on_daemon=lambda lp: run.set_lazy(lp.ident), network_lock=netlock)
                 run.adopt_restored(pid)
                 _rebind(run, m, reporter)
                 if lazy.oom_note:
                     reporter.info(f"[yellow]{lazy.oom_note}[/]")
                 return img, lazy
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
-                                            binary=settings.criu, work_dir=run.dir, plugins=plugins)[0])
+                                            binary=settings.criu, work_dir=run.dir, plugins=plugins,
+                                            network_lock=netlock)[0])
             _rebind(run, m, reporter)
     return img, None
 
@@ -510,6 +517,22 @@ def _rebind(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
     done = affinity.apply(run.root_pid, m.restore.cpu_affinity)
     if note := done.note():
         reporter.info(f"[yellow]CPU binding: {note}[/]")
+
+
+def _check_ranks(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
+    """The "ranks" phase, right after the CRIU restore (threads rebound), before ``/health`` and
+    the canary: every rank the snapshot's layout records is back, alive and bound as recorded
+    (:func:`warmctl.checkpoint.layout.check_restored`; :class:`~warmctl.checkpoint.layout.RankError`
+    names a missing or dead rank, its process and its log lines). Nothing for manifests written
+    before the layout was recorded."""
+    lay = m.restore.layout
+    if lay is None:
+        return
+    faults.kill_rank("ranks", run.root_pid)  # a test's kill -9 of one restored rank (WARMCTL_TEST_KILL_RANK)
+    with reporter.phase("ranks", f"checking {len(lay.ranks)} rank(s): {lay.describe()}"):
+        back = layout.check_restored(run.root_pid, lay, run.log_path)
+    assert run.state is not None
+    run.state.layout, run.state.ranks = lay.sizes(), back
 
 
 def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,
@@ -547,7 +570,7 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
 
     reporter.info(f"[yellow]cold start:[/] {escape(reason)}")
     if snapshot_after:
-        criu.check(settings.criu)
+        snap.require_ranks_checkpointable(profile, settings)
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
     startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter,
                          settings.engine_env_passthrough)
@@ -559,6 +582,9 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
                                **gate_enforces(gate_args),
                                log_path=str(run.log_path)))
         record = cold.warm_and_record(run, profile, reporter)
+        sizes = layout.profile_sizes(profile)
+        run.state.layout = sizes.describe()  # type: ignore[union-attr]
+        run.state.ranks = {r: x.pid for r, x in layout.live_ranks(run.root_pid).items()}  # type: ignore[union-attr]
         if snapshot_after:
             digest = snap.snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
             reporter.info(f"snapshot {profile.name}:{tag} = {digest}")

@@ -180,6 +180,62 @@ class WeightsRestore(_Recorded):
     ranks: list[RankWeights] = []
 
 
+class RankRecord(_Recorded):
+    """One rank of the engine (:mod:`warmctl.checkpoint.layout`): ``rank`` (vLLM's order: DP,
+    PP, TP), ``role`` (its process title without ``VLLM::``: ``Worker_TP0``, or ``EngineCore``
+    for a one-rank engine), ``nspid`` (its PID inside the engine's PID namespace, which CRIU
+    restores), ``cpus`` (CPU list, kernel syntax, of its bound threads; absent when none was
+    bound) and ``gpu`` (UUID of the GPU it held; GPU hosts only)."""
+
+    rank: int = Field(ge=0)
+    role: str
+    nspid: int = Field(ge=1)
+    cpus: str = ""
+    gpu: str | None = None
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_ok(cls, v: str) -> str:
+        from warmctl.checkpoint.affinity import parse_cpu_list
+
+        if v:
+            parse_cpu_list(v)
+        return v
+
+
+class ParallelLayout(_Recorded):
+    """``restore.layout``: how the engine was split and where each rank ran. ``tp``, ``pp``,
+    ``dp``: the parallel sizes; ``ep``: ranks the experts are split over (1: no expert
+    parallel); ``world_size``: TP x PP x DP; ``ranks``: one :class:`RankRecord` each, in rank
+    order; ``cpu_bind``: the ``VLLM_CPU_OMP_THREADS_BIND`` the engine ran with and
+    ``cpu_bind_source`` (``profile`` or ``default``: warmctl's split of the CPUs it could use);
+    ``network_lock``: CRIU's network-lock method of the dump (``nftables``/``iptables``). Absent
+    from manifests written before warmctl recorded it."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    world_size: int = Field(ge=1)
+    ranks: list[RankRecord] = []
+    cpu_bind: str | None = None
+    cpu_bind_source: Literal["profile", "default"] | None = None
+    network_lock: str | None = None
+
+    def sizes(self) -> str:
+        """``"TP2"``, ``"TP2 x PP2"``, ``"TP2, EP2"``; ``"TP1"`` for one rank."""
+        from warmctl.checkpoint.layout import describe_sizes
+
+        return describe_sizes(self.tp, self.pp, self.dp, self.ep)
+
+    def describe(self) -> str:
+        """``"TP2 (Worker_TP0 ns-pid 12 CPU 0, Worker_TP1 ns-pid 13 CPU 1)"``-style one line."""
+        head = self.sizes()
+        ranks = ", ".join(f"{r.role} ns-pid {r.nspid}" + (f" CPU {r.cpus}" if r.cpus else "")
+                          + (f" GPU {r.gpu}" if r.gpu else "") for r in self.ranks)
+        return f"{head} ({ranks})" if ranks else head
+
+
 class RestoreInfo(_Recorded):
     """``restore``: facts a restore needs that the images do not hold.
 
@@ -201,7 +257,7 @@ class RestoreInfo(_Recorded):
     ``engine_env``: the engine's environment at the cold start by name only, ``{variable:
     source}`` with source ``base``, ``passthrough``, ``warmctl`` or ``profile``
     (:class:`warmctl.engine.vllm.EngineEnv`; never a value: the profile's own values are in
-    ``profile``). Every key is optional in the format (a manifest written without one reads
+    ``profile``); ``layout``: the parallel layout and every rank (:class:`ParallelLayout`). Every key is optional in the format (a manifest written without one reads
     with its default).
     """
 

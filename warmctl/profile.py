@@ -82,6 +82,14 @@ class EngineSpec(_Strict):
                                       {"detail": "\n".join(f"{f}: {m}" for f, m in problems)})
         return self
 
+    @field_validator("args")
+    @classmethod
+    def _parallel_sizes_ok(cls, v: list[str]) -> list[str]:
+        from warmctl.checkpoint.layout import sizes_of  # the ranks' layout (TP, PP, DP, EP) must parse
+
+        sizes_of(v)
+        return v
+
 
 class GateSpec(_Strict):
     """The public port, opened only after the canary passed."""

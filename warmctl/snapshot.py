@@ -40,14 +40,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl import credentials, enginelock, fleet, host, trust
+from warmctl import credentials, enginelock, faults, fleet, host, trust
 from warmctl.catalog import Catalog, Ref
-from warmctl.checkpoint import affinity, capture, criu, filedigest
+from warmctl.checkpoint import affinity, capture, criu, filedigest, layout
 from warmctl.config import Settings
 from warmctl.engine import cold
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
-from warmctl.manifest import CanaryRecord, FileEntry, GpuRestore, Manifest, Phase, RestoreInfo, WeightsRestore
+from warmctl.manifest import (CanaryRecord, FileEntry, GpuRestore, Manifest, ParallelLayout, Phase, RestoreInfo,
+                              WeightsRestore)
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
 from warmctl.store import open_store
@@ -126,7 +127,7 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
     (CRIU) or store errors; nothing of the engine survives, in any case (CRIU's dump kills it).
     """
     _report_drift(profile, settings, tag, reporter)
-    criu.check(settings.criu)
+    require_ranks_checkpointable(profile, settings)
     with enginelock.hold(settings.run_dir, profile.name, "snapshot",
                          on_wait=lambda o: reporter.info(f"waiting for the {o.op if o else 'other'} of {profile.name} "
                                                          "already running on this host")):
@@ -140,6 +141,19 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
             run.teardown()
             raise
         return snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, push_to=push_to)
+
+
+def require_ranks_checkpointable(profile: Profile, settings: Settings) -> None:
+    """Pre-flight of a snapshot, before any engine starts: CRIU usable; the ranks' CPU binding
+    satisfiable here (:func:`warmctl.checkpoint.layout.cpu_binding`); for an engine of several
+    ranks (their gloo group holds established loopback TCP connections) a CRIU network-lock
+    method on this host (:func:`warmctl.checkpoint.criu.require_network_lock`). Raises
+    :class:`warmctl.errors.HostError` naming what is missing."""
+    binary = criu.check(settings.criu)
+    layout.cpu_binding(profile)
+    sizes = layout.profile_sizes(profile)
+    if sizes.multi_process:
+        criu.require_network_lock(binary, settings.cache_dir, f"profile {profile.name} ({sizes.describe()})")
 
 
 def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record: CanaryRecord,
@@ -159,7 +173,9 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
     try:
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
         weights = plan.before_dump(run, reporter)
+        ranks_ = _ranks(run, profile, settings)
         dumped = _dump(run, plan, leave_running, settings.criu, reporter)
+        dumped.layout = ranks_
         if leave_running:
             plan.after_dump(run, reporter)
         draft = _build_manifest(run, profile, settings, record, startup, reporter, dumped, weights,
@@ -192,6 +208,23 @@ class _Dumped:
     gpu: GpuRestore | None = None
     images_bytes: int = 0
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
+    layout: ParallelLayout | None = None
+
+
+def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayout:
+    """Right before the dump: every rank the profile's layout names is running
+    (:func:`warmctl.checkpoint.layout.discover`; :class:`~warmctl.checkpoint.layout.RankError`
+    naming a missing one, with its log lines), recorded with its namespace PID, CPUs and GPU."""
+    sizes = layout.profile_sizes(profile)
+    faults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 of one rank (WARMCTL_TEST_KILL_RANK)
+    gpus = None
+    if profile.hardware.gpu_count:
+        from warmctl.checkpoint import nvml
+
+        gpus = {pid: next(iter(used)) for pid, used in nvml.compute_processes().items() if used}
+    live = layout.discover(run.root_pid, sizes, run.log_path, gpus)
+    netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
+    return layout.record(live, sizes, layout.cpu_binding(profile), netlock)
 
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
@@ -311,11 +344,16 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
         restore.gpu = dumped.gpu
     if weights is not None:
         restore.weights = weights
+    fp = host.fingerprint(criu=settings.criu)
+    if dumped.layout is not None:
+        restore.layout = dumped.layout
+        if dumped.layout.world_size > 1 and (bound := layout.rank_cpus(dumped.layout)):
+            fp.rank_cpus = bound  # the catalog's "ranks" rule: a restoring host must offer these CPUs
     return Manifest(
         name=profile.name,
         profile_digest=profile.digest(),
         profile=profile.model_dump(mode="json"),
-        host=host.fingerprint(criu=settings.criu).model_dump(mode="json"),
+        host=fp.model_dump(mode="json"),
         canary=record,
         phases=_phases(startup, reporter),
         restore=restore,

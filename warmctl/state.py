@@ -83,6 +83,11 @@ class EngineState(BaseModel):
     lazy_start: int | None = None
     lazy_exe: str | None = None
     lazy_cmdline: list[str] = []
+    #: The engine's parallel layout (``"TP2"``; :meth:`warmctl.manifest.ParallelLayout.describe`
+    #: without the ranks) and its ranks as found serving: ``{role: host PID}`` (``Worker_TP0``,
+    #: or ``EngineCore`` for one rank; :mod:`warmctl.checkpoint.layout`). Empty when not known.
+    layout: str | None = None
+    ranks: dict[str, int] = {}
 
     def set_root(self, ident: ProcessId | None) -> None:
         """Record the engine tree's root process (PID, start time, executable, argv)."""

@@ -151,6 +151,10 @@ class SnapshotView(BaseModel):
     #: names the fields: ``{"field", "snapshot", "profile"}``); None: no such profile to compare
     profile_current: bool | None = None
     profile_changes: list[dict[str, Any]] = []
+    #: the parallel layout and every rank (the manifest's ``restore.layout``: ``tp``, ``pp``,
+    #: ``dp``, ``ep``, ``world_size``, ``ranks`` [``{rank, role, nspid, cpus, gpu}``], ...);
+    #: null when the manifest records none or cannot be read
+    layout: dict[str, Any] | None = None
 
 
 class Deleted(BaseModel):
@@ -605,7 +609,9 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
             d = cache.drift(e.name, e.profile_digest, m.profile if m else None)
             out.append(SnapshotView(name=e.name, tag=e.tag, digest=e.manifest, size=e.size, created=e.created.isoformat(),
                                     profile_digest=e.profile_digest, host=hs, profile_current=d.current,
-                                    profile_changes=d.as_json()["changes"]))
+                                    profile_changes=d.as_json()["changes"],
+                                    layout=None if isinstance(m, str) or m.restore.layout is None
+                                    else m.restore.layout.model_dump(mode="json")))
         return out
 
     @app.post("/v1/snapshots", status_code=202, response_model=Job, tags=["snapshots"],

@@ -47,6 +47,20 @@ def _say(line: str) -> None:
     _out(highlight=False, soft_wrap=True, markup=False).print(line)
 
 
+def _layout(c: Any, digest: str, as_json: bool = False) -> Any:
+    """The parallel layout the manifest ``digest`` records (``restore.layout``): one line, or
+    its JSON with ``as_json``; None when it records none or cannot be read."""
+    from warmctl.errors import WarmctlError
+
+    try:
+        lay = c.store.get_manifest(digest).restore.layout
+    except (WarmctlError, OSError, ValueError):
+        return None
+    if lay is None:
+        return None
+    return lay.model_dump(mode="json") if as_json else lay.describe()
+
+
 def register(app: typer.Typer) -> None:
     """Add this area's commands to ``app``."""
 
@@ -156,6 +170,7 @@ def register(app: typer.Typer) -> None:
                                 "fits": e.manifest not in why,
                                 "rejection": why[e.manifest].reason if e.manifest in why else None,
                                 "signature": signature_summary(c.store, e.manifest, s.keys_dir),
+                                "layout": _layout(c, e.manifest, as_json=True),
                             }
                             for e in entries
                         ],
@@ -179,6 +194,8 @@ def register(app: typer.Typer) -> None:
                 hs = "(unreadable fingerprint)"
             _say(f"{mark} {e.manifest}  created {e.created:%Y-%m-%d %H:%M}  {_size(e.size)}")
             _say(f"    host: {hs}")
+            if lay := _layout(c, e.manifest):
+                _say(f"    ranks: {lay}")
             _say(f"    signature: {signature_summary(c.store, e.manifest, s.keys_dir)}")
             _say("    fits this host" + (" (chosen)" if mark == "*" else "") if e.manifest not in why
                       else f"    rejected ({why[e.manifest].rule}): {why[e.manifest].reason}")

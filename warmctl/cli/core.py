@@ -38,6 +38,13 @@ def _age(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
+def _layout_json(m) -> dict | None:
+    """The manifest's ``restore.layout`` as JSON (docs/cli-json.md), None when it records none
+    (or ``m`` is a problem string: the manifest is unreadable)."""
+    lay = None if isinstance(m, str) or m is None else m.restore.layout
+    return None if lay is None else lay.model_dump(mode="json")
+
+
 def register(app: typer.Typer) -> None:
     """Add the main-job commands to ``app``."""
 
@@ -292,9 +299,10 @@ def register(app: typer.Typer) -> None:
                 phase += " (copying pages)"
             public = (f"{'https' if s.gate_tls else 'http'}://{s.public_host}:{s.public_port}"
                       f" ({'key' if s.gate_api_key else 'no key'})") if r.gate_alive else "closed"
-            lines.append((s.name, phase, s.source, str(s.root_pid), public, "yes" if r.healthy else "no",
+            ranks = (f"{s.layout}: " if s.layout else "") + ", ".join(f"{k} {v}" for k, v in s.ranks.items())
+            lines.append((s.name, phase, s.source, str(s.root_pid), ranks, public, "yes" if r.healthy else "no",
                           f"{_human(r.shm_bytes)} in {r.shm_count} files", (s.manifest_digest or "")[:19]))
-        table(("name", "phase", "source", "pid", "public", "healthy", "/dev/shm", "snapshot"), lines)
+        table(("name", "phase", "source", "pid", "ranks", "public", "healthy", "/dev/shm", "snapshot"), lines)
         for r, d in zip(rows, drifts):  # warnings: stderr, one whole line each
             s = r.state
             if r.failure:
@@ -326,6 +334,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             emit_json([{"name": e.name, "tag": e.tag, "digest": e.manifest, "size": e.size,
                         "created": e.created.isoformat(), "host": e.host, "profile": d.as_json(),
+                        "layout": _layout_json(m),
                         **({"problem": m} if isinstance(m, str) else {})}
                        for (e, m), d in zip(rows, drifts)])
             return
@@ -337,16 +346,17 @@ def register(app: typer.Typer) -> None:
             # carry the same figure as "total")
             if isinstance(m, str):  # the manifest is missing or unreadable: listed, with why (also warned)
                 lines.append((f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
-                              "", f"manifest unreadable: {m}"))
+                              "", "", f"manifest unreadable: {m}"))
                 continue
             total = next((p.seconds for p in m.phases if p.name in ("cold_start", "total")), None)
             try:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
+            lay = m.restore.layout
             lines.append((f"{e.name}:{e.tag}", e.manifest[:19], _human(e.size), e.created.strftime("%Y-%m-%d %H:%M"),
-                          f"{total:.0f} s" if total else "", hs))
-        table(("snapshot", "digest", "size", "created", "cold start", "host"), lines)
+                          f"{total:.0f} s" if total else "", lay.describe() if lay else "", hs))
+        table(("snapshot", "digest", "size", "created", "cold start", "ranks", "host"), lines)
         for (e, _), d in zip(rows, drifts):  # warnings: stderr, one whole line each
             note = d.message(f"{e.name}:{e.tag} ({e.manifest[:19]})")
             if note:

@@ -46,14 +46,17 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     passed-through one may be a credential), "engine_argv": the vllm serve argv, "argv": the
     same wrapped for checkpointing (launcher, PID namespace, session)}``. Nothing else of
     this environment reaches the engine. ``passthrough``: the config's
-    ``engine_env_passthrough``. ``builtin:tiny`` is shown at the path it is built to on first use."""
+    ``engine_env_passthrough``. With the ranks' default CPU binding (:func:`warmctl.checkpoint.layout.cpu_binding`)
+    in ``env``; raises :class:`warmctl.errors.HostError` when the ranks' binding cannot
+    be satisfied here. ``builtin:tiny`` is shown at the path it is built to on first use."""
     from warmctl import tinymodel
     from warmctl.engine.vllm import engine_env, engine_environment, vllm_command, wrapped_command
+    from warmctl.checkpoint.layout import cpu_binding
 
     m = profile.engine.model
     model = str(tinymodel.model_dir(models_dir)) if m == "builtin:tiny" else m
     inner = vllm_command(profile, model)
-    ours = engine_env(profile)
+    ours = {**engine_env(profile), **cpu_binding(profile).env()}
     inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
     return {"model": model, "env": ours, "from_environment": inherited, "engine_argv": inner,
             "argv": wrapped_command(inner)}
@@ -109,8 +112,13 @@ def register(app: typer.Typer) -> None:
               json_out: bool = JsonOpt) -> None:
         """Validate profiles without starting anything: TOML syntax, every field's type and
         range, unknown keys (with the closest real one: `warmup.concurency`: did you mean
-        'concurrency'?). Prints `FILE: ok` or one line per problem; exits 1 if any fails."""
+        'concurrency'?), and for an engine of several ranks (--tensor-parallel-size x
+        --pipeline-parallel-size x --data-parallel-size) on the CPU build the CPU binding of each
+        rank on this host (VLLM_CPU_OMP_THREADS_BIND: the profile's, or warmctl's default).
+        Prints `FILE: ok` (and the ranks' layout) or one line per problem; exits 1 if any fails."""
+        from warmctl.checkpoint.layout import cpu_binding, profile_sizes
         from warmctl.config import load_settings
+        from warmctl.errors import HostError
         from warmctl.profile import ProfileError, find_profile, load_profile_file
 
         settings = load_settings()
@@ -119,15 +127,31 @@ def register(app: typer.Typer) -> None:
             try:
                 path = find_profile(f, settings.profile_dirs)
                 prof = load_profile_file(path)
-                results.append({"file": str(path), "ok": True, "name": prof.name, "digest": prof.digest(), "errors": []})
             except ProfileError as e:
                 results.append({"file": f, "ok": False, "errors": str(e).splitlines()})
+                continue
+            sizes = profile_sizes(prof)
+            ranks = {"layout": sizes.describe(), "world_size": sizes.world_size, "roles": sizes.roles()}
+            try:
+                b = cpu_binding(prof)
+                ranks["cpu_bind"], ranks["cpu_bind_source"] = b.value, b.source
+                results.append({"file": str(path), "ok": True, "name": prof.name, "digest": prof.digest(),
+                                "ranks": ranks, "errors": []})
+            except HostError as e:  # the ranks' CPU binding cannot be satisfied on this host
+                results.append({"file": str(path), "ok": False, "name": prof.name, "ranks": ranks,
+                                "errors": [f"{path}: {e}"]})
         if json_out:
             _json(results)
         else:
             for r in results:
                 if r["ok"]:
                     _echo(f"{r['file']}: ok ({r['name']}, {r['digest']})")
+                    rk = r["ranks"]
+                    if rk["world_size"] > 1:
+                        how = {"default": "warmctl's default from this host's CPUs", "profile": "from engine.env",
+                               "none": "vLLM's auto (a NUMA node per rank)"}[rk["cpu_bind_source"]]
+                        _echo(f"  {rk['layout']}: {rk['world_size']} ranks ({', '.join(rk['roles'])}); CPU binding "
+                              f"VLLM_CPU_OMP_THREADS_BIND={rk['cpu_bind'] or 'auto'} ({how})")
                 else:
                     for line in r["errors"]:
                         typer.echo(line, err=True)

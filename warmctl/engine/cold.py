@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from warmctl import tinymodel
+from warmctl.checkpoint import layout
 from warmctl.engine import canary, vllm, warmup
 from warmctl.engine.run import EngineRun
 from warmctl.errors import EngineError, HostError
@@ -35,8 +36,9 @@ def resolve_model(profile: Profile, models_dir: Path) -> str:
 
 
 def preflight(profile: Profile, run_dir: Path) -> None:
-    """Refuse early (:class:`HostError`): an engine of this name serving in ``run_dir``, or
-    the profile's internal port taken. A recorded engine that is not serving is what a killed
+    """Refuse early (:class:`HostError`): an engine of this name serving in ``run_dir``, the
+    profile's internal port taken, or a CPU binding of its ranks this host cannot satisfy
+    (:func:`warmctl.checkpoint.layout.cpu_binding`, naming the ranks and CPUs). A recorded engine that is not serving is what a killed
     ``snapshot`` or ``up`` left (the caller holds the name's lock, :mod:`warmctl.enginelock`,
     so nothing else is starting it): it is torn down first."""
     run = EngineRun.load(run_dir, profile.name)
@@ -45,6 +47,7 @@ def preflight(profile: Profile, run_dir: Path) -> None:
     if run is not None:
         run.teardown(strays=True)  # also a root known only by engine.pid / restore.pid
     require_port_free("127.0.0.1", profile.engine.port, f"engine port for {profile.name}:")
+    layout.cpu_binding(profile)
 
 
 def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
@@ -58,12 +61,17 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
     as its root process exists. Returns the start-up phases in seconds, parsed from the log
     (:func:`warmctl.engine.vllm.parse_startup_phases`: its stages and ``other``; launch to
     healthy is the ``cold_start`` phase, so its ``total`` is left out: ``total`` is each
-    pipeline's own sum). On failure the run is torn down and :class:`EngineError` raised (with
+    pipeline's own sum). The ranks of a CPU profile with several get warmctl's default CPU
+    binding when the profile gives none (:func:`warmctl.checkpoint.layout.cpu_binding`). On failure the run is torn down and :class:`EngineError` raised (with
     the log's tail).
     """
     run.prepare()
     offset = run.log_path.stat().st_size if run.log_path.exists() else 0
-    eng = vllm.start(profile, model, run.log_path, env=run.tmp_env, cwd=run.cwd, passthrough=passthrough)
+    binding = layout.cpu_binding(profile)
+    if binding.source == "default":
+        reporter.info(f"CPU binding of the ranks: {layout.BIND_VAR}={binding.value} (warmctl's default from the "
+                      f"CPUs it may use; set it in \\[engine.env] to choose)")
+    eng = vllm.start(profile, model, run.log_path, env={**run.tmp_env, **binding.env()}, cwd=run.cwd, passthrough=passthrough)
     run.engine_env = eng.env_sources
     run.set_root(eng.root_pid)
     if run.state is None:  # recorded at once: a killed warmctl leaves a tree the next run finds

@@ -1,0 +1,196 @@
+"""The rank model (warmctl/checkpoint/layout.py): sizes from vLLM's flags, the CPU build's
+per-rank binding, the catalog's "ranks" rule, and ranks found in a real process tree before a
+real CRIU dump and checked after its restore (a killed rank named, with its log lines)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from warmctl.catalog import check
+from warmctl.checkpoint import affinity, criu, layout
+from warmctl.checkpoint.layout import RankError, Sizes, check_binding, default_binding, sizes_of
+from warmctl.errors import HostError
+from warmctl.host import CpuInfo, HostFingerprint
+from warmctl.manifest import ParallelLayout, RestoreInfo
+from warmctl.proc import ProcessId, kill_tree
+from warmctl.profile import Profile, ProfileError, load_profile_file
+
+from conftest import REPO
+
+
+def test_sizes_from_vllm_flags_in_every_spelling():
+    assert sizes_of(["--seed", "0"]) == Sizes()
+    assert sizes_of(["--tensor-parallel-size", "2"]) == Sizes(tp=2)
+    assert sizes_of(["-tp", "4", "-pp=2", "--enable-expert-parallel"]) == Sizes(tp=4, pp=2, ep=True)
+    assert sizes_of(["--data-parallel-size=2", "-tp", "2", "-ep"]).ep_size == 4
+    with pytest.raises(ValueError, match="--tensor-parallel-size 'two'"):
+        sizes_of(["--tensor-parallel-size", "two"])
+    with pytest.raises(ValueError, match="-pp needs a value"):
+        sizes_of(["-pp"])
+
+
+def test_roles_follow_vllms_process_titles():
+    assert Sizes().roles() == ["EngineCore"]
+    assert Sizes(tp=2).roles() == ["Worker_TP0", "Worker_TP1"]
+    assert Sizes(tp=2, pp=2).roles() == ["Worker_PP0_TP0", "Worker_PP0_TP1", "Worker_PP1_TP0", "Worker_PP1_TP1"]
+    assert Sizes(tp=2, ep=True).roles() == ["Worker_TP0_EP0", "Worker_TP1_EP1"]
+    assert Sizes(tp=2, ep=True).describe() == "TP2, EP2" and Sizes(tp=2, pp=2).describe() == "TP2 x PP2"
+
+
+def test_default_binding_splits_the_usable_cpus_and_refuses_too_few():
+    assert default_binding(2, {0, 1}) == "0|1"
+    assert default_binding(2, {0, 1, 2, 3, 4}) == "0-2|3-4"
+    assert default_binding(2, {4, 6}) == "4|6"
+    with pytest.raises(HostError, match="2 ranks need a CPU each; warmctl may use only 1 .CPUs 3."):
+        default_binding(2, {3})
+
+
+def test_a_binding_the_host_cannot_satisfy_names_the_ranks_and_cpus():
+    tp2 = Sizes(tp=2)
+    assert check_binding("0|1", tp2, {0, 1}) == []
+    assert check_binding("nobind", tp2, {0}) == []
+    [p] = check_binding("0|1|2", tp2, {0, 1, 2})
+    assert "3 CPU list(s) for 2 rank(s)" in p and "Worker_TP0, Worker_TP1" in p
+    [p] = check_binding("0|5", tp2, {0, 1})
+    assert "rank Worker_TP1 is bound to CPU(s) 5" in p and "usable: 0-1" in p
+    [p] = check_binding("0-1|1", tp2, {0, 1})
+    assert "ranks Worker_TP0 and Worker_TP1 are both bound to CPU 1" in p
+
+
+def _profile(tmp_path, args: str, env: str = "") -> Profile:
+    text = (REPO / "profiles" / "tiny-tp2.toml").read_text()
+    text = text.replace('args = ["--seed", "0", "--tensor-parallel-size", "2"]', f"args = {args}")
+    text = text.replace('HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\n{env}')
+    (tmp_path / "p.toml").write_text(text)
+    return load_profile_file(tmp_path / "p.toml")
+
+
+def test_cpu_binding_of_a_profile(tmp_path):
+    tp2 = _profile(tmp_path, '["--tensor-parallel-size", "2"]')
+    b = layout.cpu_binding(tp2, {0, 1})
+    assert (b.value, b.source, b.env()) == ("0|1", "default", {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    with pytest.raises(HostError, match="TP2 on the CPU build: 2 ranks need a CPU each.*Worker_TP0, Worker_TP1"):
+        layout.cpu_binding(tp2, {0})
+    given = _profile(tmp_path, '["-tp", "2"]', 'VLLM_CPU_OMP_THREADS_BIND = "1|0"')
+    assert layout.cpu_binding(given, {0, 1}) == layout.Binding("1|0", "profile")
+    assert layout.cpu_binding(given, {0, 1}).env() == {}  # the profile's own reaches the engine by engine.env
+    bad = _profile(tmp_path, '["-tp", "2"]', 'VLLM_CPU_OMP_THREADS_BIND = "0|7"')
+    with pytest.raises(HostError, match="engine.env.VLLM_CPU_OMP_THREADS_BIND cannot be satisfied.*Worker_TP1.*CPU.s. 7"):
+        layout.cpu_binding(bad, {0, 1})
+    one = _profile(tmp_path, '["--seed", "0"]')
+    assert layout.cpu_binding(one, {0}).source == "none"  # one rank: vLLM's own auto binding
+
+
+def test_a_bad_parallel_flag_is_a_profile_error_naming_the_field(tmp_path):
+    with pytest.raises(ProfileError, match="engine.args.*--tensor-parallel-size '0'"):
+        _profile(tmp_path, '["--tensor-parallel-size", "0"]')
+
+
+def test_profile_check_shows_the_ranks_and_their_binding(tmp_path):
+    from conftest import warmctl
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = warmctl("profile", "check", "tiny-tp2", env=env, timeout=60)
+    assert "TP2: 2 ranks (Worker_TP0, Worker_TP1)" in r.stdout and "VLLM_CPU_OMP_THREADS_BIND=" in r.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text((REPO / "profiles" / "tiny-tp2.toml").read_text().replace(
+        'HF_HUB_OFFLINE = "1"', 'HF_HUB_OFFLINE = "1"\nVLLM_CPU_OMP_THREADS_BIND = "0|4095"'))
+    r = warmctl("profile", "check", str(bad), env=env, check=False, timeout=60)
+    assert r.returncode == 1 and "rank Worker_TP1 is bound to CPU(s) 4095" in r.stderr
+
+
+def _fp(**kw) -> HostFingerprint:
+    return HostFingerprint(arch="x86_64", kernel="6", cpu=CpuInfo(flags=["avx2"]), **kw)
+
+
+def test_the_catalog_refuses_a_host_that_cannot_give_every_rank_its_cpus():
+    snap = _fp(cpus_allowed="0-1", rank_cpus={"Worker_TP0": "0", "Worker_TP1": "1"})
+    assert check(snap, _fp(cpus_allowed="0-3")) is None
+    rule, reason = check(snap, _fp(cpus_allowed="0"))
+    assert rule == "ranks" and "rank Worker_TP1 ran on CPU(s) 1, this host offers 0" in reason
+    assert check(_fp(), _fp(cpus_allowed="0")) is None  # a snapshot without bound ranks: no rule
+    assert "rank_cpus" not in _fp().model_dump(mode="json")  # older fingerprints keep their bytes
+
+
+def test_the_layout_round_trips_in_the_manifest():
+    lay = ParallelLayout(tp=2, world_size=2, ranks=[{"rank": 0, "role": "Worker_TP0", "nspid": 23, "cpus": "0"},
+                                                    {"rank": 1, "role": "Worker_TP1", "nspid": 24, "cpus": "1"}],
+                         cpu_bind="0|1", cpu_bind_source="default", network_lock="nftables")
+    r = RestoreInfo(layout=lay)
+    back = RestoreInfo.model_validate_json(r.model_dump_json())
+    assert back == r and back.layout.describe() == "TP2 (Worker_TP0 ns-pid 23 CPU 0, Worker_TP1 ns-pid 24 CPU 1)"
+    assert "gpu" not in back.model_dump(mode="json")["layout"]["ranks"][0]  # only what was recorded
+    with pytest.raises(ValueError, match="not a CPU list"):
+        ParallelLayout(world_size=1, ranks=[{"rank": 0, "role": "EngineCore", "nspid": 2, "cpus": "x"}])
+
+
+# --- real processes, real CRIU -----------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
+_RANK = "taskset -c {cpu} bash -c 'echo \"(Worker_TP{i} pid=$$) INFO rank {i} up\"; exec -a VLLM::Worker_TP{i} sleep 1000' &"
+
+
+def _ranks_tree(tmp_path):
+    """A tree in its own PID namespace with two processes titled like vLLM's TP ranks, bound to
+    CPUs 0 and 1 (the last allowed CPU when there is one only), logging like vLLM's workers."""
+    cpus = sorted(os.sched_getaffinity(0))
+    script = " ".join(_RANK.format(i=i, cpu=cpus[min(i, len(cpus) - 1)]) for i in range(2)) + " wait"
+    log = open(tmp_path / "engine.log", "ab")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "bash", "-c", script], stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kids = psutil.Process(p.pid).children()
+        if kids and len(layout.live_ranks(kids[0].pid)) == 2:
+            return p, kids[0].pid
+        time.sleep(0.05)
+    raise AssertionError("the rank processes did not start")
+
+
+@needs_root
+def test_ranks_found_before_the_dump_and_checked_after_the_restore(tmp_path):
+    launcher, root = _ranks_tree(tmp_path)
+    tp2 = Sizes(tp=2)
+    live = layout.discover(root, tp2, tmp_path / "engine.log")
+    assert [r.role for r in live] == ["Worker_TP0", "Worker_TP1"] and all(r.nspid > 1 for r in live)
+    lay = layout.record(live, tp2, layout.Binding("0|1", "default"), "nftables")
+    bound = affinity.record(root)
+    criu.dump(root, tmp_path / "img")
+    launcher.wait(10)
+    new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+    try:
+        affinity.apply(new_root, bound)  # CRIU restores no affinity; up puts it back first
+        back = layout.check_restored(new_root, lay, tmp_path / "engine.log")
+        assert set(back) == {"Worker_TP0", "Worker_TP1"} and all(psutil.pid_exists(p) for p in back.values())
+        os.kill(back["Worker_TP1"], signal.SIGKILL)  # one rank dies after the restore
+        time.sleep(0.3)
+        with pytest.raises(RankError) as e:
+            layout.check_restored(new_root, lay, tmp_path / "engine.log")
+        msg = str(e.value)
+        assert e.value.ranks == ["Worker_TP1"] and "rank Worker_TP1" in msg and f"namespace pid {lay.ranks[1].nspid}" in msg
+        assert "(Worker_TP1 pid=" in msg and "rank 1 up" in msg  # its own log lines
+    finally:
+        kill_tree(ProcessId.of(new_root))
+
+
+@needs_root
+def test_a_missing_rank_before_the_dump_is_named_with_its_log_lines(tmp_path):
+    launcher, root = _ranks_tree(tmp_path)
+    try:
+        victim = layout.live_ranks(root)["Worker_TP0"].pid
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.3)
+        with pytest.raises(RankError) as e:
+            layout.discover(root, Sizes(tp=2), tmp_path / "engine.log")
+        assert e.value.ranks == ["Worker_TP0"] and "rank Worker_TP0 is not running" in str(e.value)
+        assert "rank 0 up" in str(e.value) and "ranks present: Worker_TP1" in str(e.value)
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)

@@ -1,0 +1,443 @@
+"""The parallel layout of an engine: its ranks, found, recorded and checked at both ends.
+
+A vLLM engine with ``--tensor-parallel-size`` (TP), ``--pipeline-parallel-size`` (PP) or
+``--data-parallel-size`` (DP) above 1 runs one worker process per rank (``VLLM::Worker_TP0``,
+``VLLM::Worker_PP1_TP0``, ``..._EP1`` with ``--enable-expert-parallel``: the process titles
+vLLM 0.32 sets, ``v1/executor/multiproc_executor.py``); a TP1 engine runs its one rank inside
+``VLLM::EngineCore``. The ranks talk over loopback TCP (gloo) and shared memory, so a
+snapshot is only good when every rank is in it, and a restore only when every rank came back.
+
+This module is the one rank model for the CPU build and GPU hosts alike:
+
+- :func:`sizes_of`: TP, PP, DP and EP from a profile's ``engine.args``; :class:`Sizes` names
+  the roles the ranks must have;
+- :func:`cpu_binding`: the CPU build binds each rank's OpenMP threads to its own cores
+  (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's ``auto`` needs a NUMA node per rank): the profile's
+  binding checked against this host's CPUs, or a default split of the CPUs warmctl may use;
+- :func:`discover` (before the dump): every rank present and alive, its PID inside the engine's
+  PID namespace, its bound CPUs and (GPU hosts) the GPU it holds; the manifest records it
+  (:class:`warmctl.manifest.ParallelLayout`, ``restore.layout``);
+- :func:`check_restored` (after the CRIU restore, before the canary): every recorded rank back
+  under its namespace PID with the same role, alive, and bound to the CPUs recorded.
+
+A missing or dead rank is an error naming the rank, its process and its last log lines
+(:class:`RankError`). :mod:`warmctl.checkpoint.ranks` (the CUDA checkpoint of GPU ranks) finds
+its ranks again after a restore through :func:`restored_pids`, the same records.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from warmctl.checkpoint.affinity import cpu_list, parse_cpu_list
+from warmctl.errors import CheckpointError, HostError
+from warmctl.proc import nspid, pid_alive, tree_pids
+
+if TYPE_CHECKING:
+    from warmctl.manifest import ParallelLayout, RankRecord
+    from warmctl.profile import Profile
+
+#: The process title of a rank (``/proc/PID/cmdline`` after setproctitle): group 1 is its role.
+RANK_TITLE = re.compile(r"^VLLM::((?:Worker|EngineCore)(?:_[A-Z]+\d+)*)\b")
+#: The variable vLLM's CPU build reads for each rank's OpenMP thread binding.
+BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
+
+_FLAGS = {"tp": ("--tensor-parallel-size", "-tp"), "pp": ("--pipeline-parallel-size", "-pp"),
+          "dp": ("--data-parallel-size", "-dp")}
+_EP_FLAGS = ("--enable-expert-parallel", "-ep")
+
+
+class RankError(CheckpointError):
+    """A rank of the layout is missing, dead, or not what was recorded (before a dump or after
+    a restore). ``ranks``: the roles concerned."""
+
+    def __init__(self, message: str, ranks: list[str]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The parallel sizes of an engine: ``tp``, ``pp``, ``dp`` (each >= 1) and ``ep`` (expert
+    parallel on: the experts are split over the TP x DP ranks, vLLM's EP size)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: TP x PP x DP."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts are split over: TP x DP with expert parallel, else 1."""
+        return self.tp * self.dp if self.ep else 1
+
+    @property
+    def multi_process(self) -> bool:
+        """True when the ranks are worker processes of their own (more than one rank)."""
+        return self.world_size > 1
+
+    def roles(self) -> list[str]:
+        """The role (process title without ``VLLM::``) of every rank, in vLLM's rank order
+        (DP, PP, TP): ``["EngineCore"]`` for one rank, ``["Worker_TP0", "Worker_TP1"]`` at TP2."""
+        if not self.multi_process:
+            return ["EngineCore"]
+        out = []
+        for d in range(self.dp):
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    name = "Worker" + (f"_DP{d}" if self.dp > 1 else "") + (f"_PP{p}" if self.pp > 1 else "")
+                    name += f"_TP{t}" if self.tp > 1 else ""
+                    name += f"_EP{d * self.tp + t}" if self.ep else ""
+                    out.append(name)
+        return out
+
+    def describe(self) -> str:
+        """:func:`describe_sizes` of these sizes."""
+        return describe_sizes(self.tp, self.pp, self.dp, self.ep_size)
+
+
+def describe_sizes(tp: int, pp: int, dp: int, ep: int) -> str:
+    """``"TP2"``, ``"TP2 x PP2"``, ``"TP2, EP2"`` (``ep``: ranks the experts are split over,
+    1: none); ``"TP1"`` for one rank."""
+    parts = [f"{k}{v}" for k, v in (("TP", tp), ("PP", pp), ("DP", dp)) if v > 1]
+    return (" x ".join(parts) or "TP1") + (f", EP{ep}" if ep > 1 else "")
+
+
+def sizes_of(args: list[str]) -> Sizes:
+    """The :class:`Sizes` ``vllm serve`` gets from ``args`` (``--tensor-parallel-size N``,
+    ``-tp N``, ``--tensor-parallel-size=N``, the same for PP and DP, ``--enable-expert-parallel``).
+    Raises ValueError naming the flag when its value is not a positive integer."""
+    vals = {"tp": 1, "pp": 1, "dp": 1}
+    ep = False
+    i = 0
+    while i < len(args):
+        a = args[i]
+        flag, eq, inline = a.partition("=")
+        for key, names in _FLAGS.items():
+            if flag in names:
+                if eq:
+                    v = inline
+                elif i + 1 < len(args):
+                    v = args[i + 1]
+                    i += 1
+                else:
+                    raise ValueError(f"{flag} needs a value")
+                if not v.isdigit() or int(v) < 1:
+                    raise ValueError(f"{flag} {v!r}: a positive integer is needed")
+                vals[key] = int(v)
+        if flag in _EP_FLAGS:
+            ep = inline.lower() not in ("false", "0") if eq else True
+        i += 1
+    return Sizes(ep=ep, **vals)
+
+
+def profile_sizes(profile: "Profile") -> Sizes:
+    """:func:`sizes_of` the profile's ``engine.args`` (already validated by the profile)."""
+    return sizes_of(list(profile.engine.args))
+
+
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (``sched_getaffinity``): what an engine it starts gets."""
+    return set(os.sched_getaffinity(0))
+
+
+def numa_nodes(cpus: set[int], sysfs: str = "/sys/devices/system/node") -> int:
+    """How many NUMA nodes hold at least one of ``cpus`` (1 when sysfs does not say)."""
+    nodes = 0
+    try:
+        for d in Path(sysfs).glob("node[0-9]*"):
+            try:
+                if parse_cpu_list((d / "cpulist").read_text().strip() or "x") & cpus:
+                    nodes += 1
+            except (OSError, ValueError):
+                continue
+    except OSError:
+        pass
+    return max(nodes, 1)
+
+
+def default_binding(n_ranks: int, cpus: set[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``n_ranks`` ranks over ``cpus``: contiguous, equal
+    shares in CPU order (the remainder to the first ranks), ``"0|1"`` for 2 ranks on CPUs 0-1.
+    Raises :class:`HostError` when there are fewer CPUs than ranks."""
+    order = sorted(cpus)
+    if len(order) < n_ranks:
+        raise HostError(f"{n_ranks} ranks need a CPU each; warmctl may use only {len(order)} "
+                        f"(CPUs {cpu_list(order) or 'none'})")
+    share, extra = divmod(len(order), n_ranks)
+    out, i = [], 0
+    for r in range(n_ranks):
+        k = share + (1 if r < extra else 0)
+        out.append(cpu_list(order[i:i + k]))
+        i += k
+    return "|".join(out)
+
+
+def check_binding(value: str, sizes: Sizes, cpus: set[int]) -> list[str]:
+    """Problems of the binding ``value`` (``VLLM_CPU_OMP_THREADS_BIND``) for ``sizes`` on a host
+    whose usable CPUs are ``cpus``, one sentence each naming the rank and the CPUs; [] when it
+    can be satisfied. ``auto`` needs a NUMA node per rank; ``nobind`` is always accepted."""
+    roles = sizes.roles()
+    if value == "nobind":
+        return []
+    if value == "auto":
+        nodes = numa_nodes(cpus)
+        if nodes < len(roles):
+            return [f"{BIND_VAR}=auto binds a NUMA node per rank: {len(roles)} ranks ({sizes.describe()}: "
+                    f"{', '.join(roles)}) but CPUs {cpu_list(cpus)} are on {nodes} NUMA node(s); give one CPU "
+                    f"list per rank (e.g. {default_binding(len(roles), cpus) if len(cpus) >= len(roles) else '0|1'}) "
+                    "or leave it unset for warmctl's default"]
+        return []
+    lists = value.split("|")
+    if len(lists) != len(roles):
+        return [f"{BIND_VAR}={value!r} gives {len(lists)} CPU list(s) for {len(roles)} rank(s) "
+                f"({sizes.describe()}: {', '.join(roles)})"]
+    problems = []
+    seen: dict[int, str] = {}
+    for role, s in zip(roles, lists):
+        try:
+            want = parse_cpu_list(s)
+        except ValueError:
+            problems.append(f"{BIND_VAR}: rank {role} has {s!r}, not a CPU list")
+            continue
+        if not want <= cpus:
+            problems.append(f"{BIND_VAR}: rank {role} is bound to CPU(s) {cpu_list(want - cpus)}, which this host "
+                            f"does not let warmctl use (usable: {cpu_list(cpus)})")
+        for c in sorted(want):
+            if c in seen:
+                problems.append(f"{BIND_VAR}: ranks {seen[c]} and {role} are both bound to CPU {c}")
+            seen.setdefault(c, role)
+    return problems
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The CPU binding an engine's ranks get: ``value`` of ``VLLM_CPU_OMP_THREADS_BIND`` (None:
+    not set, vLLM's own ``auto``) and its ``source``: ``"profile"`` (``engine.env``),
+    ``"default"`` (warmctl's, :func:`default_binding`) or ``"none"``."""
+
+    value: str | None
+    source: str
+
+    def env(self) -> dict[str, str]:
+        """What warmctl adds to the engine's environment: the default binding, else nothing."""
+        return {BIND_VAR: self.value} if self.source == "default" and self.value else {}
+
+
+def cpu_binding(profile: "Profile", cpus: set[int] | None = None) -> Binding:
+    """The CPU binding of ``profile``'s ranks on this host (``cpus``: the CPUs warmctl may
+    use, default :func:`allowed_cpus`). GPU profiles and one-rank CPU profiles get none from
+    warmctl. A CPU profile with several ranks (TP x PP x DP > 1) keeps the binding its
+    ``engine.env`` gives; without one, warmctl's :func:`default_binding` when the ranks
+    outnumber the NUMA nodes (vLLM's ``auto`` would stop at start-up: "Not enough allowed NUMA
+    nodes"), else vLLM's ``auto``. Raises :class:`HostError` naming the ranks and CPUs when
+    the binding cannot be satisfied here."""
+    given = profile.engine.env.get(BIND_VAR)
+    sizes = profile_sizes(profile)
+    if profile.hardware.gpu_count or not sizes.multi_process:
+        return Binding(given, "profile" if given else "none")
+    cpus = allowed_cpus() if cpus is None else cpus
+    if given is None:
+        if numa_nodes(cpus) >= sizes.world_size:
+            return Binding(None, "none")
+        try:
+            return Binding(default_binding(sizes.world_size, cpus), "default")
+        except HostError as e:
+            raise HostError(f"profile {profile.name}: {sizes.describe()} on the CPU build: {e}; ranks "
+                            f"{', '.join(sizes.roles())}") from None
+    problems = check_binding(given, sizes, cpus)
+    if problems:
+        raise HostError(f"profile {profile.name}: engine.env.{BIND_VAR} cannot be satisfied on this host: "
+                        + "; ".join(problems))
+    return Binding(given, "profile")
+
+
+# --- the live ranks ----------------------------------------------------------------------------
+
+
+@dataclass
+class LiveRank:
+    """A rank process found in a running tree: ``role``, host ``pid``, ``nspid`` (its PID inside
+    the engine's PID namespace), ``cpus`` (CPU list its bound threads use, ``""`` when none is
+    bound) and ``gpu`` (the GPU UUID it holds, GPU hosts only)."""
+
+    role: str
+    pid: int
+    nspid: int
+    cpus: str = ""
+    gpu: str | None = None
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _bound_cpus(pid: int, unbound: set[int]) -> str:
+    """CPU list of the union of the affinities of ``pid``'s threads that are bound (differ from
+    ``unbound``); ``""`` when none is."""
+    out: set[int] = set()
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return ""
+    for tid in tids:
+        try:
+            a = os.sched_getaffinity(tid)
+        except OSError:
+            continue
+        if a != unbound:
+            out |= a
+    return cpu_list(out)
+
+
+def live_ranks(root_pid: int, unbound: set[int] | None = None) -> dict[str, LiveRank]:
+    """``{role: LiveRank}`` of every live rank process in ``root_pid``'s tree (process titles,
+    :data:`RANK_TITLE`). At TP1 the rank is the engine core; with worker processes the engine
+    core is not a rank. ``unbound``: the CPUs an unbound thread has (default: this process's)."""
+    unbound = allowed_cpus() if unbound is None else unbound
+    found: dict[str, LiveRank] = {}
+    for pid in tree_pids(root_pid):
+        m = RANK_TITLE.match(_title(pid))
+        if not m or not pid_alive(pid):
+            continue
+        ns = nspid(pid)
+        if ns is None:
+            continue
+        found[m.group(1)] = LiveRank(m.group(1), pid, ns, _bound_cpus(pid, unbound))
+    if any(r.startswith("Worker") for r in found):
+        found = {k: v for k, v in found.items() if k.startswith("Worker")}
+    return found
+
+
+def log_lines(log_path: Path | str | None, role: str, n: int = 6) -> list[str]:
+    """The last ``n`` lines of the engine log that name ``role`` (vLLM prefixes a worker's lines
+    with ``(Worker_TP1 pid=N)``), else the log's last lines."""
+    if not log_path:
+        return []
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    mine = [ln for ln in lines if role in ln]
+    return (mine or lines)[-n:]
+
+
+def _named(role: str, what: str, log_path, pid: int | None = None) -> str:
+    who = f"rank {role}" + (f" (pid {pid})" if pid else "")
+    tail = log_lines(log_path, role)
+    return f"{who} {what}" + (f"; its log lines ({log_path}):\n    " + "\n    ".join(tail) if tail else "")
+
+
+def discover(root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
+             gpus: dict[int, str] | None = None) -> list[LiveRank]:
+    """Every rank ``sizes`` names, live in ``root_pid``'s tree, in rank order (before the dump).
+    ``gpus``: ``{host pid: GPU UUID}`` of the GPU ranks (GPU hosts). Raises :class:`RankError`
+    naming each missing rank, with its log lines (``log_path``: the engine log)."""
+    found = live_ranks(root_pid)
+    roles = sizes.roles()
+    missing = [r for r in roles if r not in found]
+    if missing:
+        have = ", ".join(f"{r.role} (pid {r.pid})" for r in found.values()) or "none"
+        raise RankError(f"{sizes.describe()} engine (pid {root_pid}): "
+                        + "; ".join(_named(r, "is not running", log_path) for r in missing)
+                        + f"\n  ranks present: {have}", missing)
+    out = [found[r] for r in roles]
+    for r in out:
+        r.gpu = (gpus or {}).get(r.pid)
+    return out
+
+
+def restored_pids(root_pid: int, nspids: list[int]) -> dict[int, int]:
+    """After a CRIU restore: ``{namespace PID: host PID}`` of each of ``nspids`` found in
+    ``root_pid``'s tree (CRIU restores namespace PIDs; the host PIDs are new)."""
+    want = set(nspids)
+    out: dict[int, int] = {}
+    for pid in tree_pids(root_pid):
+        ns = nspid(pid)
+        if ns in want:
+            out[ns] = pid
+    return out
+
+
+def check_restored(root_pid: int, layout: "ParallelLayout", log_path: Path | str | None = None) -> dict[str, int]:
+    """After the CRIU restore (and the rebinding of threads), before the canary: every rank
+    ``layout`` records is back under its namespace PID, alive, with its role as process title,
+    and its bound threads on the CPUs recorded (where this host offers them: a one-rank
+    snapshot may restore where they are not, :mod:`warmctl.checkpoint.affinity`). Returns
+    ``{role: host pid}``. Raises
+    :class:`RankError` naming each rank that is not, with its process and log lines."""
+    back = restored_pids(root_pid, [r.nspid for r in layout.ranks])
+    unbound = allowed_cpus()
+    bad: list[tuple[str, str]] = []
+    out: dict[str, int] = {}
+    for r in layout.ranks:
+        pid = back.get(r.nspid)
+        if pid is None or not pid_alive(pid):
+            bad.append((r.role, _named(r.role, f"(namespace pid {r.nspid}) is not running after the restore", log_path,
+                                       pid)))
+            continue
+        m = RANK_TITLE.match(_title(pid))
+        if not m or m.group(1) != r.role:
+            bad.append((r.role, _named(r.role, f"(namespace pid {r.nspid}) came back as {_title(pid)!r}", log_path,
+                                       pid)))
+            continue
+        if r.cpus and parse_cpu_list(r.cpus) <= unbound and _bound_cpus(pid, unbound) != r.cpus:
+            bad.append((r.role, _named(r.role, f"is bound to CPUs {_bound_cpus(pid, unbound) or 'any'}, recorded "
+                                       f"{r.cpus}", log_path, pid)))
+            continue
+        out[r.role] = pid
+    if bad:
+        raise RankError(f"{len(bad)} of {len(layout.ranks)} rank(s) not back as recorded: "
+                        + "; ".join(msg for _, msg in bad), [r for r, _ in bad])
+    return out
+
+
+def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: str | None) -> "ParallelLayout":
+    """The manifest's ``restore.layout`` for ``ranks`` (:func:`discover`)."""
+    from warmctl.manifest import ParallelLayout, RankRecord
+
+    recs: list[RankRecord] = []
+    for i, r in enumerate(ranks):
+        rec = RankRecord(rank=i, role=r.role, nspid=r.nspid, cpus=r.cpus)
+        if r.gpu:
+            rec.gpu = r.gpu
+        recs.append(rec)
+    lay = ParallelLayout(tp=sizes.tp, pp=sizes.pp, dp=sizes.dp, ep=sizes.ep_size, world_size=sizes.world_size,
+                         ranks=recs)
+    if binding.value is not None:
+        lay.cpu_bind, lay.cpu_bind_source = binding.value, binding.source
+    if network_lock is not None:
+        lay.network_lock = network_lock
+    return lay
+
+
+def rank_cpus(layout: "ParallelLayout") -> dict[str, str]:
+    """``{role: CPU list}`` of the ranks that were bound (what a restoring host must offer)."""
+    return {r.role: r.cpus for r in layout.ranks if r.cpus}
+
+
+def host_problems(rank_cpus_: dict[str, str], cpus: set[int]) -> list[str]:
+    """One sentence per rank whose recorded CPUs (``{role: CPU list}``) are not all among
+    ``cpus`` (the CPUs a restoring warmctl may use)."""
+    out = []
+    for role, s in sorted(rank_cpus_.items()):
+        try:
+            want = parse_cpu_list(s)
+        except ValueError:
+            continue
+        if not want <= cpus:
+            out.append(f"rank {role} ran on CPU(s) {s}, this host offers {cpu_list(cpus) or 'none'}")
+    return out
