@@ -153,6 +153,14 @@ def tiny_profile(engine_port: int, gate_port: int, name: str = "tiny", extra: st
     return text + extra
 
 
+def tp2_profile(engine_port: int, gate_port: int) -> str:
+    """The shipped ``tiny-tp2`` profile (two tensor-parallel ranks) on internal port
+    ``engine_port + 2`` and public port ``gate_port``."""
+    text = (REPO / "profiles" / "tiny-tp2.toml").read_text()
+    text = re.sub(r"(?m)^port = 18002", f"port = {engine_port + 2}", text)
+    return re.sub(r"(?m)^port = 8000", f"port = {gate_port}", text)
+
+
 def isolated_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
     """Environment for warmctl subprocesses that touches nothing outside ``root``: data dir
     ``root/home``, a config file pointing at it, keys in ``root/keys`` and a ``tiny`` profile on
@@ -192,6 +200,30 @@ def tiny_snapshot(wc_env) -> dict:
     m = re.search(r"tiny:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
     assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
     return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}
+
+
+def tp2_env(env: dict[str, str], engine_port: int, gate_port: int) -> dict[str, str]:
+    """``env`` (an :func:`isolated_env`) for the ``tiny-tp2`` engine: its profile
+    (:func:`tp2_profile`) written beside ``tiny``'s, and ``VLLM_PORT`` = ``engine_port + 40``,
+    where vLLM starts looking for the ranks' rendezvous ports (else any free port: a suite
+    beside another on one host would race for them)."""
+    profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    (profiles / "tiny-tp2.toml").write_text(tp2_profile(engine_port, gate_port))
+    return dict(env, VLLM_PORT=str(engine_port + 40))
+
+
+@pytest.fixture(scope="session")
+def tp2_snapshot(wc_env, engine_ports) -> dict:
+    """``warmctl snapshot tiny-tp2`` (tensor parallel 2: two worker ranks) run once per session,
+    in the session's home. Returns {"digest", "stdout", "stderr", "seconds"}."""
+    import time
+
+    t0 = time.monotonic()
+    r = warmctl("snapshot", "tiny-tp2", env=tp2_env(wc_env, *engine_ports), timeout=1500)
+    m = re.search(r"tiny-tp2:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
+    assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
+    return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t0}
 
 
 @pytest.fixture

@@ -194,3 +194,21 @@ def test_a_missing_rank_before_the_dump_is_named_with_its_log_lines(tmp_path):
     finally:
         kill_tree(ProcessId.of(root))
         launcher.wait(10)
+
+
+def test_a_port_the_snapshot_listened_on_is_checked_free_before_a_restore(tmp_path):
+    srv = subprocess.Popen([os.sys.executable, "-c", "import socket,time; s=socket.socket(); s.bind(('127.0.0.1', 0)); "
+                            "s.listen(); print(s.getsockname()[1], flush=True); time.sleep(60)"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(srv.stdout.readline())
+        assert ("127.0.0.1", port) in layout.listening(srv.pid)
+        lay = ParallelLayout(tp=2, world_size=2, listen=[f"127.0.0.1:{port}"])
+        with pytest.raises(HostError) as e:  # another engine holds what the restore would bind
+            layout.require_ports_free(lay, "snapshot tiny-tp2 (TP2)")
+        assert f"127.0.0.1:{port} is already in use (by pid {srv.pid}" in str(e.value)
+        assert "snapshot tiny-tp2 (TP2): port" in str(e.value)
+    finally:
+        srv.kill()
+        srv.wait()
+    layout.require_ports_free(lay, "snapshot tiny-tp2 (TP2)")  # free again: no error

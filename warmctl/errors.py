@@ -55,6 +55,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "LazyPagesError": (36, "warmctl.checkpoint.criu"),
     "SecretInSnapshot": (37, "warmctl.credentials"),
     "SealKeyError": (38, "warmctl.store.sealed"),
+    "RankError": (39, "warmctl.checkpoint.layout"),
 }
 #: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
 #: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.

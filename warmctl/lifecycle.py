@@ -380,6 +380,8 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     lay = m.restore.layout
     if lay is not None and lay.world_size > 1:  # the ranks' TCP connections come back under CRIU's network lock
         criu.require_network_lock(binary, settings.cache_dir, f"snapshot {m.name} ({lay.describe()})")
+    if lay is not None:  # its listening sockets come back bound to the same ports
+        layout.require_ports_free(lay, f"snapshot {m.name} ({lay.sizes()})")
     pages = restore_pages(settings, binary, plan.criu_plugins, reporter)
     plan.before_restore(m.restore, reporter)  # AMD: free VRAM per GPU (the amdgpu plugin allocates it in CRIU)
 

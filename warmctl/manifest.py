@@ -209,8 +209,10 @@ class ParallelLayout(_Recorded):
     parallel); ``world_size``: TP x PP x DP; ``ranks``: one :class:`RankRecord` each, in rank
     order; ``cpu_bind``: the ``VLLM_CPU_OMP_THREADS_BIND`` the engine ran with and
     ``cpu_bind_source`` (``profile`` or ``default``: warmctl's split of the CPUs it could use);
-    ``network_lock``: CRIU's network-lock method of the dump (``nftables``/``iptables``). Absent
-    from manifests written before warmctl recorded it."""
+    ``network_lock``: CRIU's network-lock method of the dump (``nftables``/``iptables``);
+    ``listen``: ``"address:port"`` of every TCP socket the tree listened on (restored bound to
+    the same port: checked free before a restore). Absent from manifests written before
+    warmctl recorded it."""
 
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -221,6 +223,7 @@ class ParallelLayout(_Recorded):
     cpu_bind: str | None = None
     cpu_bind_source: Literal["profile", "default"] | None = None
     network_lock: str | None = None
+    listen: list[str] = []
 
     def sizes(self) -> str:
         """``"TP2"``, ``"TP2 x PP2"``, ``"TP2, EP2"``; ``"TP1"`` for one rank."""

@@ -224,7 +224,7 @@ def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayo
         gpus = {pid: next(iter(used)) for pid, used in nvml.compute_processes().items() if used}
     live = layout.discover(run.root_pid, sizes, run.log_path, gpus)
     netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
-    return layout.record(live, sizes, layout.cpu_binding(profile), netlock)
+    return layout.record(live, sizes, layout.cpu_binding(profile), netlock, layout.listening(run.root_pid))
 
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,

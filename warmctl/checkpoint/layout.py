@@ -405,8 +405,26 @@ def check_restored(root_pid: int, layout: "ParallelLayout", log_path: Path | str
     return out
 
 
-def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: str | None) -> "ParallelLayout":
-    """The manifest's ``restore.layout`` for ``ranks`` (:func:`discover`)."""
+def listening(root_pid: int) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket ``root_pid``'s tree listens on, sorted: what CRIU
+    restores bound to the same address and port (the API server's port, the ranks' rendezvous
+    store), so another process holding one would make the restore fail."""
+    import psutil
+
+    out: set[tuple[str, int]] = set()
+    for pid in tree_pids(root_pid):
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            continue
+        out |= {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN and c.laddr}
+    return sorted(out)
+
+
+def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: str | None,
+           listen: list[tuple[str, int]] = ()) -> "ParallelLayout":
+    """The manifest's ``restore.layout`` for ``ranks`` (:func:`discover`); ``listen``: the
+    tree's listening sockets (:func:`listening`)."""
     from warmctl.manifest import ParallelLayout, RankRecord
 
     recs: list[RankRecord] = []
@@ -421,7 +439,20 @@ def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: 
         lay.cpu_bind, lay.cpu_bind_source = binding.value, binding.source
     if network_lock is not None:
         lay.network_lock = network_lock
+    if listen:
+        lay.listen = [f"{ip}:{port}" for ip, port in listen]
     return lay
+
+
+def require_ports_free(lay: "ParallelLayout", what: str) -> None:
+    """Pre-flight of a restore: every TCP port the snapshot's tree listened on
+    (``layout.listen``) is free here, else :class:`HostError` naming the port and the process
+    that holds it (another engine's rank, say): CRIU would restore the socket bound to it."""
+    from warmctl.gate import require_port_free
+
+    for a in lay.listen:
+        ip, _, port = a.rpartition(":")
+        require_port_free(ip.strip("[]") or "0.0.0.0", int(port), f"{what}: port")
 
 
 def rank_cpus(layout: "ParallelLayout") -> dict[str, str]:

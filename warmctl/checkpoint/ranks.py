@@ -192,13 +192,13 @@ def gpu_footprint(pids: list[int], nvml_path: str | None = None) -> dict[str, in
 def restored_ranks(root_pid: int, nspids: Mapping[int, int] | list[int]) -> list[int]:
     """After a CRIU restore: the new host PIDs of the ranks whose namespace PIDs were recorded at
     snapshot time (``report.nspids`` values, or a list of them). Raises
-    :class:`~warmctl.errors.CheckpointError` if one is missing from the restored tree."""
+    :class:`~warmctl.errors.CheckpointError` if one is missing from the restored tree. The
+    lookup is the rank model's (:func:`warmctl.checkpoint.layout.restored_pids`), which also
+    checks every rank of ``restore.layout`` after a restore, GPU ranks included."""
+    from warmctl.checkpoint.layout import restored_pids
+
     want = set(nspids.values() if isinstance(nspids, Mapping) else nspids)
-    found = {}
-    for p in tree_pids(root_pid):
-        n = nspid(p)
-        if n in want:
-            found[n] = p
+    found = restored_pids(root_pid, sorted(want))
     missing = want - set(found)
     if missing:
         raise CheckpointError(f"restored tree of pid {root_pid} lacks the GPU ranks with namespace pids {sorted(missing)}")

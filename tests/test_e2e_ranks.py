@@ -1,0 +1,153 @@
+"""Every rank, for real: the ``tiny-tp2`` profile (tensor parallel 2 on the CPU build of vLLM:
+two worker processes, a gloo group over loopback TCP, a shared-memory all-reduce) snapshotted
+with real CRIU and restored, with nothing set by hand (warmctl binds the ranks' CPUs and picks
+CRIU's network lock).
+
+One session snapshot (``tp2_snapshot``) serves every test here. Order: the layout recorded; a
+rank killed after the restore, before the canary (named, nothing served, nothing left); the
+restore serving a chat completion, with ``status`` naming both ranks; node B restoring it from
+a directory remote with its own home and key; a rank killed right before a dump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from tests.conftest import isolated_env, listening, shm_leaked, shm_names, tp2_env, warmctl
+
+from warmctl.checkpoint.affinity import parse_cpu_list
+from warmctl.checkpoint.layout import RankError
+
+pytestmark = pytest.mark.e2e
+
+ROLES = ["Worker_TP0", "Worker_TP1"]
+
+
+@pytest.fixture(scope="module")
+def a(wc_env, engine_ports, tp2_snapshot) -> dict[str, str]:
+    env = tp2_env(wc_env, *engine_ports)
+    yield env
+    warmctl("down", "tiny-tp2", env=env, check=False)
+
+
+def _rank_procs() -> dict[str, list[int]]:
+    """Live processes titled as a TP2 rank (any engine's; the tests run one at a time)."""
+    out: dict[str, list[int]] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = (p.info["cmdline"] or [""])[0]
+        for role in ROLES:
+            if cmd.startswith(f"VLLM::{role}"):
+                out.setdefault(role, []).append(p.pid)
+    return out
+
+
+def _up(env, *args: str, check: bool = True):
+    r = warmctl("up", "tiny-tp2", "--json", "--cold-start", "never", *args, env=env, check=check)
+    return r, (json.loads(r.stdout) if r.returncode == 0 else None)
+
+
+def _layout(env) -> dict:
+    [row] = [x for x in json.loads(warmctl("ls", "--json", env=env).stdout) if x["name"] == "tiny-tp2"]
+    return row
+
+
+def test_the_snapshot_records_both_ranks_their_cpus_and_the_network_lock(a, tp2_snapshot):
+    assert "VLLM_CPU_OMP_THREADS_BIND=" in tp2_snapshot["stderr"]  # warmctl's default binding, said
+    row = _layout(a)
+    lay = row["layout"]
+    assert row["digest"] == tp2_snapshot["digest"]
+    assert (lay["tp"], lay["pp"], lay["dp"], lay["ep"], lay["world_size"]) == (2, 1, 1, 1, 2)
+    assert [r["role"] for r in lay["ranks"]] == ROLES and [r["rank"] for r in lay["ranks"]] == [0, 1]
+    assert len({r["nspid"] for r in lay["ranks"]}) == 2 and all(r["nspid"] > 1 for r in lay["ranks"])
+    assert lay["cpu_bind_source"] == "default" and lay["cpu_bind"].count("|") == 1
+    assert [r["cpus"] for r in lay["ranks"]] == lay["cpu_bind"].split("|")  # each rank on its own CPUs
+    assert lay["network_lock"] in ("nftables", "iptables")
+    assert row["host"]["rank_cpus"] == {r["role"]: r["cpus"] for r in lay["ranks"]}  # the catalog's ranks rule
+    text = warmctl("ls", env=a).stdout
+    assert "TP2 (Worker_TP0 ns-pid" in text and "Worker_TP1 ns-pid" in text
+
+
+def test_a_rank_killed_after_the_restore_is_named_and_nothing_is_served(a, engine_ports):
+    shm_before = shm_names()
+    env = dict(a, WARMCTL_TEST_KILL_RANK="ranks:Worker_TP1")
+    r, _ = _up(env, check=False)
+    assert r.returncode == 38, r.stderr  # RankError
+    assert "rank Worker_TP1" in r.stderr and "is not running after the restore" in r.stderr
+    assert "(Worker_TP1 pid=" in r.stderr  # its own log lines
+    assert not listening(engine_ports[1]) and not listening(engine_ports[0] + 2)
+    assert _rank_procs() == {}, "a rank was left running"
+    assert not shm_leaked(shm_before)
+    st = json.loads(warmctl("status", "--json", env=a, check=False).stdout or "[]")
+    assert not [s for s in st if s["name"] == "tiny-tp2" and s["phase"] == "serving"]
+
+
+def test_up_restores_every_rank_bound_and_serves_through_the_gate(a, engine_ports, tp2_snapshot):
+    shm_before = shm_names()
+    r, res = _up(a)
+    assert res["path"] == "restore" and res["snapshot"] == tp2_snapshot["digest"], r.stderr
+    assert "ranks" in res["timings"] and "canary" in res["timings"]
+    [st] = [s for s in json.loads(warmctl("status", "--json", env=a).stdout) if s["name"] == "tiny-tp2"]
+    assert st["layout"] == "TP2" and sorted(st["ranks"]) == ROLES and st["healthy"]
+    procs = _rank_procs()
+    assert procs == {role: [st["ranks"][role]] for role in ROLES}
+    lay = _layout(a)["layout"]
+    unbound = os.sched_getaffinity(0)
+    for rec in lay["ranks"]:  # bound as recorded (CRIU restores no affinity; up put it back)
+        pid = st["ranks"][rec["role"]]
+        bound = set().union(*[a for t in os.listdir(f"/proc/{pid}/task")
+                              if (a := os.sched_getaffinity(int(t))) != unbound])
+        assert bound == parse_cpu_list(rec["cpus"]), (rec, bound)
+    chat = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/chat/completions", timeout=60, json={
+        "model": "tiny-tp2", "temperature": 0, "max_tokens": 8,
+        "messages": [{"role": "user", "content": "The capital of France is"}]})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"].strip(), chat.text
+    table = warmctl("status", env=a).stdout
+    assert f"TP2: Worker_TP0 {st['ranks']['Worker_TP0']}, Worker_TP1 {st['ranks']['Worker_TP1']}" in table
+    warmctl("down", "tiny-tp2", env=a)
+    assert _rank_procs() == {} and not shm_leaked(shm_before)
+
+
+def test_node_b_restores_the_tp2_snapshot_from_a_directory_remote(a, engine_ports, tp2_snapshot, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp2-fleet")
+    remote = root / "remote"
+    r = warmctl("push", "tiny-tp2", "--to", str(remote), env=a)
+    assert f"push tiny-tp2:latest ({tp2_snapshot['digest'][:19]})" in r.stderr
+    b = isolated_env(root / "b", *engine_ports)  # its own home, its own key, trusting A's public key only
+    (root / "b" / "keys").mkdir(exist_ok=True)
+    warmctl("keygen", str(root / "b" / "signing"), "--name", "node", env=b)
+    a_pub = next(Path(a["WARMCTL_CONFIG"]).parent.joinpath("keys").glob("local-*.pub"))
+    shutil.copy(a_pub, root / "b" / "keys" / "a.pub")
+    cfg = Path(b["WARMCTL_CONFIG"])
+    cfg.write_text(cfg.read_text() + f'signing_key = "{root / "b" / "signing" / "node.key"}"\n')
+    b = tp2_env(dict(b, WARMCTL_REMOTE_STORE=str(remote)), *engine_ports)
+    try:
+        r, res = _up(b)
+        assert res["path"] == "restore" and res["snapshot"] == tp2_snapshot["digest"], r.stderr
+        assert res["fetched"]["remote"] > 100 * 2**20, res
+        [st] = [s for s in json.loads(warmctl("status", "--json", env=b).stdout) if s["name"] == "tiny-tp2"]
+        assert sorted(st["ranks"]) == ROLES and st["healthy"]
+        chat = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/completions", timeout=60, json={
+            "model": "tiny-tp2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["text"], chat.text
+        assert _layout(b)["layout"]["world_size"] == 2  # B's local catalog names it now, layout included
+    finally:
+        warmctl("down", "tiny-tp2", env=b, check=False)
+    assert _rank_procs() == {}
+
+
+def test_a_rank_killed_before_the_dump_is_named_and_nothing_is_stored(a, tp2_snapshot):
+    shm_before = shm_names()
+    env = dict(a, WARMCTL_TEST_KILL_RANK="before_dump:Worker_TP0")
+    r = warmctl("snapshot", "tiny-tp2", "--tag", "killed", env=env, check=False, timeout=1500)
+    assert r.returncode == 38, r.stderr
+    assert "rank Worker_TP0 is not running" in r.stderr and "(Worker_TP0 pid=" in r.stderr
+    assert "ranks present: Worker_TP1" in r.stderr
+    assert _rank_procs() == {} and not shm_leaked(shm_before)
+    tags = {(x["name"], x["tag"]) for x in json.loads(warmctl("ls", "--json", env=a).stdout)}
+    assert ("tiny-tp2", "killed") not in tags and ("tiny-tp2", "latest") in tags
