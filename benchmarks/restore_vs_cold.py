@@ -3,17 +3,20 @@
 Both sides run in one process, interleaved (this machine is shared and noisy; the ratio of
 medians is the result, not the absolute seconds):
 
-- **cold**: what an operator does without warmctl: launch ``vllm serve`` for the ``tiny``
-  profile (same flags, same launcher) and send the first canary prompt until a token comes back.
-- **restore**: ``warmctl up tiny`` (the real CLI, from the local store: materialize, CRIU
-  restore, canary, gate), then the same request on the public port.
+- **cold**: what an operator does without warmctl: launch ``vllm serve`` for the profile
+  (``tiny``, or ``tiny-tp2``: the same at tensor parallel 2; same flags, same launcher, the
+  ranks' CPU binding warmctl would give them) and send the first canary prompt until a token
+  comes back.
+- **restore**: ``warmctl up NAME`` (the real CLI, from the local store: materialize, CRIU
+  restore, the ranks checked, canary, gate), then the same request on the public port.
 
 "Correct" means the returned token id equals the first token of the snapshot's canary record.
 Usage::
 
-    python benchmarks/restore_vs_cold.py [--runs 3] [--keep-home DIR]
+    python benchmarks/restore_vs_cold.py [--runs 3] [--keep-home DIR] [--profile tiny --profile tiny-tp2]
 
-Prints one line per run and a summary with medians and the ratio cold/restore.
+Prints one line per run and a summary with medians and the ratio cold/restore, per profile
+(several ``--profile``: one after the other in one run, the same home).
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ ENGINE_PORT, GATE_PORT = 18600, 18680
 
 
 def setup(home_root: Path, engine_port: int = ENGINE_PORT, gate_port: int = GATE_PORT) -> dict[str, str]:
-    # the test suite's isolated config, on this script's ports
-    from tests.conftest import isolated_env
+    # the test suite's isolated config, on this script's ports, with tiny-tp2 beside tiny
+    from tests.conftest import isolated_env, tp2_env
 
-    return isolated_env(home_root, engine_port, gate_port)
+    return tp2_env(isolated_env(home_root, engine_port, gate_port), engine_port, gate_port)
 
 
 def wc(env, *args, check=True):
@@ -51,14 +54,14 @@ def wc(env, *args, check=True):
     return r
 
 
-def first_token(port: int, prompt: str, deadline_s: float = 900) -> tuple[int, float]:
+def first_token(port: int, prompt: str, deadline_s: float = 900, model: str = "tiny") -> tuple[int, float]:
     """Poll until the engine on ``port`` answers ``prompt`` with one token; (token id, time)."""
     t_end = time.monotonic() + deadline_s
     with httpx.Client(timeout=30) as c:
         while time.monotonic() < t_end:
             try:
                 r = c.post(f"http://127.0.0.1:{port}/v1/completions", json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                     "return_token_ids": True, "seed": 0, "ignore_eos": True})
                 if r.status_code == 200:
                     return r.json()["choices"][0]["token_ids"][0], time.monotonic()
@@ -86,7 +89,10 @@ def main() -> None:
     ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep this work dir (its snapshot)")
     ap.add_argument("--engine-port", type=int, default=ENGINE_PORT)
     ap.add_argument("--gate-port", type=int, default=GATE_PORT)
+    ap.add_argument("--profile", action="append", choices=("tiny", "tiny-tp2"), default=None,
+                    help="profile to measure (repeat for several; default tiny)")
     a = ap.parse_args()
+    a.profile = a.profile or ["tiny"]
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-bench-"))
     try:
         run(a, root)
@@ -98,7 +104,14 @@ def main() -> None:
 def run(a, root: Path) -> None:
     env = setup(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
+    os.environ["VLLM_PORT"] = env["VLLM_PORT"]  # the cold TP2 engine's rendezvous ports, as warmctl's
+    results = {name: run_profile(a, root, env, name) for name in a.profile}
+    if len(results) > 1:
+        print("\n" + "\n".join(f"{n}: cold {c:.2f} s, up {r:.2f} s, {c / r:.1f}x" for n, (c, r) in results.items()))
 
+
+def run_profile(a, root: Path, env: dict[str, str], name: str) -> tuple[float, float]:
+    """Both sides for profile ``name``; (median cold, median up) in seconds."""
     from warmctl.config import load_settings
     from warmctl.profile import load_profile
     from warmctl.catalog import Catalog
@@ -106,12 +119,12 @@ def run(a, root: Path) -> None:
     from warmctl.store import open_store
 
     settings = load_settings()
-    prof = load_profile("tiny", settings.profile_dirs)
+    prof = load_profile(name, settings.profile_dirs)
     store = open_store(settings.store_dir)
-    if Catalog(store).newest("tiny") is None:
-        print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
-        wc(env, "snapshot", "tiny", "--quiet")
-    manifest = store.get_manifest(Catalog(store).newest("tiny"))
+    if Catalog(store).newest(name) is None:
+        print(f"making the snapshot once (warmctl snapshot {name}) ...", flush=True)
+        wc(env, "snapshot", name, "--quiet")
+    manifest = store.get_manifest(Catalog(store).newest(name))
     prompt = manifest.canary.completions[0].prompt
     expected = manifest.canary.completions[0].token_ids[0]
     model = resolve_model(prof, settings.models_dir)
@@ -120,21 +133,24 @@ def run(a, root: Path) -> None:
     try:
         measure(a, env, root, prof, model, prompt, expected, cold, restore)
     finally:
-        wc(env, "down", "tiny", check=False)
+        wc(env, "down", name, check=False)
     mc, mr = statistics.median(cold), statistics.median(restore)
-    print(f"\nmedian over {a.runs} runs: cold {mc:.2f} s, warmctl up {mr:.2f} s, ratio cold/up = {mc / mr:.1f}x")
-    print(f"snapshot: {manifest.total_size() / 2**30:.2f} GiB logical")
+    print(f"\n{name}: median over {a.runs} runs: cold {mc:.2f} s, warmctl up {mr:.2f} s, ratio cold/up = {mc / mr:.1f}x")
+    print(f"{name}: snapshot {manifest.total_size() / 2**30:.2f} GiB logical")
+    return mc, mr
 
 
 def measure(a, env, root, prof, model, prompt, expected, cold, restore) -> None:
+    from warmctl.checkpoint.layout import cpu_binding
     from warmctl.engine import vllm
 
+    name, served = prof.name, prof.engine.served_model_name
     for i in range(a.runs):
-        wc(env, "down", "tiny")
+        wc(env, "down", name)
         t0 = time.monotonic()
-        eng = vllm.start(prof, model, root / f"cold-{i}.log")
+        eng = vllm.start(prof, model, root / f"cold-{name}-{i}.log", env=cpu_binding(prof).env())
         try:
-            tok, t1 = first_token(prof.engine.port, prompt)
+            tok, t1 = first_token(prof.engine.port, prompt, model=served)
         finally:
             stop_cold(eng)
         assert tok == expected, f"cold engine's first token {tok} != canary {expected}"
@@ -143,12 +159,12 @@ def measure(a, env, root, prof, model, prompt, expected, cold, restore) -> None:
         time.sleep(2)
 
         t0 = time.monotonic()
-        wc(env, "up", "tiny")
-        tok, t1 = first_token(a.gate_port, prompt)
+        wc(env, "up", name)
+        tok, t1 = first_token(a.gate_port, prompt, model=served)
         assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
         restore.append(t1 - t0)
-        status = json.loads(wc(env, "status", "tiny", "--json").stdout)[0]
-        wc(env, "down", "tiny")
+        status = json.loads(wc(env, "status", name, "--json").stdout)[0]
+        wc(env, "down", name)
         phases = ", ".join(f"{k} {v:.2f}" for k, v in (status.get("timings") or {}).items())
         print(f"run {i}: warmctl up  -> first correct token {restore[-1]:7.2f} s ({phases})", flush=True)
         time.sleep(2)
