@@ -141,14 +141,14 @@ def run_profile(a, root: Path, env: dict[str, str], name: str) -> tuple[float, f
 
 
 def measure(a, env, root, prof, model, prompt, expected, cold, restore) -> None:
-    from warmctl.checkpoint.layout import cpu_binding
     from warmctl.engine import vllm
+    from warmctl.engine.cold import launch_env
 
     name, served = prof.name, prof.engine.served_model_name
     for i in range(a.runs):
         wc(env, "down", name)
         t0 = time.monotonic()
-        eng = vllm.start(prof, model, root / f"cold-{name}-{i}.log", env=cpu_binding(prof).env())
+        eng = vllm.start(prof, model, root / f"cold-{name}-{i}.log", env=launch_env(prof))
         try:
             tok, t1 = first_token(prof.engine.port, prompt, model=served)
         finally:

@@ -2,7 +2,9 @@
 
 The raw restore is the floor that orchestration adds to (``../shared/DESIGN.md``: "measure `up`
 against the raw floor on the same image"). Both sides run in one process, alternating, on one
-snapshot of the ``tiny`` profile (the machine is shared: the ratio of medians is the result):
+snapshot of the ``tiny`` profile, or ``--profile tiny-tp2`` (tensor parallel 2; the raw side
+restores it under the host's CRIU network lock, as ``up`` does) (the machine is shared: the
+ratio of medians is the result):
 
 - **raw**: the image is materialized once from the store into a work directory (not timed).
   Before each run the snapshot's ``/dev/shm`` files are put back (not timed: CRIU needs them,
@@ -25,7 +27,7 @@ included). Each is the median of ``--micro`` repeats.
 Usage::
 
     python benchmarks/up_vs_raw.py [--runs 5] [--keep-home DIR] [--gap 2] [--first-up] [--cold] [--via-agent PORT] \\
-        [--restore-pages eager|lazy|auto] [--engine-port 18600 --gate-port 18680] [--json FILE]
+        [--restore-pages eager|lazy|auto] [--engine-port 18600 --gate-port 18680] [--json FILE] [--profile tiny-tp2]
 
 Leaves nothing behind: every engine is brought down (``warmctl down`` / the raw tree killed and
 its ``/dev/shm`` files removed by inode), and the work directory is removed unless
@@ -158,6 +160,8 @@ def main() -> None:
                     help="drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches) before each run of each side")
     ap.add_argument("--restore-pages", choices=("eager", "lazy", "auto"), default="eager",
                     help="how `up` restores the engine's memory (restore_pages setting; the raw side is always eager)")
+    ap.add_argument("--profile", choices=("tiny", "tiny-tp2"), default="tiny",
+                    help="the snapshot's profile (tiny-tp2: tensor parallel 2, two ranks; default tiny)")
     a = ap.parse_args()
     root = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-upraw-"))
     try:
@@ -168,9 +172,9 @@ def main() -> None:
 
 
 def run_all(a, root: Path) -> None:
-    from tests.conftest import isolated_env
+    from tests.conftest import isolated_env, tp2_env
 
-    env = isolated_env(root, a.engine_port, a.gate_port)
+    env = tp2_env(isolated_env(root, a.engine_port, a.gate_port), a.engine_port, a.gate_port)
     env["WARMCTL_RESTORE_PAGES"] = a.restore_pages  # the CLI's and the agent's setting alike
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
 
@@ -181,12 +185,13 @@ def run_all(a, root: Path) -> None:
     from warmctl.host import fingerprint
     from warmctl.store import open_store
 
+    name = a.profile
     settings = load_settings()
     store = open_store(settings.store_dir)
-    if Catalog(store).newest("tiny") is None:
-        print("making the snapshot once (warmctl snapshot tiny) ...", flush=True)
-        wc(env, "snapshot", "tiny", "--quiet")
-    digest = Catalog(store).newest("tiny")
+    if Catalog(store).newest(name) is None:
+        print(f"making the snapshot once (warmctl snapshot {name}) ...", flush=True)
+        wc(env, "snapshot", name, "--quiet")
+    digest = Catalog(store).newest(name)
     manifest = store.get_manifest(digest)
     prompt = manifest.canary.completions[0].prompt
     expected = manifest.canary.completions[0].token_ids[0]
@@ -196,7 +201,7 @@ def run_all(a, root: Path) -> None:
     fixed = import_cost(a.micro)
     fixed["fingerprint_s"] = micro(a.micro, lambda: fingerprint(criu=settings.criu))
     fp = fingerprint(criu=settings.criu)
-    fixed["catalog_resolve_s"] = micro(a.micro, lambda: Catalog(store).resolve("tiny", fp, settings.keys_dir))
+    fixed["catalog_resolve_s"] = micro(a.micro, lambda: Catalog(store).resolve(name, fp, settings.keys_dir))
     fixed["criu_check_s"] = micro(a.micro, lambda: criu.check(settings.criu))
     print("fixed costs (median of %d): " % a.micro + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in fixed.items()),
           flush=True)
@@ -213,7 +218,7 @@ def run_all(a, root: Path) -> None:
             else:
                 store.read_file(f.chunks, images / f.path)
                 os.chmod(images / f.path, f.mode)
-    run = EngineRun(settings.run_dir, "tiny", 0, log_path=manifest.restore.log_path,
+    run = EngineRun(settings.run_dir, name, 0, log_path=manifest.restore.log_path,
                     cwd=manifest.restore.cwd).prepare()  # CRIU reopens the recorded log and cwd
     run.log_path.touch()
     image_bytes = sum(p.stat().st_size for p in images.iterdir())
@@ -234,7 +239,7 @@ def run_all(a, root: Path) -> None:
             time.sleep(0.2)
     try:
         for i in range(a.runs):
-            wc(env, "down", "tiny")
+            wc(env, "down", name)
             root_pid, inodes = None, []
             try:
                 with criu.host_lock():
@@ -244,7 +249,7 @@ def run_all(a, root: Path) -> None:
                     t0 = time.monotonic()
                     root_pid, secs = criu.restore(images, raw_dir / "engine.pid", log_file=raw_dir / "restore.log",
                                                   binary=settings.criu)
-                tok, t1 = first_token(a.engine_port, prompt, model)
+                tok, t1 = first_token(manifest.restore.internal_port or a.engine_port, prompt, model)
             finally:
                 kill_raw(root_pid, inodes)
             assert tok == expected, f"raw-restored engine's first token {tok} != canary {expected}"
@@ -258,11 +263,11 @@ def run_all(a, root: Path) -> None:
                 drop_caches()
             t0 = time.monotonic()
             try:
-                r = wc(up_env, "up", "tiny", "--json")
+                r = wc(up_env, "up", name, "--json")
                 t_up = time.monotonic()
                 tok, t1 = first_token(a.gate_port, prompt, model)
             finally:
-                wc(up_env, "down", "tiny", check=False)
+                wc(up_env, "down", name, check=False)
             assert tok == expected, f"restored engine's first token {tok} != canary {expected}"
             res = json.loads(r.stdout)
             if res["path"] != "restore":  # e.g. the venv changed since the snapshot (environment digest)
@@ -276,7 +281,7 @@ def run_all(a, root: Path) -> None:
                   + f", outside phases {up_outside[-1]:.2f}, after up {t1 - t_up:.2f})", flush=True)
             time.sleep(a.gap)
     finally:
-        wc(up_env, "down", "tiny", check=False)
+        wc(up_env, "down", name, check=False)
         if agent is not None:
             agent.terminate()
             agent.wait(timeout=30)

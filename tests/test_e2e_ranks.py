@@ -91,7 +91,7 @@ def test_up_restores_every_rank_bound_and_serves_through_the_gate(a, engine_port
     shm_before = shm_names()
     r, res = _up(a)
     assert res["path"] == "restore" and res["snapshot"] == tp2_snapshot["digest"], r.stderr
-    assert "ranks" in res["timings"] and "canary" in res["timings"]
+    assert "ranks" in res["timings_s"] and "canary" in res["timings_s"]
     [st] = [s for s in json.loads(warmctl("status", "--json", env=a).stdout) if s["name"] == "tiny-tp2"]
     assert st["layout"] == "TP2" and sorted(st["ranks"]) == ROLES and st["healthy"]
     procs = _rank_procs()

@@ -40,6 +40,7 @@ def test_roles_follow_vllms_process_titles():
     assert Sizes(tp=2).roles() == ["Worker_TP0", "Worker_TP1"]
     assert Sizes(tp=2, pp=2).roles() == ["Worker_PP0_TP0", "Worker_PP0_TP1", "Worker_PP1_TP0", "Worker_PP1_TP1"]
     assert Sizes(tp=2, ep=True).roles() == ["Worker_TP0_EP0", "Worker_TP1_EP1"]
+    assert Sizes(dp=2).roles() == ["EngineCore_DP0", "EngineCore_DP1"]
     assert Sizes(tp=2, ep=True).describe() == "TP2, EP2" and Sizes(tp=2, pp=2).describe() == "TP2 x PP2"
 
 
@@ -212,3 +213,24 @@ def test_a_port_the_snapshot_listened_on_is_checked_free_before_a_restore(tmp_pa
         srv.kill()
         srv.wait()
     layout.require_ports_free(lay, "snapshot tiny-tp2 (TP2)")  # free again: no error
+
+
+def test_cpu_workers_read_their_memory_affinity_from_proc_self_in_the_pid_namespace():
+    """vLLM's CPU worker reads /proc/{os.getpid()}/status; in the engine's PID namespace that is
+    a namespace PID looked up in the host's /proc (another process, or none: the worker died
+    with FileNotFoundError at TP2). The engine's PYTHONPATH leads with warmctl's fix."""
+    import sys
+
+    from warmctl.engine.cold import NSPROC_DIR, launch_env
+
+    code = ("import os; os.getpid = lambda: 4000000\n"  # a namespace PID the host's /proc lacks
+            "from vllm.utils.cpu_resource_utils import get_visible_memory_node; print(get_visible_memory_node())")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bare = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert bare.returncode != 0 and "No such file or directory: '/proc/4000000/status'" in bare.stderr
+    fixed = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(NSPROC_DIR)},
+                           capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.stdout.strip().startswith("[") and fixed.stdout.strip() != "[]"
+    prof = load_profile_file(REPO / "profiles" / "tiny-tp2.toml")
+    assert launch_env(prof, {"PYTHONPATH": "/x"})["PYTHONPATH"] == f"{NSPROC_DIR}:/x"

@@ -55,6 +55,7 @@ class EngineSpec(_Strict):
     """How to launch the engine.
 
     ``model`` is a path, or ``builtin:tiny`` for the small Llama that warmctl builds itself
+    (``builtin:tiny-moe``: the same as a mixture of experts)
     (see :mod:`warmctl.tinymodel`). ``args`` are extra ``vllm serve`` flags, passed as given.
     ``port`` is the engine's internal port on loopback; clients never see it. Neither ``args``
     nor ``env`` may carry a credential (a profile is published with every snapshot): a flag

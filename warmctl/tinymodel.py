@@ -48,23 +48,38 @@ def recipe_id() -> str:
     return h.hexdigest()[:12]
 
 
-def model_dir(models_root: Path) -> Path:
-    """Where the tiny model lives under ``models_root``: ``tiny-llama-<recipe id>``."""
-    return Path(models_root) / f"tiny-llama-{recipe_id()}"
+#: The models warmctl builds itself: ``builtin:NAME`` -> the kind :func:`build` makes.
+BUILTIN = {"builtin:tiny": "llama", "builtin:tiny-moe": "moe"}
+#: The mixture-of-experts variant: experts per layer and experts each token is routed to.
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 
 
-def build(dest: Path) -> Path:
+def model_dir(models_root: Path, kind: str = "llama") -> Path:
+    """Where the tiny model lives under ``models_root``: ``tiny-llama-<recipe id>`` (``kind``
+    ``"moe"``: ``tiny-moe-<recipe id>``)."""
+    return Path(models_root) / f"tiny-{kind}-{recipe_id()}"
+
+
+def builtin_dir(model: str, models_root: Path) -> Path | None:
+    """:func:`model_dir` of a ``builtin:`` model name (:data:`BUILTIN`), None for any other."""
+    kind = BUILTIN.get(model)
+    return None if kind is None else model_dir(models_root, kind)
+
+
+def build(dest: Path, kind: str = "llama") -> Path:
     """Build the tiny model into ``dest`` (atomically: a temp dir renamed into place).
 
-    Returns ``dest``. Does nothing if ``dest/config.json`` already exists.
-    Raises ImportError if torch/transformers/tokenizers are not installed.
+    ``kind``: ``"llama"`` (the ``tiny`` Llama) or ``"moe"`` (the same tokenizer and attention
+    in a Mixtral: :data:`MOE_EXPERTS` experts per layer, top-:data:`MOE_TOP_K` routing, for
+    expert-parallel engines). Returns ``dest``. Does nothing if ``dest/config.json`` already
+    exists. Raises ImportError if torch/transformers/tokenizers are not installed.
     """
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
@@ -89,7 +104,12 @@ def build(dest: Path) -> Path:
         fast.save_pretrained(tmp)
 
         torch.manual_seed(SEED)
-        config = LlamaConfig(
+        cls, cfg_cls, extra = LlamaForCausalLM, LlamaConfig, {}
+        if kind == "moe":
+            cls, cfg_cls = MixtralForCausalLM, MixtralConfig
+            extra = {"num_local_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K}
+        config = cfg_cls(
+            **extra,
             vocab_size=VOCAB_SIZE,
             hidden_size=128,
             intermediate_size=256,
@@ -103,7 +123,7 @@ def build(dest: Path) -> Path:
             tie_word_embeddings=False,
             torch_dtype="float32",
         )
-        model = LlamaForCausalLM(config)
+        model = cls(config)
         _train(model, fast)
         model.save_pretrained(tmp, safe_serialization=True)
         os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)

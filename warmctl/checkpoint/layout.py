@@ -87,9 +87,12 @@ class Sizes:
 
     def roles(self) -> list[str]:
         """The role (process title without ``VLLM::``) of every rank, in vLLM's rank order
-        (DP, PP, TP): ``["EngineCore"]`` for one rank, ``["Worker_TP0", "Worker_TP1"]`` at TP2."""
+        (DP, PP, TP): ``["EngineCore"]`` for one rank, ``["Worker_TP0", "Worker_TP1"]`` at TP2,
+        ``["EngineCore_DP0", "EngineCore_DP1"]`` at DP2 alone."""
         if not self.multi_process:
             return ["EngineCore"]
+        if self.tp * self.pp == 1:  # data parallel alone: each engine core runs its one rank itself
+            return [f"EngineCore_DP{d}" for d in range(self.dp)]
         out = []
         for d in range(self.dp):
             for p in range(self.pp):

@@ -46,17 +46,18 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     passed-through one may be a credential), "engine_argv": the vllm serve argv, "argv": the
     same wrapped for checkpointing (launcher, PID namespace, session)}``. Nothing else of
     this environment reaches the engine. ``passthrough``: the config's
-    ``engine_env_passthrough``. With the ranks' default CPU binding (:func:`warmctl.checkpoint.layout.cpu_binding`)
-    in ``env``; raises :class:`warmctl.errors.HostError` when the ranks' binding cannot
-    be satisfied here. ``builtin:tiny`` is shown at the path it is built to on first use."""
+    ``engine_env_passthrough``. ``env`` includes :func:`warmctl.engine.cold.launch_env` (the
+    ranks' default CPU binding, the CPU build's PYTHONPATH); raises
+    :class:`warmctl.errors.HostError` when the ranks' binding cannot be satisfied here. A
+    ``builtin:`` model is shown at the path it is built to on first use."""
     from warmctl import tinymodel
     from warmctl.engine.vllm import engine_env, engine_environment, vllm_command, wrapped_command
-    from warmctl.checkpoint.layout import cpu_binding
+    from warmctl.engine.cold import launch_env
 
     m = profile.engine.model
-    model = str(tinymodel.model_dir(models_dir)) if m == "builtin:tiny" else m
+    model = str(d) if (d := tinymodel.builtin_dir(m, models_dir)) is not None else m
     inner = vllm_command(profile, model)
-    ours = {**engine_env(profile), **cpu_binding(profile).env()}
+    ours = {**engine_env(profile), **launch_env(profile)}
     inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
     return {"model": model, "env": ours, "from_environment": inherited, "engine_argv": inner,
             "argv": wrapped_command(inner)}

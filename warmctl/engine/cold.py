@@ -24,15 +24,35 @@ from warmctl.state import EngineState
 
 
 def resolve_model(profile: Profile, models_dir: Path) -> str:
-    """The model path for ``profile``; builds the ``builtin:tiny`` model under ``models_dir``
-    on first use. Raises :class:`EngineError` if a model path does not exist."""
+    """The model path for ``profile``; builds a ``builtin:`` model (``tiny``, ``tiny-moe``:
+    :data:`warmctl.tinymodel.BUILTIN`) under ``models_dir`` on first use. Raises :class:`EngineError` if a model path does not exist."""
     m = profile.engine.model
-    if m == "builtin:tiny":
-        return str(tinymodel.build(tinymodel.model_dir(models_dir)))
+    if (d := tinymodel.builtin_dir(m, models_dir)) is not None:
+        return str(tinymodel.build(d, tinymodel.BUILTIN[m]))
     if m.startswith("/") or m.startswith("."):
         if not Path(m).exists():
             raise EngineError(f"profile {profile.name}: engine.model {m} does not exist")
     return m
+
+
+#: Leads the PYTHONPATH of CPU-build engines: its ``sitecustomize`` makes vLLM's CPU worker read
+#: its memory-node affinity from ``/proc/self`` (the engine's PID namespace sees the host's /proc).
+NSPROC_DIR = Path(__file__).resolve().parent / "nsproc"
+
+
+def launch_env(profile: Profile, inherited: dict[str, str] | None = None) -> dict[str, str]:
+    """What warmctl adds to ``profile``'s engine environment at launch, beyond
+    :func:`warmctl.engine.vllm.engine_env`: the ranks' default CPU binding
+    (:func:`warmctl.checkpoint.layout.cpu_binding`), and on the CPU build (``gpu_count = 0``)
+    :data:`NSPROC_DIR` ahead of the inherited ``PYTHONPATH`` (``inherited``: default this
+    process's environment). Raises :class:`HostError` as ``cpu_binding`` does."""
+    env = layout.cpu_binding(profile).env()
+    if not profile.hardware.gpu_count:
+        import os
+
+        rest = (os.environ if inherited is None else inherited).get("PYTHONPATH")
+        env["PYTHONPATH"] = str(NSPROC_DIR) + (f":{rest}" if rest else "")
+    return env
 
 
 def preflight(profile: Profile, run_dir: Path) -> None:
@@ -71,7 +91,8 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
     if binding.source == "default":
         reporter.info(f"CPU binding of the ranks: {layout.BIND_VAR}={binding.value} (warmctl's default from the "
                       f"CPUs it may use; set it in \\[engine.env] to choose)")
-    eng = vllm.start(profile, model, run.log_path, env={**run.tmp_env, **binding.env()}, cwd=run.cwd, passthrough=passthrough)
+    eng = vllm.start(profile, model, run.log_path, env={**run.tmp_env, **launch_env(profile)}, cwd=run.cwd,
+                     passthrough=passthrough)
     run.engine_env = eng.env_sources
     run.set_root(eng.root_pid)
     if run.state is None:  # recorded at once: a killed warmctl leaves a tree the next run finds
