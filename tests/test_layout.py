@@ -234,3 +234,26 @@ def test_cpu_workers_read_their_memory_affinity_from_proc_self_in_the_pid_namesp
     assert fixed.stdout.strip().startswith("[") and fixed.stdout.strip() != "[]"
     prof = load_profile_file(REPO / "profiles" / "tiny-tp2.toml")
     assert launch_env(prof, {"PYTHONPATH": "/x"})["PYTHONPATH"] == f"{NSPROC_DIR}:/x"
+
+
+@needs_root
+def test_snapshot_on_a_host_without_a_network_lock_stops_before_the_engine_starts(tmp_path):
+    """A TP2 snapshot needs CRIU's network lock: with a CRIU whose nftables check fails and no
+    iptables-restore on PATH, `warmctl snapshot tiny-tp2` fails in pre-flight (exit 10), in
+    seconds, with nothing started."""
+    import sys
+    import time as t
+
+    from conftest import isolated_env, tp2_env, warmctl
+
+    fake = tmp_path / "bin" / "criu"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "Version: 4.2.1"; exit 0; }\nexit 1\n')
+    fake.chmod(0o755)
+    env = tp2_env(isolated_env(tmp_path / "w", 18997, 18998), 18997, 18998)
+    env.update(WARMCTL_CRIU=str(fake), PATH=f"{fake.parent}:{os.path.dirname(sys.executable)}:/usr/bin:/bin")
+    t0 = t.monotonic()
+    r = warmctl("snapshot", "tiny-tp2", env=env, check=False, timeout=120)
+    assert r.returncode == 10, r.stderr
+    assert "profile tiny-tp2 (TP2) holds established TCP connections" in r.stderr and "iptables" in r.stderr
+    assert t.monotonic() - t0 < 30 and not (tmp_path / "w" / "home" / "run" / "tiny-tp2" / "engine.log").exists()
