@@ -104,7 +104,6 @@ def main() -> None:
 def run(a, root: Path) -> None:
     env = setup(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
-    os.environ["VLLM_PORT"] = env["VLLM_PORT"]  # the cold TP2 engine's rendezvous ports, as warmctl's
     results = {name: run_profile(a, root, env, name) for name in a.profile}
     if len(results) > 1:
         print("\n" + "\n".join(f"{n}: cold {c:.2f} s, up {r:.2f} s, {c / r:.1f}x" for n, (c, r) in results.items()))

@@ -155,9 +155,12 @@ def tiny_profile(engine_port: int, gate_port: int, name: str = "tiny", extra: st
 
 def tp2_profile(engine_port: int, gate_port: int) -> str:
     """The shipped ``tiny-tp2`` profile (two tensor-parallel ranks) on internal port
-    ``engine_port + 2`` and public port ``gate_port``."""
+    ``engine_port + 2`` and public port ``gate_port``, with ``VLLM_PORT`` = ``engine_port + 40``
+    in its ``[engine.env]``: where vLLM starts looking for the ranks' rendezvous ports (else any
+    free port: a suite beside another on one host would race for them)."""
     text = (REPO / "profiles" / "tiny-tp2.toml").read_text()
     text = re.sub(r"(?m)^port = 18002", f"port = {engine_port + 2}", text)
+    text = text.replace('HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\nVLLM_PORT = "{engine_port + 40}"')
     return re.sub(r"(?m)^port = 8000", f"port = {gate_port}", text)
 
 
@@ -203,14 +206,12 @@ def tiny_snapshot(wc_env) -> dict:
 
 
 def tp2_env(env: dict[str, str], engine_port: int, gate_port: int) -> dict[str, str]:
-    """``env`` (an :func:`isolated_env`) for the ``tiny-tp2`` engine: its profile
-    (:func:`tp2_profile`) written beside ``tiny``'s, and ``VLLM_PORT`` = ``engine_port + 40``,
-    where vLLM starts looking for the ranks' rendezvous ports (else any free port: a suite
-    beside another on one host would race for them)."""
+    """``env`` (an :func:`isolated_env`) with the ``tiny-tp2`` profile (:func:`tp2_profile`)
+    written beside ``tiny``'s; returns a copy of ``env``."""
     profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
     profiles.mkdir(parents=True, exist_ok=True)
     (profiles / "tiny-tp2.toml").write_text(tp2_profile(engine_port, gate_port))
-    return dict(env, VLLM_PORT=str(engine_port + 40))
+    return dict(env)
 
 
 @pytest.fixture(scope="session")

@@ -260,8 +260,9 @@ class RestoreInfo(_Recorded):
     ``engine_env``: the engine's environment at the cold start by name only, ``{variable:
     source}`` with source ``base``, ``passthrough``, ``warmctl`` or ``profile``
     (:class:`warmctl.engine.vllm.EngineEnv`; never a value: the profile's own values are in
-    ``profile``); ``layout``: the parallel layout and every rank (:class:`ParallelLayout`). Every key is optional in the format (a manifest written without one reads
-    with its default).
+    ``profile``); ``layout``: the parallel layout and every rank (:class:`ParallelLayout`).
+    Every key is optional in the format (a manifest written without one reads with its
+    default).
     """
 
     log_path: str | None = None
@@ -275,6 +276,7 @@ class RestoreInfo(_Recorded):
     gpu: GpuRestore | None = None
     weights: WeightsRestore | None = None
     engine_env: dict[str, Literal["base", "passthrough", "warmctl", "profile"]] = {}
+    layout: ParallelLayout | None = None
 
     @field_validator("log_path", "cwd", "tmp_dir")
     @classmethod
