@@ -100,8 +100,8 @@ def test_up_restores_every_rank_bound_and_serves_through_the_gate(a, engine_port
     unbound = os.sched_getaffinity(0)
     for rec in lay["ranks"]:  # bound as recorded (CRIU restores no affinity; up put it back)
         pid = st["ranks"][rec["role"]]
-        bound = set().union(*[a for t in os.listdir(f"/proc/{pid}/task")
-                              if (a := os.sched_getaffinity(int(t))) != unbound])
+        bound = set().union(*[aff for t in os.listdir(f"/proc/{pid}/task")
+                              if (aff := os.sched_getaffinity(int(t))) != unbound])
         assert bound == parse_cpu_list(rec["cpus"]), (rec, bound)
     chat = httpx.post(f"http://127.0.0.1:{engine_ports[1]}/v1/chat/completions", timeout=60, json={
         "model": "tiny-tp2", "temperature": 0, "max_tokens": 8,
