@@ -257,3 +257,12 @@ def test_snapshot_on_a_host_without_a_network_lock_stops_before_the_engine_start
     assert r.returncode == 10, r.stderr
     assert "profile tiny-tp2 (TP2) holds established TCP connections" in r.stderr and "iptables" in r.stderr
     assert t.monotonic() - t0 < 30 and not (tmp_path / "w" / "home" / "run" / "tiny-tp2" / "engine.log").exists()
+
+
+def test_builtin_models_have_their_own_directories(tmp_path):
+    from warmctl import tinymodel
+
+    llama, moe = (tinymodel.builtin_dir(m, tmp_path) for m in ("builtin:tiny", "builtin:tiny-moe"))
+    assert llama == tinymodel.model_dir(tmp_path) and llama.name.startswith("tiny-llama-")
+    assert moe.name.startswith("tiny-moe-") and moe != llama
+    assert tinymodel.builtin_dir("/models/x", tmp_path) is None
