@@ -211,11 +211,23 @@ class _Dumped:
     layout: ParallelLayout | None = None
 
 
+def _record_shm(run: EngineRun) -> capture.TreeFiles:
+    """The files ``run``'s tree references, its ``/dev/shm`` ones recorded on the run (path and
+    inode) and saved: whatever happens next (CRIU kills the tree; a rank dies and takes the
+    only mapping of its semaphores with it), a teardown removes exactly them."""
+    files = capture.referenced_files(run.root_pid, exclude=[run.dir])
+    run.shm_files = [str(p) for p in files.shm]
+    run.shm_inodes = [(st.st_dev, st.st_ino) for st in map(Path.stat, files.shm)]
+    run.save()
+    return files
+
+
 def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayout:
     """Right before the dump: every rank the profile's layout names is running
     (:func:`warmctl.checkpoint.layout.discover`; :class:`~warmctl.checkpoint.layout.RankError`
     naming a missing one, with its log lines), recorded with its namespace PID, CPUs and GPU."""
     sizes = layout.profile_sizes(profile)
+    _record_shm(run)  # a rank found dead below leaves semaphores only it mapped: the teardown needs their inodes
     faults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 of one rank (WARMCTL_TEST_KILL_RANK)
     gpus = None
     if profile.hardware.gpu_count:
@@ -234,10 +246,7 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     them by inode) and CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` before the lock is
     released: one that is a hard link of a captured file is recorded as such, any other is
     copied to the run's scratch first. Then every file to store is listed."""
-    files = capture.referenced_files(run.root_pid, exclude=[run.dir])
-    run.shm_files = [str(p) for p in files.shm]
-    run.shm_inodes = [(st.st_dev, st.st_ino) for st in map(Path.stat, files.shm)]
-    run.save()  # recorded before CRIU runs: the dump kills the tree, its files stay in /dev/shm
+    files = _record_shm(run)  # again: what the tree holds now, right before CRIU runs
     out = _Dumped(files, cpu_affinity=affinity.record(run.root_pid))
     shutil.rmtree(run.images, ignore_errors=True)
     with reporter.phase("criu_dump", f"CRIU dump of pid {run.root_pid} and its children"), \
