@@ -77,7 +77,7 @@ def test_a_rank_killed_after_the_restore_is_named_and_nothing_is_served(a, engin
     shm_before = shm_names()
     env = dict(a, WARMCTL_TEST_KILL_RANK="ranks:Worker_TP1")
     r, _ = _up(env, check=False)
-    assert r.returncode == 38, r.stderr  # RankError
+    assert r.returncode == RankError.exit_code, r.stderr
     assert "rank Worker_TP1" in r.stderr and "is not running after the restore" in r.stderr
     assert "(Worker_TP1 pid=" in r.stderr  # its own log lines
     assert not listening(engine_ports[1]) and not listening(engine_ports[0] + 2)
@@ -145,7 +145,7 @@ def test_a_rank_killed_before_the_dump_is_named_and_nothing_is_stored(a, tp2_sna
     shm_before = shm_names()
     env = dict(a, WARMCTL_TEST_KILL_RANK="before_dump:Worker_TP0")
     r = warmctl("snapshot", "tiny-tp2", "--tag", "killed", env=env, check=False, timeout=1500)
-    assert r.returncode == 38, r.stderr
+    assert r.returncode == RankError.exit_code, r.stderr
     assert "rank Worker_TP0 is not running" in r.stderr and "(Worker_TP0 pid=" in r.stderr
     assert "ranks present: Worker_TP1" in r.stderr
     assert _rank_procs() == {} and not shm_leaked(shm_before)
