@@ -266,3 +266,22 @@ def test_builtin_models_have_their_own_directories(tmp_path):
     assert llama == tinymodel.model_dir(tmp_path) and llama.name.startswith("tiny-llama-")
     assert moe.name.startswith("tiny-moe-") and moe != llama
     assert tinymodel.builtin_dir("/models/x", tmp_path) is None
+
+
+@needs_root
+def test_a_one_rank_engine_with_a_worker_process_is_found_as_worker(tmp_path):
+    """vLLM 0.32's CPU build runs a TP1 engine's rank in a process titled VLLM::Worker."""
+    script = "bash -c 'exec -a VLLM::EngineCore sleep 1000' & bash -c 'exec -a VLLM::Worker sleep 1000' & wait"
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "bash", "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            kids = psutil.Process(p.pid).children()
+            if kids and len(layout.live_ranks(kids[0].pid)) == 1 and "Worker" in layout.live_ranks(kids[0].pid):
+                break
+            time.sleep(0.05)
+        [r] = layout.discover(kids[0].pid, Sizes())
+        assert r.role == "Worker" and r.nspid > 1
+    finally:
+        kill_tree(ProcessId.of(kids[0].pid))
+        p.wait(10)

@@ -3,8 +3,9 @@
 A vLLM engine with ``--tensor-parallel-size`` (TP), ``--pipeline-parallel-size`` (PP) or
 ``--data-parallel-size`` (DP) above 1 runs one worker process per rank (``VLLM::Worker_TP0``,
 ``VLLM::Worker_PP1_TP0``, ``..._EP1`` with ``--enable-expert-parallel``: the process titles
-vLLM 0.32 sets, ``v1/executor/multiproc_executor.py``); a TP1 engine runs its one rank inside
-``VLLM::EngineCore``. The ranks talk over loopback TCP (gloo) and shared memory, so a
+vLLM 0.32 sets, ``v1/executor/multiproc_executor.py``); a one-rank engine runs its rank in a
+``VLLM::Worker`` process (the multiprocessing executor, vLLM 0.32's default on the CPU build)
+or inside ``VLLM::EngineCore``. The ranks talk over loopback TCP (gloo) and shared memory, so a
 snapshot is only good when every rank is in it, and a restore only when every rank came back.
 
 This module is the one rank model for the CPU build and GPU hosts alike:
@@ -87,7 +88,8 @@ class Sizes:
 
     def roles(self) -> list[str]:
         """The role (process title without ``VLLM::``) of every rank, in vLLM's rank order
-        (DP, PP, TP): ``["EngineCore"]`` for one rank, ``["Worker_TP0", "Worker_TP1"]`` at TP2,
+        (DP, PP, TP): ``["EngineCore"]`` for one rank (:func:`discover` takes ``Worker``
+        instead where the rank has a worker process of its own), ``["Worker_TP0", "Worker_TP1"]`` at TP2,
         ``["EngineCore_DP0", "EngineCore_DP1"]`` at DP2 alone."""
         if not self.multi_process:
             return ["EngineCore"]
@@ -351,6 +353,8 @@ def discover(root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
     naming each missing rank, with its log lines (``log_path``: the engine log)."""
     found = live_ranks(root_pid)
     roles = sizes.roles()
+    if roles == ["EngineCore"] and "Worker" in found:  # one rank in a worker process of its own
+        roles = ["Worker"]
     missing = [r for r in roles if r not in found]
     if missing:
         have = ", ".join(f"{r.role} (pid {r.pid})" for r in found.values()) or "none"
