@@ -222,11 +222,15 @@ def _record_shm(run: EngineRun) -> capture.TreeFiles:
     return files
 
 
-def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayout:
+def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayout | None:
     """Right before the dump: every rank the profile's layout names is running
     (:func:`warmctl.checkpoint.layout.discover`; :class:`~warmctl.checkpoint.layout.RankError`
-    naming a missing one, with its log lines), recorded with its namespace PID, CPUs and GPU."""
+    naming a missing one, with its log lines), recorded with its namespace PID, CPUs and GPU.
+    None for a one-rank engine (its snapshot records no layout; its one process tree is
+    checked by the canary as before)."""
     sizes = layout.profile_sizes(profile)
+    if not sizes.multi_process:
+        return None
     _record_shm(run)  # a rank found dead below leaves semaphores only it mapped: the teardown needs their inodes
     faults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 of one rank (WARMCTL_TEST_KILL_RANK)
     gpus = None
