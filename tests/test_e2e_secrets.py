@@ -1,6 +1,7 @@
-"""A secret the engine itself reads at start-up is found by `snapshot`'s scan (issue 26), with
-real CRIU and the real vLLM engine (CPU build): one cold start of a ``tiny`` whose warm-up grid
-is a single cell.
+"""Secrets and the real engine (issue 26), with real CRIU and the real vLLM engine (CPU build):
+a secret the engine itself reads at start-up is found by `snapshot`'s scan (one cold start of a
+``tiny`` whose warm-up grid is a single cell), and the session's snapshot travels through a
+sealed remote (one restore).
 
 The site's logging config reaches the engine through ``engine_env_passthrough``
 (``VLLM_LOGGING_CONFIG_PATH``: vLLM reads the file at start-up and keeps what it configures);
@@ -15,11 +16,16 @@ checked in test_e2e_main.py.)
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 from tests.conftest import isolated_env, listening, shm_leaked, shm_names, tiny_profile, warmctl
+
+from warmctl.store import chunk_key
 
 pytestmark = pytest.mark.e2e
 
@@ -67,3 +73,64 @@ def test_a_token_the_engine_reads_at_start_up_is_refused_and_nothing_is_left(tmp
     assert not (left := shm_leaked(shm0)), f"a refused snapshot left {left} in /dev/shm"
     assert not (tmp_path / "home" / "run" / "tiny" / "images").exists()
 
+
+def _image_samples(store_dir: Path, digest: str, n: int = 4) -> list[bytes]:
+    """``n`` 48-byte pieces of the snapshot's page images (non-zero, varied bytes), each from
+    another chunk: what a remote holding plaintext pages would show."""
+    from warmctl.store import open_store
+
+    store = open_store(store_dir)
+    m = store.get_manifest(digest)
+    refs = sorted((c for f in m.files if f.role == "image" and f.path.startswith("pages-") for c in f.chunks
+                   if (store_dir / chunk_key(c.digest)).is_file()), key=lambda c: -c.size)
+    out = []
+    for c in refs:
+        data = store.load_chunk(c)
+        for off in range(len(data) // 3, len(data) - 48, 4096):
+            piece = data[off:off + 48]
+            if len(set(piece)) > 24:
+                out.append(piece)
+                break
+        if len(out) == n:
+            return out
+    raise AssertionError(f"fewer than {n} varied pieces in the images of {digest}")
+
+
+def test_a_sealed_snapshot_travels_between_two_homes_and_serves(tiny_snapshot, wc_env, engine_ports, tmp_path):
+    """A (the session's home) pushes the real engine's snapshot to a sealed directory remote:
+    no object there holds a piece of the page images; B, sharing A's fleet key and trusting A's
+    signing key, restores it and serves; C, with another fleet key, is refused naming both key
+    ids, before anything is restored."""
+    from tests.test_e2e_fleet import _answers, node
+
+    k1, k2 = tmp_path / "fleet.key", tmp_path / "other.key"
+    for k in (k1, k2):
+        k.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+        k.chmod(0o600)
+    remote = tmp_path / "remote"
+    a = dict(wc_env, WARMCTL_SEAL_KEY=str(k1))
+    warmctl("seal", str(remote), env=a)
+    warmctl("push", "tiny", "--to", str(remote), env=a)
+    samples = _image_samples(Path(wc_env["WARMCTL_TEST_HOME"]) / "store", tiny_snapshot["digest"])
+    objects = [p for p in remote.rglob("*") if p.is_file()]
+    assert len(objects) > 20
+    for p in objects:
+        data = p.read_bytes()
+        assert not [s for s in samples if s in data], f"{p} holds plaintext of the image"
+    a_pub = next(Path(wc_env["WARMCTL_CONFIG"]).parent.joinpath("keys").glob("local-*.pub"))
+    b = node(tmp_path / "b", engine_ports, trust=[a_pub], WARMCTL_REMOTE_STORE=str(remote), WARMCTL_SEAL_KEY=str(k1))
+    try:
+        r = warmctl("up", "tiny", "--json", "--cold-start", "never", env=b)
+        res = json.loads(r.stdout)
+        assert res["source"] == "restore" and res["snapshot"] == tiny_snapshot["digest"], r.stderr
+        assert res["fetched"]["remote"] > 2**20
+        assert _answers(engine_ports[1]).strip()
+    finally:
+        warmctl("down", "tiny", env=b, check=False)
+    c = node(tmp_path / "c", engine_ports, trust=[a_pub], WARMCTL_REMOTE_STORE=str(remote), WARMCTL_SEAL_KEY=str(k2))
+    r = warmctl("up", "tiny", "--cold-start", "never", env=c, check=False)
+    assert r.returncode == 38, r.stdout + r.stderr  # SealKeyError
+    from warmctl.store.sealed import key_id, load_key
+
+    assert key_id(load_key(k1)) in r.stderr and key_id(load_key(k2)) in r.stderr
+    assert not listening(engine_ports[1]) and json.loads(warmctl("status", "--json", env=c).stdout) == []
