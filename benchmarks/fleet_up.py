@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from restore_vs_cold import first_token  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from oci_client import download_layers  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from restore_vs_cold import first_token  # noqa: E402
 
 ENGINE_PORT = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT") or 18700)
 GATE_PORT = int(os.environ.get("WARMCTL_TEST_GATE_PORT") or 18780)
@@ -214,19 +215,8 @@ def oci_fetch(remote: tuple[str, dict], work: Path, digest: str) -> None:
     out = work / "oci-blobs"
     out.mkdir()
 
-    def get(layer: dict) -> int:
-        r = b._send("GET", b._url(f"blobs/{layer['digest']}"), "blob", stream=True)
-        n = 0
-        with open(out / layer["digest"].replace(":", "_"), "wb") as f:
-            for chunk in r.iter_bytes(1 << 20):
-                f.write(chunk)
-                n += len(chunk)
-        r.close()
-        return n
-
     t0 = time.monotonic()
-    with ThreadPoolExecutor(src.workers) as ex:
-        total = sum(ex.map(get, layers))
+    total = download_layers(b, layers, out, src.workers)
     dt = time.monotonic() - t0
     ours = c.report.bytes_copied / dt_ours
     print(f"\nfetch from the registry: warmctl {ours / 2**20:,.0f} MiB/s (ranged reads of packs, verified, written; "

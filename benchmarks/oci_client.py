@@ -100,6 +100,25 @@ def main() -> None:
                 print(f"  {name:9s} " + "  ".join(f"{x:7.1f}" for x in v) + f"   median {statistics.median(v):7.1f}")
 
 
+def download_layers(b, layers: list[dict], out: Path, threads: int) -> int:
+    """The plain parallel download a pull is measured against: every blob of ``layers`` (OCI
+    descriptors) GET in full from backend ``b``'s registry by ``threads`` threads into files
+    under ``out``, nothing verified or decompressed. Returns the bytes written."""
+
+    def get(layer: dict) -> int:
+        r = b._send("GET", b._url(f"blobs/{layer['digest']}"), "blob", stream=True)
+        n = 0
+        with open(out / layer["digest"].replace(":", "_"), "wb") as f:
+            for chunk in r.iter_bytes(1 << 20):
+                f.write(chunk)
+                n += len(chunk)
+        r.close()
+        return n
+
+    with ThreadPoolExecutor(threads) as ex:
+        return sum(ex.map(get, layers))
+
+
 def pull_bench(a) -> None:
     sys.path.insert(0, str(HERE / "tests"))
     from test_store_fixtures import push, snapshot, write_payload
@@ -125,16 +144,6 @@ def pull_bench(a) -> None:
             layers = b._get_manifest(f"manifest-{digest[7:]}", "artifact")[1]["layers"]
             packs = sum(1 for x in layers if x["mediaType"] == ocimod.PACK_LAYER)
 
-            def get(layer: dict, out: Path) -> int:
-                r = b._send("GET", b._url(f"blobs/{layer['digest']}"), "blob", stream=True)
-                n = 0
-                with open(out / layer["digest"].replace(":", "_"), "wb") as f:
-                    for chunk in r.iter_bytes(1 << 20):
-                        f.write(chunk)
-                        n += len(chunk)
-                r.close()
-                return n
-
             res: dict[str, list[float]] = {"warmctl pull": [], "plain layers": []}
             for i in range(a.runs):
                 dst = open_store(d / f"b{i}")
@@ -145,8 +154,7 @@ def pull_bench(a) -> None:
                 out = d / f"plain{i}"
                 out.mkdir()
                 t0 = time.perf_counter()
-                with ThreadPoolExecutor(a.threads) as ex:
-                    n = sum(ex.map(lambda x: get(x, out), layers))
+                n = download_layers(b, layers, out, a.threads)
                 res["plain layers"].append(n / (1 << 20) / (time.perf_counter() - t0))
                 shutil.rmtree(out)
                 shutil.rmtree(d / f"b{i}")
