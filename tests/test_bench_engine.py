@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,13 +21,18 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def engine_url(wc_env, tiny_snapshot, engine_ports):
-    """Public URL of ``tiny`` brought up from the snapshot; brought down after the module."""
-    warmctl("up", "tiny", env=wc_env)
+def engine_url(wc_env, tiny_snapshot, engine_ports, tmp_path_factory):
+    """Public URL of ``tiny`` brought up from the snapshot, with ``/metrics`` opened on the
+    public port as an operator opens it for ``warmctl bench`` (``gate_allow_paths``: the gate
+    serves the inference API only by default); brought down after the module."""
+    cfg = tmp_path_factory.mktemp("bench-config") / "config.toml"
+    cfg.write_text(Path(wc_env["WARMCTL_CONFIG"]).read_text() + 'gate_allow_paths = ["/metrics"]\n')
+    env = {**wc_env, "WARMCTL_CONFIG": str(cfg)}
+    warmctl("up", "tiny", env=env)
     try:
         yield f"http://127.0.0.1:{engine_ports[1]}"
     finally:
-        warmctl("down", "tiny", env=wc_env, check=False)
+        warmctl("down", "tiny", env=env, check=False)
 
 
 async def _one(url, prompt, max_tokens, deadline_s=None):

@@ -256,7 +256,7 @@ async def run_matrix_async(base_url: str, opts: MatrixOptions, progress: Progres
         if opts.capacity_tokens is not None:
             capacity, cap_src = opts.capacity_tokens, "--capacity-tokens option"
         elif samples is None:
-            capacity, cap_src = None, "the endpoint has no /metrics"
+            capacity, cap_src = None, "the endpoint has no /metrics (behind warmctl's gate: gate_allow_paths = [\"/metrics\"] opens it)"
         else:
             capacity, cap_src = _metrics.capacity_from_samples(samples)
         max_len = info.get("max_model_len")

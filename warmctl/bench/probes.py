@@ -129,7 +129,7 @@ async def spec_decode(client: httpx.AsyncClient, model: str, max_tokens: int = 2
     included). ``available`` False (and no request sent) when the engine has no such counters."""
     m0 = await _metrics.fetch_metrics(client)
     if m0 is None:
-        return {"probe": "spec_decode", "available": False, "verdict": "not available: the endpoint has no /metrics"}
+        return {"probe": "spec_decode", "available": False, "verdict": "not available: the endpoint has no /metrics (behind warmctl's gate: gate_allow_paths = [\"/metrics\"] opens it)"}
     if all(_metrics.counter(m0, n) is None for n in _SPEC):
         return {"probe": "spec_decode", "available": False,
                 "verdict": "not available: the engine reports no speculative-decoding counters "
