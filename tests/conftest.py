@@ -117,6 +117,20 @@ def engine_tmp_dirs(env: dict[str, str]) -> list[Path]:
     warmctl environment ``env``: none once every engine is down."""
     return sorted((Path(env["WARMCTL_TEST_HOME"]) / "run").glob("*/tmp"))
 
+def read_to_close(s) -> bytes:
+    """Every byte the peer sends on socket ``s`` until it closes, resets, or the socket's own
+    timeout passes: a raw-socket test's whole answer (the gate's or the agent's)."""
+    import socket
+
+    out = b""
+    try:
+        while got := s.recv(65536):
+            out += got
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return out
+
+
 def wait_agent_ready(url: str, proc: subprocess.Popen, log_text, timeout_s: float = 60) -> None:
     """Poll ``url``/readyz every 0.1 s until it answers 200; fails with the agent's log
     (``log_text()``) if ``proc`` exits first or ``timeout_s`` (seconds) pass."""

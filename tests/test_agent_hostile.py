@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import wait_agent_ready
+from tests.conftest import read_to_close, wait_agent_ready
 from tests.test_agent_api import TOKEN, LiveAgent
 from warmctl.proc import kill_child
 from warmctl.state import EngineState, save as save_state
@@ -416,13 +416,7 @@ def _exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
     uvicorn closes a half-closed connection before its app answers.)"""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
-        out = b""
-        try:
-            while got := s.recv(65536):
-                out += got
-        except (ConnectionResetError, socket.timeout):
-            pass
-        return out
+        return read_to_close(s)
 
 
 @pytest.mark.parametrize("upgrade", [b"Upgrade: x\r\n", b"Connection: Upgrade\r\nUpgrade: h2c\r\n",

@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import read_to_close
 from tests.gate_upstream import KEY, RecordingUpstream, free_port
 from warmctl import gate
 from warmctl.gate.routes import CONTROL_PATHS, DEFAULT_ALLOW_PATHS
@@ -213,13 +214,7 @@ def _run(port: int, writes: list[bytes]) -> bytes:
                 time.sleep(0.002)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the gate refused and closed: what it answered is still read below
-        out = b""
-        try:
-            while got := s.recv(65536):
-                out += got
-        except (ConnectionResetError, socket.timeout):
-            pass
-        return out
+        return read_to_close(s)
 
 
 def _check(up: RecordingUpstream, sent: list[Sent]) -> None:
