@@ -69,6 +69,17 @@ else
   say "criu: installed /usr/local/sbin/criu ($CRIU_VERSION); 'criu check' passes"
 fi
 
+# --- AMX permission for restored engines ------------------------------------------------------
+# CRIU does not restore a process's AMX tile permission (arch_prctl ARCH_REQ_XCOMP_PERM); a
+# restored engine on an AMX CPU dies with SIGILL at its next matrix multiply. warmctl preloads
+# this library into `criu restore` on such hosts (warmctl/checkpoint/xtile_perm.c says how).
+XTILE_LIB=/usr/local/lib/warmctl/criu-xtile-perm.so
+mkdir -p "$(dirname "$XTILE_LIB")"
+cc -shared -fPIC -O2 -Wall -o "$XTILE_LIB.new" "$REPO/warmctl/checkpoint/xtile_perm.c" \
+  || die "cannot build $XTILE_LIB from warmctl/checkpoint/xtile_perm.c"
+mv -f "$XTILE_LIB.new" "$XTILE_LIB"
+say "criu: built $XTILE_LIB (restored engines keep their AMX permission)"
+
 # --- CRIU's network lock ------------------------------------------------------------------------
 # A tensor-parallel engine's ranks hold established loopback TCP connections (their gloo group);
 # CRIU dumps and restores those only under a network lock: nftables (a CRIU built against

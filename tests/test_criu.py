@@ -290,3 +290,87 @@ def test_established_tcp_without_a_usable_lock_fails_the_dump_and_the_tree_keeps
     finally:
         kill_tree(ProcessId.of(root))
         launcher.wait(10)
+
+
+#: A process that asks for the AMX tile-data permission where the kernel offers it, then writes
+#: its permitted-feature mask (ARCH_GET_XCOMP_PERM) to out.log every 50 ms.
+_XCOMP_PERM_LOOP = """
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall(158, 0x1023, 18)  # ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA (fails harmlessly without AMX)
+while True:
+    m = ctypes.c_uint64(0)
+    libc.syscall(158, 0x1022, ctypes.byref(m))  # ARCH_GET_XCOMP_PERM
+    print(hex(m.value), flush=True)
+    time.sleep(0.05)
+"""
+
+
+def _perm_after_restore(tmp_path, restore_env=None) -> tuple[int, int]:
+    """Dump and restore the permission loop (``restore_env``: replaces :func:`criu.restore_env`
+    for the restore); the masks the process read before the dump and after the restore."""
+    import sys
+
+    out = tmp_path / "out.log"
+    with open(out, "ab") as log:
+        p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", _XCOMP_PERM_LOOP],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    for _ in range(200):
+        kids = psutil.Process(p.pid).children()
+        if kids and out.stat().st_size:
+            break
+        time.sleep(0.05)
+    before = int(out.read_text().split()[-1], 16)
+    criu.dump(kids[0].pid, tmp_path / "img")
+    p.wait(10)
+    if restore_env is not None:
+        real = criu.restore_env
+        criu.restore_env = restore_env
+    try:
+        new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+    finally:
+        if restore_env is not None:
+            criu.restore_env = real
+    try:
+        n = len(out.read_text().split())
+        deadline = time.monotonic() + 10
+        while len(out.read_text().split()) < n + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = int(out.read_text().split()[-1], 16)
+    finally:
+        kill_tree(ProcessId.of(new_root), timeout_s=0)  # Python as a namespace's PID 1 ignores SIGTERM
+    return before, after
+
+
+def test_a_restored_process_keeps_its_amx_permission(tmp_path):
+    """On an AMX host the restored process still holds the tile-data permission it asked for
+    (without it vLLM's CPU worker dies with SIGILL at the first request after a restore); on
+    any other host no library is preloaded and the mask is what it was."""
+    before, after = _perm_after_restore(tmp_path)
+    if criu.xtile_offered():
+        assert criu.restore_env()["LD_PRELOAD"].split(":")[0] == str(criu.xtile_perm_lib())
+        assert before >> 18 & 1, hex(before)
+        assert after >> 18 & 1, f"AMX permission lost in the restore: {before:#x} -> {after:#x}"
+    else:
+        assert criu.restore_env() is None
+        assert after == before
+
+
+def test_criu_alone_drops_the_amx_permission(tmp_path):
+    """Why the library exists: restored by CRIU without it, the permission is gone (when a
+    CRIU restores it itself, this fails and the preload can go). Without AMX: nothing to drop,
+    and the same restore keeps the mask."""
+    before, after = _perm_after_restore(tmp_path, restore_env=lambda: None)
+    if criu.xtile_offered():
+        assert before >> 18 & 1 and not after >> 18 & 1, f"{before:#x} -> {after:#x}"
+    else:
+        assert after == before
+
+
+def test_an_amx_host_without_the_library_is_refused_before_any_restore(monkeypatch):
+    monkeypatch.setenv("WARMCTL_XTILE_PERM_LIB", "/nonexistent/criu-xtile-perm.so")
+    if criu.xtile_offered():
+        with pytest.raises(HostError, match=r"AMX.*SIGILL.*/nonexistent/criu-xtile-perm.so.*scripts/install.sh"):
+            criu.check()
+    else:
+        assert criu.check()  # nothing to preload: the missing library does not matter

@@ -22,14 +22,22 @@ warmctl's images record none.
 hard links next to them (for vLLM: multiprocessing semaphores in ``/dev/shm``); those files
 must exist again at restore.
 
+On a CPU with AMX, a restored process would have lost the kernel's permission to use the tile
+registers (CRIU 4.2 does not dump it) and die with SIGILL at its next AMX instruction: every
+``criu restore`` there runs with ``criu-xtile-perm.so`` preloaded (``xtile_perm.c`` beside this
+file, built by ``scripts/install.sh``), which asks for the permission in CRIU before it forks
+the restored tasks; they inherit it (:func:`restore_env`).
+
 The CRIU binary is the ``criu`` setting (config file or ``$WARMCTL_CRIU``), else ``criu`` on
 ``PATH``, else ``/usr/local/sbin/criu`` (where ``scripts/install.sh`` puts a source build).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -92,7 +100,8 @@ def criu_version(binary: str | None = None) -> tuple[int, ...] | None:
 
 
 def check(configured: str | None = None) -> str:
-    """Verify CRIU is usable: version >= :data:`MIN_VERSION` and root privileges.
+    """Verify CRIU is usable: version >= :data:`MIN_VERSION`, root privileges, and on a CPU
+    with AMX the library that keeps restored engines' AMX permission (:func:`restore_env`).
 
     ``configured``: see :func:`criu_binary`. Returns the binary path. Raises
     :class:`HostError` saying what is wrong and how to fix it.
@@ -106,7 +115,52 @@ def check(configured: str | None = None) -> str:
                         f"{'.'.join(map(str, MIN_VERSION))} (scripts/install.sh builds it)")
     if os.geteuid() != 0:
         raise HostError("CRIU needs root (or CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN)")
+    restore_env()  # an AMX host without criu-xtile-perm.so: refused before any engine starts
     return binary
+
+
+#: The library ``scripts/install.sh`` builds from ``xtile_perm.c`` (``$WARMCTL_XTILE_PERM_LIB``
+#: overrides the path).
+XTILE_PERM_LIB = Path("/usr/local/lib/warmctl/criu-xtile-perm.so")
+#: ``arch_prctl`` on x86-64 (``arch/x86/entry/syscalls/syscall_64.tbl``), its query for the
+#: dynamically enabled state components the kernel supports (``ARCH_GET_XCOMP_SUPP``,
+#: ``arch/x86/include/uapi/asm/prctl.h``) and AMX tile data's component number.
+_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_SUPP, _XFEATURE_XTILEDATA = 158, 0x1021, 18
+
+
+def xtile_offered() -> bool:
+    """True if this kernel lets processes use AMX tile data (``ARCH_GET_XCOMP_SUPP`` has bit
+    18): the CPU has AMX and the kernel enables it on request. False elsewhere (no AMX, an older
+    kernel, not x86-64)."""
+    if platform.machine() != "x86_64":
+        return False
+    mask = ctypes.c_uint64(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_SUPP, ctypes.byref(mask)) != 0:
+        return False
+    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+def xtile_perm_lib() -> Path:
+    """Path of ``criu-xtile-perm.so``: ``$WARMCTL_XTILE_PERM_LIB`` or :data:`XTILE_PERM_LIB`."""
+    return Path(os.environ.get("WARMCTL_XTILE_PERM_LIB") or XTILE_PERM_LIB)
+
+
+def restore_env() -> dict[str, str] | None:
+    """Environment for ``criu restore`` on this host: None (CRIU's own) where the kernel offers
+    no AMX (:func:`xtile_offered`); else the current environment with :func:`xtile_perm_lib`
+    first in ``LD_PRELOAD``, so the restored tasks keep the AMX permission their originals had
+    (module doc). Raises :class:`HostError` naming the library and the fix if it is missing."""
+    if not xtile_offered():
+        return None
+    lib = xtile_perm_lib()
+    if not lib.is_file():
+        raise HostError(f"this CPU has AMX, and CRIU does not restore a process's AMX permission: a restored engine "
+                        f"would die with SIGILL; {lib} (built from warmctl/checkpoint/xtile_perm.c) gives it back "
+                        "but is missing: run scripts/install.sh (or set WARMCTL_XTILE_PERM_LIB)")
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(x for x in (str(lib), env.get("LD_PRELOAD", "")) if x)
+    return env
 
 
 #: Host-wide lock serializing CRIU dumps and restores (see :func:`host_lock`).
@@ -177,14 +231,16 @@ def _log_tail(path: Path, n: int = 15) -> str:
     return "\n".join((errs or lines)[-n:])
 
 
-def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequence[str] = ()) -> float:
-    """Run a CRIU command (with :func:`_plugin_libdir` of ``plugins`` appended); seconds it took.
+def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequence[str] = (),
+         env: dict[str, str] | None = None) -> float:
+    """Run a CRIU command (with :func:`_plugin_libdir` of ``plugins`` appended, in ``env``,
+    default ours); seconds it took.
     Raises :class:`CheckpointError` naming ``what`` with the relevant lines of ``log`` on failure
     or after ``timeout_s``."""
     t0 = time.monotonic()
     try:
         with _plugin_libdir(plugins, cmd[0]) as libdir:
-            r = subprocess.run([*cmd, *libdir], capture_output=True, text=True, timeout=timeout_s)
+            r = subprocess.run([*cmd, *libdir], capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise CheckpointError(f"{what} did not finish in {timeout_s:.0f} s") from None
     if r.returncode != 0:
@@ -258,7 +314,7 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     if lazy_pages:
         cmd.append("--lazy-pages")
     secs = _run(cmd, f"criu restore{' --lazy-pages' if lazy_pages else ''} from {images_dir}", log_file, timeout_s,
-                plugins)
+                plugins, env=restore_env())
     return int(pidfile.read_text().strip()), secs
 
 
