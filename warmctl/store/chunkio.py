@@ -182,30 +182,69 @@ def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, worker
     """Write the file made of ``chunks`` (loaded from ``backend`` on ``workers`` threads) to
     ``dest``; see :meth:`warmctl.store.Store.read_file` for the guarantees and errors.
     ``count(n)``: called with the stored bytes of each chunk loaded."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    total = sum(c.size for c in chunks)
-    zero = [ck.is_zero_chunk(c.digest, c.size) for c in chunks]
-    needed = sum(c.size for c, z in zip(chunks, zero) if not z)
-    try:
-        free = shutil.disk_usage(dest.parent).free
-    except OSError:
-        free = None
-    if free is not None and needed > free + (dest.stat().st_size if dest.exists() else 0):
-        raise disk_full_error(dest, needed, f"file of {total:,} bytes, {needed:,} non-zero")
-    tmp = dest.parent / f".{dest.name}.warmctl-{os.getpid()}-{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    offsets = []
-    off = 0
-    for c in chunks:
-        offsets.append(off)
-        off += c.size
+    read_files(backend, [(chunks, dest)], workers, progress, count)
+
+
+def read_files(backend: Backend, files: list[tuple[list[ChunkRef], Path | str]], workers: int,
+               progress: Progress | None = None, count: Callable[[int], None] | None = None) -> None:
+    """Write each ``(chunks, dest)`` of ``files`` as :func:`read_file` does, through one pool of
+    ``workers`` threads for all of them: the chunks of every file are one ordered stream, so a
+    CRIU image of a hundred small files and a few large ones keeps every worker busy across file
+    boundaries (one pool per file drained the pipeline at each file and started its threads
+    again). Each file goes to a temporary file beside ``dest`` and is renamed once its last
+    chunk is written; at most about ``2 * workers`` files are open at once. Free space is checked
+    once for the non-zero bytes of all of them. On error no temporary file is left; files
+    already renamed stay (the caller's directory is itself temporary, or the files are whole).
+    """
+    items = [(list(chunks), Path(dest)) for chunks, dest in files]
+    for _, dest in items:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    needed = 0
+    by_dir: dict[Path, int] = {}
+    for chunks, dest in items:
+        n = sum(c.size for c in chunks if not ck.is_zero_chunk(c.digest, c.size))
+        needed += n
+        by_dir[dest.parent] = by_dir.get(dest.parent, 0) + n
+    for d, n in by_dir.items():
+        try:
+            free = shutil.disk_usage(d).free
+        except OSError:
+            continue
+        if n > free + sum(dest.stat().st_size for _, dest in items if dest.parent == d and dest.exists()):
+            where = items[0][1] if len(items) == 1 else d
+            raise disk_full_error(where, n, f"file of {sum(c.size for c in items[0][0]):,} bytes, {n:,} non-zero"
+                                  if len(items) == 1 else f"{len(items)} files, {n:,} non-zero bytes")
+    # one task per chunk: (file index, chunk index, offset in the file, ref)
+    tasks: list[tuple[int, int, ChunkRef]] = []
+    for fi, (chunks, _) in enumerate(items):
+        off = 0
+        for c in chunks:
+            tasks.append((fi, off, c))
+            off += c.size
+    zero = [ck.is_zero_chunk(c.digest, c.size) for _, _, c in tasks]
+    nonzero = [i for i, z in enumerate(zero) if not z]
+    left = [len(chunks) for chunks, _ in items]  # chunks of each file not yet written
+    fds: dict[int, int] = {}
+    tmps: dict[int, Path] = {}
+    prefetch = backend.properties.prefetch
+    suffix = f".warmctl-{os.getpid()}-{threading.get_ident()}.tmp"
+
+    def open_tmp(fi: int) -> None:
+        chunks, dest = items[fi]
+        tmp = dest.parent / f".{dest.name}{suffix}"
+        tmps[fi] = tmp
+        fds[fi] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fds[fi], sum(c.size for c in chunks))
+
+    def finish(fi: int) -> None:
+        os.close(fds.pop(fi))
+        os.replace(tmps.pop(fi), items[fi][1])
 
     def work(i: int) -> int:
-        c = chunks[i]
+        fi, base, c = tasks[i]
         if zero[i]:
             return c.size
-        base = offsets[i]
+        fd = fds[fi]
 
         def write(off: int, view: memoryview) -> None:
             pos = base + off
@@ -213,42 +252,50 @@ def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, worker
                 n = os.pwrite(fd, view, pos)
                 view, pos = view[n:], pos + n
 
-        blob, _ = load_verified(backend, c, thread_buffers(), str(dest), write)
+        blob, _ = load_verified(backend, c, thread_buffers(), str(items[fi][1]), write)
         if count is not None:
             count(len(blob))
         return c.size
 
-    nonzero = [i for i, z in enumerate(zero) if not z]
-    prefetch = backend.properties.prefetch
-
     def feed() -> Iterator[int]:
-        """Chunk indexes in order; where the backend prefetches (local disk), first hint the
+        """Chunk indexes in order, each file opened before its first chunk (files without
+        chunks written here); where the backend prefetches (local disk), first hint the
         non-zero chunks up to PREFETCH_AHEAD ahead of the workers so that cold chunk files
         are read asynchronously while earlier chunks are decompressed and verified."""
         hinted = seen = 0
-        for i in range(len(chunks)):
-            if not zero[i]:
-                seen += 1
-                if prefetch:
-                    while hinted < len(nonzero) and hinted < seen + PREFETCH_AHEAD:
-                        backend.prefetch(chunk_key(chunks[nonzero[hinted]].digest))
-                        hinted += 1
-            yield i
+        ti = 0
+        for fi, (chunks, _) in enumerate(items):
+            open_tmp(fi)
+            if not chunks:
+                finish(fi)
+                continue
+            for _ in chunks:
+                i = ti
+                ti += 1
+                if not zero[i]:
+                    seen += 1
+                    if prefetch:
+                        while hinted < len(nonzero) and hinted < seen + PREFETCH_AHEAD:
+                            backend.prefetch(chunk_key(tasks[nonzero[hinted]][2].digest))
+                            hinted += 1
+                yield i
 
     try:
-        os.ftruncate(fd, total)
-        for n in ordered_map(work, feed(), workers):
+        for i, n in enumerate(ordered_map(work, feed(), workers)):  # in task order
+            fi = tasks[i][0]
+            left[fi] -= 1
+            if left[fi] == 0:
+                finish(fi)
             if progress:
                 progress(n)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, dest)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(dest, needed, f"file of {total:,} bytes") from None
+            raise disk_full_error(items[0][1] if len(items) == 1 else items[0][1].parent, needed,
+                                  f"file of {sum(c.size for c in items[0][0]):,} bytes" if len(items) == 1
+                                  else f"{len(items)} files") from None
         raise
     finally:
-        if fd >= 0:
+        for fd in fds.values():
             os.close(fd)
-        if tmp.exists():
-            tmp.unlink()
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)

@@ -31,7 +31,7 @@ from warmctl.store import maintenance
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
-from warmctl.store.chunkio import read_file as _read_file
+from warmctl.store.chunkio import read_files as _read_files
 from warmctl.store.layout import MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import DuReport, Fetched, GcReport, VerifyReport
 
@@ -270,14 +270,34 @@ class Store:
         Raises IntegrityError (naming the chunk digest, where it is stored, and ``dest``) for a
         missing/corrupt/truncated chunk; HostError when the disk is too small (naming bytes).
         """
+        self.read_files([(chunks, dest)], progress, cache, fetched)
+
+    def read_files(self, files: list[tuple[list[ChunkRef], Path | str]], progress: Progress | None = None,
+                   cache: Store | None = None, fetched: Fetched | None = None) -> None:
+        """:meth:`read_file` for each ``(chunks, dest)`` of ``files``, through one pool of
+        :attr:`workers` threads for all of them (no drain at file boundaries; see
+        :func:`warmctl.store.chunkio.read_files`). Same guarantees and errors; free space is
+        checked once for all the files' non-zero bytes."""
         backend, count = self.backend, None
+        what = str(files[0][1]) if len(files) == 1 else f"{len(files)} files in {Path(files[0][1]).parent}" if files else ""
         if cache is not None:
-            backend = CachingBackend(backend, cache.backend, before_fill=lambda: cache.lock_for_write(f"cache for {dest}"),
+            backend = CachingBackend(backend, cache.backend, before_fill=lambda: cache.lock_for_write(f"cache for {what}"),
                                      fetched=fetched)
         elif fetched is not None:
             where = "local" if backend.properties.local else "remote"
             count = lambda n: fetched.add(where, n)  # noqa: E731
-        _read_file(backend, chunks, dest, self.workers, progress, count)
+        if not isinstance(backend, CachingBackend):
+            _read_files(backend, files, self.workers, progress, count)
+            return
+        try:
+            _read_files(backend, files, self.workers, progress, count)
+        except BaseException:
+            try:  # the chunks verified so far are kept for the next try
+                backend.flush()
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                backend.discard()
+            raise
+        backend.flush()  # every copy durable and visible before this returns
 
     def put_manifest(self, manifest: Manifest) -> str:
         """Store ``manifest``; returns its digest (``sha256:<hex>``).
