@@ -41,6 +41,8 @@ class CachingBackend(Backend):
         self.prefixes = prefixes
         self.before_fill = before_fill
         self._tls = threading.local()  # see _tried
+        # a local cache is filled in one batch of fsyncs (committed by flush()), not one per chunk
+        self._batch = cache.batch(workers=8) if hasattr(cache, "batch") else None
 
     def __repr__(self) -> str:
         return f"CachingBackend({self.remote!r}, cache={self.cache!r})"
@@ -105,7 +107,23 @@ class CachingBackend(Backend):
         fetched.discard(key)
         if self.before_fill is not None:
             self.before_fill()
-        self.cache.save(key, data)
+        if self._batch is not None:
+            self._batch.save(key, data)
+        else:
+            self.cache.save(key, data)
+
+    def flush(self) -> int:
+        """Make the copies kept since the last flush durable and visible in the cache (one
+        :class:`~warmctl.store.local.SaveBatch` commit; a cache without batches saved each copy
+        already). Returns how many were committed. Until then a copy is a temporary file of the
+        cache's store: a second load of the same key reads the remote again. Raises OSError /
+        HostError from the cache's disk."""
+        return self._batch.commit() if self._batch is not None else 0
+
+    def discard(self) -> None:
+        """Drop the copies kept since the last flush (their temporary files removed)."""
+        if self._batch is not None:
+            self._batch.abort()
 
     def forget(self, key: str) -> bool:
         fetched, dropped = self._tried()
@@ -137,4 +155,5 @@ class CachingBackend(Backend):
         return self.remote.list_tmp()
 
     def close(self) -> None:
+        self.discard()
         self.remote.close()
