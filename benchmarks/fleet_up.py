@@ -21,9 +21,22 @@ boto3's ``download_file`` of the same chunk objects to files with as many thread
 registry: ``pull`` against a plain parallel download (httpx, one stream per blob, as many threads)
 of the layers of the snapshot's artifact.
 
+Each ``up`` also prints its phases (``--json`` ``timings_s``: catalog, materialize, restore,
+health, canary, gate, keep) and what lies outside them (interpreter start-up and imports,
+pre-flight, the prestarted gate; the command's wall time minus the phases), and the medians end
+with a per-phase table: where a fresh node's time goes beyond the warm node's.
+
+``--old DIR``: a second warmctl checkout (e.g. ``git worktree add --detach /tmp/old <commit>``)
+whose ``up`` runs beside this one's on the fresh nodes, in the same rounds (``old-dir``,
+``old-rgw``...): before/after in one run. ``--profile-env NAME=VALUE`` (repeatable): added to
+the ``tiny`` profile's ``[engine.env]`` on every node (e.g. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
+on an AMX host, where a restored engine that used AMX dies of SIGILL: CRIU 4.2 does not give the
+restored process its AMX permission back).
+
 Usage::
 
-    python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--no-oci] [--keep-home DIR]
+    python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--no-oci] [--keep-home DIR] [--old DIR]
+        [--profile-env NAME=VALUE]
 
 Cleans up: every engine down, every node home and the RGW removed (``--keep-home`` keeps node
 A's home and its snapshot for the next run).
@@ -63,26 +76,57 @@ def wc(env, *args, check=True):
     return r
 
 
-def node_env(root: Path, a_pub: Path, **extra: str) -> dict[str, str]:
-    """A fresh node: isolated home under ``root``, trusting node A's key."""
+PROFILE_ENV: dict[str, str] = {}  # --profile-env, added to every node's tiny profile
+
+
+def home_env(root: Path) -> dict[str, str]:
+    """:func:`tests.conftest.isolated_env` with :data:`PROFILE_ENV` in its tiny profile."""
     from tests.conftest import isolated_env
 
     env = isolated_env(root, ENGINE_PORT, GATE_PORT)
-    (root / "keys").mkdir(exist_ok=True)
-    shutil.copy(a_pub, root / "keys" / "node-a.pub")
-    env.update(extra)
+    if PROFILE_ENV:
+        p = root / "profiles" / "tiny.toml"
+        add = "".join(f'\n{k} = "{v}"' for k, v in PROFILE_ENV.items())
+        p.write_text(p.read_text().replace('HF_HUB_OFFLINE = "1"', 'HF_HUB_OFFLINE = "1"' + add, 1))
     return env
 
 
+def node_env(root: Path, a_pub: Path, checkout: Path | None = None, **extra: str) -> dict[str, str]:
+    """A fresh node: isolated home under ``root``, trusting node A's key; ``checkout``: run
+    that warmctl source tree's ``up`` (PYTHONPATH) instead of this one's."""
+    env = home_env(root)
+    (root / "keys").mkdir(exist_ok=True)
+    shutil.copy(a_pub, root / "keys" / "node-a.pub")
+    env.update(extra)
+    env["PYTHONPATH"] = str(checkout or REPO)
+    return env
+
+
+#: the phases of a restore ``up`` in its order (``timings_s``), "keep" after the port opened
+PHASES = ("catalog", "materialize", "restore", "health", "canary", "gate", "keep")
+
+
 def timed_up(env, prompt: str, expected: int) -> tuple[float, dict]:
+    """(seconds from the command's start to the first correct token, ``up --json``'s result
+    with ``wall_s``: the command's own wall time, and ``outside_s``: wall minus its phases)."""
     t0 = time.monotonic()
     r = wc(env, "up", "tiny", "--json", "--cold-start", "never")
+    wall = time.monotonic() - t0
     tok, t1 = first_token(GATE_PORT, prompt)
     assert tok == expected, f"first token {tok} != canary {expected}"
     res = json.loads(r.stdout)
     assert res["path"] == "restore", res
+    t = res.get("timings_s", {})
+    res["wall_s"] = wall
+    res["outside_s"] = wall - sum(v for k, v in t.items() if k != "total")
     wc(env, "down", "tiny")
     return t1 - t0, res
+
+
+def phase_line(res: dict) -> str:
+    t = res.get("timings_s", {})
+    parts = [f"{k} {t[k]:.2f}" for k in PHASES if k in t]
+    return " ".join(parts) + f" outside {res['outside_s']:.2f}"
 
 
 def main() -> None:
@@ -91,13 +135,15 @@ def main() -> None:
     ap.add_argument("--no-rgw", action="store_true", help="skip the Ceph RGW remote")
     ap.add_argument("--no-oci", action="store_true", help="skip the OCI registry remote")
     ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep node A's home (its snapshot)")
+    ap.add_argument("--old", type=Path, default=None, help="another warmctl checkout whose up runs beside this one's")
+    ap.add_argument("--profile-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="added to every node's tiny profile [engine.env]")
     a = ap.parse_args()
-
-    from tests.conftest import isolated_env
+    PROFILE_ENV.update(x.split("=", 1) for x in a.profile_env)
 
     root_a = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-fleet-a-"))
     work = Path(tempfile.mkdtemp(prefix="warmctl-fleet-"))
-    env_a = isolated_env(root_a, ENGINE_PORT, GATE_PORT)
+    env_a = home_env(root_a)
     os.environ["WARMCTL_CONFIG"] = env_a["WARMCTL_CONFIG"]
     from warmctl.catalog import Catalog
     from warmctl.config import load_settings
@@ -141,22 +187,28 @@ def main() -> None:
 
         local = node_env(work / "local", a_pub)
         wc(local, "pull", "tiny", "--from", remotes["dir"][0])
-        times: dict[str, list[float]] = {"local": [], **{k: [] for k in remotes}}
+        checkouts = {"": None, **({"old-": a.old.resolve()} if a.old else {})}
+        kinds = [p + k for p in checkouts for k in remotes]
+        times: dict[str, list[float]] = {"local": [], **{k: [] for k in kinds}}
+        results: dict[str, list[dict]] = {k: [] for k in times}
         fetched: dict[str, dict] = {}
         try:
             for i in range(a.rounds):
-                dt, _ = timed_up(local, prompt, expected)
+                dt, res = timed_up(local, prompt, expected)
                 times["local"].append(dt)
-                line = [f"local {dt:6.2f} s"]
+                results["local"].append(res)
+                print(f"round {i} local: {dt:6.2f} s to the first correct token; {phase_line(res)}", flush=True)
                 for kind, (url, extra) in remotes.items():
-                    fresh = work / f"{kind}-{i}"
-                    env = node_env(fresh, a_pub, WARMCTL_REMOTE_STORE=url, **extra)
-                    dt, res = timed_up(env, prompt, expected)
-                    times[kind].append(dt)
-                    fetched[kind] = res.get("fetched", {})
-                    shutil.rmtree(fresh, ignore_errors=True)
-                    line.append(f"{kind} {dt:6.2f} s")
-                print(f"round {i}: up -> first correct token: " + ", ".join(line), flush=True)
+                    for pre, checkout in checkouts.items():
+                        fresh = work / f"{pre}{kind}-{i}"
+                        env = node_env(fresh, a_pub, checkout, WARMCTL_REMOTE_STORE=url, **extra)
+                        dt, res = timed_up(env, prompt, expected)
+                        times[pre + kind].append(dt)
+                        results[pre + kind].append(res)
+                        fetched[pre + kind] = res.get("fetched", {})
+                        shutil.rmtree(fresh, ignore_errors=True)
+                        print(f"round {i} {pre + kind}: {dt:6.2f} s to the first correct token; {phase_line(res)}",
+                              flush=True)
         finally:
             for env in (local, env_a):
                 wc(env, "down", "tiny", check=False)
@@ -164,7 +216,19 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\nmedians over {a.rounds} rounds (snapshot {manifest.total_size() / 2**30:.2f} GiB logical):")
         for k, v in med.items():
-            print(f"  {k:6s} {v:6.2f} s   ({v / med['local']:.2f}x local)   fetched: {fetched.get(k, '-')}")
+            print(f"  {k:8s} {v:6.2f} s   ({v / med['local']:.2f}x local)   fetched: {fetched.get(k, '-')}")
+        print("\nmedian seconds per phase (outside: the command's wall time minus its phases; "
+              "to token: from the command's start to the first correct token):")
+        cols = [*PHASES, "outside", "to token"]
+        print("  " + " " * 8 + "".join(f"{c:>12s}" for c in cols))
+        for k, rs in results.items():
+            def med_of(c: str) -> float:
+                if c == "outside":
+                    return statistics.median(r["outside_s"] for r in rs)
+                if c == "to token":
+                    return med[k]
+                return statistics.median(r.get("timings_s", {}).get(c, 0.0) for r in rs)
+            print(f"  {k:8s}" + "".join(f"{med_of(c):12.2f}" for c in cols))
 
         if "rgw" in remotes:
             url, extra = remotes["rgw"]

@@ -4,7 +4,7 @@
 
 1. :func:`_adopt_or_clear`: an engine already up is left alone (``up`` changes nothing); what a
    crash or a dead engine left is torn down first;
-2. :func:`_find_snapshot`: the catalog picks the snapshot ``NAME:TAG`` (or takes
+2. "catalog", :func:`_find_snapshot`: the catalog picks the snapshot ``NAME:TAG`` (or takes
    ``NAME@digest``) for this host and verifies its signature; with none (or one made from
    another profile), :func:`_cold_up` says why and cold-starts instead
    (:mod:`warmctl.engine.cold`), unless the ``cold_start`` setting is ``never``: then ``up``
@@ -25,8 +25,8 @@
    :class:`CanaryMismatch` is raised -- the public port never opens;
 6. "gate": the public port opens (:mod:`warmctl.gate`: the process started at step 3 is told to
    listen); a snapshot restored from a remote store
-   is then named in the local store's catalog too (:func:`_keep_locally`), so the next ``up``
-   finds it without the remote.
+   is then named in the local store's catalog too ("keep", :func:`_keep_locally`; timed after
+   the port opened, so not in ``total``), so the next ``up`` finds it without the remote.
 
 Every engine is held as an :class:`~warmctl.engine.run.EngineRun` (paths resolved once, PIDs
 with identity, ``/dev/shm`` files), recorded in ``<home>/run/NAME/state.json`` before anything
@@ -236,7 +236,8 @@ def _up(name: str, settings: Settings, reporter: Reporter, tag: str, digest: str
         public_port: int | None, public_host: str | None, snapshot_after: bool, insecure: bool,
         allow_rollback: bool = False) -> UpResult:
     """:func:`up` once no engine ``name`` is serving (under its lock)."""
-    found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure, allow_rollback)
+    with reporter.phase("catalog", "choosing the snapshot, checking its signature"):
+        found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure, allow_rollback)
     try:
         if found.manifest is None:
             if profile is None:
@@ -431,7 +432,9 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     if found.cache is not None:
         reporter.info(f"fetched {fetched['remote'] / 2**20:,.0f} MiB from {found.store.location}, "
                       f"{fetched['local'] / 2**20:,.0f} MiB from the local store")
-        _keep_locally(found, reporter, settings)
+        with reporter.phase("keep", "naming the snapshot in the local store"):
+            _keep_locally(found, reporter, settings)
+        timings["keep"] = reporter.seconds("keep")
     return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched)  # type: ignore[arg-type]
 
 
