@@ -228,3 +228,82 @@ def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_dat
           f"{sum(v == 'committed' for v in outcomes.values())} committed whole, of {len(outcomes)} pauses")
     assert "stopped" in outcomes.values(), outcomes
     assert len(outcomes) >= 6, outcomes
+
+
+def test_a_save_batch_syncs_every_object_before_any_rename_and_each_directory_once(tmp_path, monkeypatch):
+    """:class:`~warmctl.store.local.SaveBatch` (a fresh node's read cache): nothing visible
+    before commit; at commit every object's bytes are fsync'ed before the first rename, each
+    new directory's parent before it is renamed into, and each directory renamed into once."""
+    synced: list[tuple[int, bool]] = []
+    real = os.fsync
+
+    def record(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_ino, stat.S_ISDIR(st.st_mode)))
+        return real(fd)
+
+    b = LocalBackend(tmp_path / "store")
+    b.save("config", b"{}")
+    batch = b.batch()
+    keys = [f"chunks/blake3/{i:02x}/{i:02x}{'0' * 62}" for i in range(6)] * 2  # each twice: written once
+    monkeypatch.setattr(os, "fsync", record)
+    for i, k in enumerate(keys):
+        batch.save(k, bytes([i % 6]) * 100)
+    root = tmp_path / "store"
+    assert not (root / "chunks").exists() and len(batch) == 6 and synced == []
+    renamed = []
+    real_replace = os.replace
+
+    def rec_replace(src, dst, **kw):
+        renamed.append(len(synced))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", rec_replace)
+    assert batch.commit() == 6
+    files = [i for i, s in enumerate(synced) if not s[1]]
+    assert len(files) == 6 and max(files) < min(renamed)  # every object durable before any rename
+    ino = lambda p: (p.stat().st_ino, True)  # noqa: E731
+    for d in (root, root / "chunks", root / "chunks/blake3"):  # parents of the new directories, before the renames
+        assert synced.index(ino(d)) < min(renamed), d
+    for i in range(6):
+        d = root / f"chunks/blake3/{i:02x}"
+        assert synced.count(ino(d)) == 1 and synced.index(ino(d)) >= max(renamed), d
+        assert (d / f"{i:02x}{'0' * 62}").read_bytes() == bytes([i]) * 100
+    assert list((root / "tmp").iterdir()) == []
+
+
+def test_a_cache_fill_killed_at_every_write_leaves_only_whole_chunks(tmp_path):
+    """A node filling its read cache from a remote (``read_file`` with ``cache``, what ``up``
+    does) is SIGKILLed at each write point of its batched cache in turn; after each kill every
+    chunk object visible in the cache is whole (verifies), and the next read completes it."""
+    remote = tmp_path / "remote"
+    payload = write_payload(tmp_path / "p.img", [("random", 6 * CH), ("zero", CH), ("text", 3 * CH)])
+    with open_store(remote, chunk_size=CH) as s:
+        refs = s.add_file(payload)
+    code = ("import sys; from warmctl.store import open_store; from warmctl.manifest import ChunkRef; import json;"
+            "refs = [ChunkRef(**r) for r in json.loads(sys.argv[3])];"
+            "open_store(sys.argv[1]).read_file(refs, sys.argv[2] + '/out.img', cache=open_store(sys.argv[2] + '/cache'));"
+            "print('done')")
+    arg = __import__("json").dumps([r.model_dump() for r in refs])
+    kills = 0
+    for n in range(1, 100):
+        node = tmp_path / f"node-{n}"
+        node.mkdir()
+        r = subprocess.run([sys.executable, "-c", code, str(remote), str(node), arg],
+                           env=_env(tmp_path, **{FAULT_ENV: str(n)}), capture_output=True, text=True)
+        if r.returncode == 0:
+            assert "done" in r.stdout
+            break
+        assert r.returncode == -signal.SIGKILL, r.stderr
+        kills += 1
+        cache = open_store(node / "cache")
+        for ref in refs:  # whatever is visible is whole
+            if cache.has_chunk(ref.digest, ref.size):
+                assert cache.load_chunk(ref) == open_store(remote).load_chunk(ref)
+        if (node / "out.img").exists():  # renamed once whole (before the cache's commit)
+            assert (node / "out.img").read_bytes() == payload.read_bytes()
+        open_store(remote).read_file(refs, node / "out.img", cache=cache)  # the next read completes it
+        assert (node / "out.img").read_bytes() == payload.read_bytes()
+        assert all(cache.has_chunk(x.digest, x.size) for x in refs)
+    print(f"cache fill: killed at each of {kills} write points")
+    assert kills >= 9 * 2, kills  # a temporary file and a rename for each of the 9 non-zero chunks
