@@ -30,8 +30,8 @@ with a per-phase table: where a fresh node's time goes beyond the warm node's.
 whose ``up`` runs beside this one's on the fresh nodes, in the same rounds (``old-dir``,
 ``old-rgw``...): before/after in one run. ``--profile-env NAME=VALUE`` (repeatable): added to
 the ``tiny`` profile's ``[engine.env]`` on every node (e.g. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
-on an AMX host, where a restored engine that used AMX dies of SIGILL: CRIU 4.2 does not give the
-restored process its AMX permission back).
+on an AMX host when ``--old`` predates c20c503: before it, a restored engine that used AMX died
+of SIGILL, CRIU 4.2 not giving the restored process its AMX permission back).
 
 Usage::
 
