@@ -61,9 +61,29 @@ def model_dir(models_root: Path, kind: str = "llama") -> Path:
 
 
 def builtin_dir(model: str, models_root: Path) -> Path | None:
-    """:func:`model_dir` of a ``builtin:`` model name (:data:`BUILTIN`), None for any other."""
+    """:func:`model_dir` of a ``builtin:`` model name (:data:`BUILTIN`; for
+    ``builtin:random-llama-<L>x<H>``, :func:`warmctl.randmodel.model_dir`), None for any other."""
     kind = BUILTIN.get(model)
-    return None if kind is None else model_dir(models_root, kind)
+    if kind is None:
+        from warmctl import randmodel
+
+        shape = randmodel.parse(model)
+        return None if shape is None else randmodel.model_dir(models_root, shape)
+    return model_dir(models_root, kind)
+
+
+def build_builtin(model: str, models_root: Path) -> Path | None:
+    """Build the ``builtin:`` model ``model`` under ``models_root`` if missing (:func:`build`,
+    or :func:`warmctl.randmodel.build` for ``builtin:random-llama-<L>x<H>``); its directory, or
+    None when ``model`` is not a builtin name."""
+    d = builtin_dir(model, models_root)
+    if d is None:
+        return None
+    if model in BUILTIN:
+        return build(d, BUILTIN[model])
+    from warmctl import randmodel
+
+    return randmodel.build(d, randmodel.parse(model))
 
 
 def build(dest: Path, kind: str = "llama") -> Path:

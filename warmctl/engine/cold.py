@@ -25,10 +25,11 @@ from warmctl.state import EngineState
 
 def resolve_model(profile: Profile, models_dir: Path) -> str:
     """The model path for ``profile``; builds a ``builtin:`` model (``tiny``, ``tiny-moe``:
-    :data:`warmctl.tinymodel.BUILTIN`) under ``models_dir`` on first use. Raises :class:`EngineError` if a model path does not exist."""
+    :data:`warmctl.tinymodel.BUILTIN`; ``random-llama-<L>x<H>``: :mod:`warmctl.randmodel`) under
+    ``models_dir`` on first use. Raises :class:`EngineError` if a model path does not exist."""
     m = profile.engine.model
-    if (d := tinymodel.builtin_dir(m, models_dir)) is not None:
-        return str(tinymodel.build(d, tinymodel.BUILTIN[m]))
+    if (d := tinymodel.build_builtin(m, models_dir)) is not None:
+        return str(d)
     if m.startswith("/") or m.startswith("."):
         if not Path(m).exists():
             raise EngineError(f"profile {profile.name}: engine.model {m} does not exist")

@@ -1,0 +1,64 @@
+"""The random-weight Llama family (``warmctl/randmodel.py``): sizes as asked, weights from the seed.
+
+No engine: a 2x256 instance is built (about 3 MB, a second) and read back with safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from warmctl import randmodel, tinymodel
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_names_parse_to_llama_shapes():
+    s = randmodel.parse("builtin:random-llama-32x4096")
+    assert (s.layers, s.hidden, s.heads, s.intermediate) == (32, 4096, 32, 11008)  # Llama-2-7B's
+    # Llama-2-7B has 6.74 B parameters with its 32000-token vocabulary; ours has 1024 tokens
+    assert s.params() == 6_738_415_616 - 2 * (32000 - 1024) * 4096
+    assert randmodel.parse("builtin:tiny") is None and randmodel.parse("builtin:random-llama-2x4096x") is None
+    with pytest.raises(ValueError, match="multiple of 128"):
+        randmodel.parse("builtin:random-llama-2x1000")
+
+
+@pytest.mark.parametrize("name, gib", [("scale-8g", 8), ("scale-16g", 16)])
+def test_benchmark_profiles_are_the_engine_memory_they_say(name, gib):
+    """Weights + KV cache of the benchmark profiles within 10% of their nominal size; the
+    weights-outside variant differs only in that flag."""
+    p = tomllib.loads((REPO / "benchmarks" / "profiles" / f"{name}.toml").read_text())
+    shape = randmodel.parse(p["engine"]["model"])
+    total = shape.weight_bytes() + int(p["engine"]["env"]["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    assert abs(total / 2**30 - gib) / gib < 0.10, total / 2**30
+    w = tomllib.loads((REPO / "benchmarks" / "profiles" / f"{name}-wout.toml").read_text())
+    assert w["checkpoint"] == {"weights_outside_image": True} and w["engine"]["model"] == p["engine"]["model"]
+
+
+def test_build_is_deterministic_and_cached_by_recipe(tmp_path):
+    from safetensors import safe_open
+
+    shape = randmodel.parse("builtin:random-llama-2x256")
+    d = tinymodel.build_builtin("builtin:random-llama-2x256", tmp_path)
+    assert d == randmodel.model_dir(tmp_path, shape) and d.name.startswith("random-llama-2x256-")
+    assert randmodel.model_dir(tmp_path, randmodel.parse("builtin:random-llama-3x256")) != d  # the recipe names it
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (2, 256, 768)
+    f = d / "model.safetensors"
+    assert shape.weight_bytes() < f.stat().st_size < shape.weight_bytes() + 64 * 1024
+    with safe_open(str(f), "pt") as st:
+        assert sorted(st.keys()) == sorted(n for n, _ in shape.tensors())
+        w = st.get_tensor("model.layers.1.mlp.down_proj.weight").float()
+        norm = st.get_tensor("model.norm.weight").float()
+    assert tuple(w.shape) == (256, 768) and bool(w.isfinite().all())
+    assert 0.02 < float(w.std()) < 0.035 and abs(float(w.mean())) < 0.002  # symmetric, bounded draw
+    assert float(w.abs().max()) < 0.0625 and bool((norm == 1).all())
+    # the same recipe gives the same bytes, whatever the chunk size; another tensor differs
+    again = tmp_path / "again.safetensors"
+    randmodel.write_weights(again, shape, chunk_elems=1000)
+    assert again.read_bytes() == f.read_bytes()
+    mtime = f.stat().st_mtime_ns
+    assert tinymodel.build_builtin("builtin:random-llama-2x256", tmp_path) == d and f.stat().st_mtime_ns == mtime  # reused

@@ -1,0 +1,203 @@
+"""Random-weight Llamas of any size: engines of 8, 16 or more GiB with no model hub.
+
+``builtin:random-llama-<layers>x<hidden>`` names a decoder of Llama-2's architecture
+(``LlamaForCausalLM``: RMSNorm, rotary embeddings, SwiGLU MLP, multi-head attention) with
+``layers`` decoder layers of width ``hidden``; the other dimensions follow Llama's rules:
+head size 128 (``hidden / 128`` attention heads, as many KV heads), MLP width ``8/3 * hidden``
+rounded up to a multiple of 256 (4096 -> 11008, Llama-2-7B's), and the tiny model's tokenizer
+(:mod:`warmctl.tinymodel`, vocabulary :data:`~warmctl.tinymodel.VOCAB_SIZE`). So
+``random-llama-32x4096`` has Llama-2-7B's shape (6.48 B parameters, 12.1 GiB of bfloat16) and
+``random-llama-16x4096`` half its layers (6.0 GiB).
+
+The weights are bfloat16 with random sign and mantissa and a bounded exponent (magnitudes
+2**-8 to 2**-4, std about 0.027; norms 1.0), drawn by ``torch.Generator`` seeded per tensor from :data:`SEED` and the tensor's name, so the bytes
+depend only on the recipe (not on chunking, thread count or tensor order) and the canary's
+tokens and logprobs repeat run to run. They are untrained: the output is fluent noise, which is
+all a snapshot benchmark needs. The weights are streamed into one ``model.safetensors`` (the
+header first, then each tensor generated and written in chunks of :data:`CHUNK_ELEMS`), so
+building needs no more memory than one chunk: 16 GiB of weights in about a minute on 2 cores
+(docs/benchmarks.md, "Scale").
+
+The model is cached by its recipe: its directory is ``random-llama-<layers>x<hidden>-<recipe
+id>`` under the models directory (:func:`recipe_id`: shape, seed, dtype, recipe version and the
+tokenizer's recipe), built once (atomically, a temp dir renamed into place) and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from warmctl import tinymodel
+
+#: ``builtin:random-llama-<layers>x<hidden>``.
+NAME_RE = re.compile(r"builtin:random-llama-(?P<layers>[1-9][0-9]{0,3})x(?P<hidden>[1-9][0-9]{1,5})")
+SEED = 20261201
+HEAD_DIM = 128
+#: Bump when anything below changes the bytes; part of :func:`recipe_id`.
+RECIPE_VERSION = 1
+#: Elements generated per step (64 Mi: 256 MiB of float32 scratch, 128 MiB written).
+CHUNK_ELEMS = 1 << 26
+BYTES_PER_PARAM = 2  # bfloat16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of a ``random-llama`` model (see the module docstring for the rules)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, layers: int, hidden: int) -> "Shape":
+        """The shape for ``layers`` x ``hidden``. Raises ValueError if ``hidden`` is not a
+        multiple of :data:`HEAD_DIM` or either is below 1."""
+        if layers < 1 or hidden < HEAD_DIM or hidden % HEAD_DIM:
+            raise ValueError(f"random-llama-{layers}x{hidden}: need layers >= 1 and hidden a multiple of {HEAD_DIM}")
+        inter = -(-(8 * hidden // 3) // 256) * 256
+        return cls(layers, hidden, hidden // HEAD_DIM, inter, tinymodel.VOCAB_SIZE)
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every tensor, in file order (as ``LlamaForCausalLM`` names them)."""
+        h, i, v = self.hidden, self.intermediate, self.vocab
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
+        for n in range(self.layers):
+            p = f"model.layers.{n}."
+            out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+            out += [(p + f"self_attn.{k}_proj.weight", (h, h)) for k in "qkvo"]
+            out += [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                    (p + "mlp.down_proj.weight", (h, i))]
+        return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+
+    def params(self) -> int:
+        """Parameter count."""
+        total = 0
+        for _, s in self.tensors():
+            n = 1
+            for d in s:
+                n *= d
+            total += n
+        return total
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights in bfloat16 (the safetensors file's data; the engine holds the same)."""
+        return self.params() * BYTES_PER_PARAM
+
+
+def parse(model: str) -> Shape | None:
+    """The :class:`Shape` a ``builtin:random-llama-<L>x<H>`` name asks for; None for other names.
+    Raises ValueError for a malformed size (:meth:`Shape.of`)."""
+    m = NAME_RE.fullmatch(model)
+    return None if m is None else Shape.of(int(m["layers"]), int(m["hidden"]))
+
+
+def recipe_id(shape: Shape) -> str:
+    """Short digest of everything that determines the model's bytes."""
+    h = hashlib.sha256(json.dumps({"v": RECIPE_VERSION, "seed": SEED, "draw": "bits-exp119-2", "dtype": "bf16",
+                                   "shape": asdict(shape), "tokenizer": tinymodel.recipe_id()}, sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
+def model_dir(models_root: Path, shape: Shape) -> Path:
+    """``<models_root>/random-llama-<layers>x<hidden>-<recipe id>``."""
+    return Path(models_root) / f"random-llama-{shape.layers}x{shape.hidden}-{recipe_id(shape)}"
+
+
+def _tensor_seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{SEED}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+# Four bfloat16 lanes per int64 word: sign and mantissa random, exponent 119 + 2 random bits.
+_SIGN_MANTISSA = 0x807F807F807F807F - (1 << 64)
+_EXP_BITS, _EXP_BASE = 0x0003000300030003, 0x0077007700770077
+
+
+def _bf16_words(buf, tmp, g):
+    """Fill ``buf`` (int64) with random bits from ``g`` and bound each 16-bit lane as a bfloat16
+    of magnitude in [2**-8, 2**-4) (std about 0.027, never NaN, inf or subnormal). Returns ``buf``."""
+    import torch
+
+    buf.random_(-(1 << 63), (1 << 63) - 1, generator=g)  # all 64 bits (random_() leaves the top one 0)
+    torch.bitwise_right_shift(buf, 7, out=tmp)
+    tmp.bitwise_and_(_EXP_BITS).add_(_EXP_BASE).bitwise_left_shift_(7)
+    return buf.bitwise_and_(_SIGN_MANTISSA).bitwise_or_(tmp)
+
+
+def write_weights(path: Path, shape: Shape, chunk_elems: int = CHUNK_ELEMS) -> int:
+    """Stream the weights of ``shape`` into the safetensors file ``path``; returns its size in
+    bytes. Norm weights are 1.0, all others random bfloat16 from each tensor's own generator, generated ``chunk_elems`` elements at a time."""
+    import torch
+
+    header: dict = {"__metadata__": {"format": "pt", "warmctl_recipe": recipe_id(shape)}}
+    off = 0
+    specs = shape.tensors()
+    for name, s in specs:
+        n = BYTES_PER_PARAM
+        for d in s:
+            n *= d
+        header[name] = {"dtype": "BF16", "shape": list(s), "data_offsets": [off, off + n]}
+        off += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    words = -(-chunk_elems // 4)
+    buf, tmp = torch.empty(words, dtype=torch.int64), torch.empty(words, dtype=torch.int64)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)) + hb)
+        for name, s in specs:
+            count = 1
+            for d in s:
+                count *= d
+            if name.endswith("norm.weight"):
+                f.write(torch.ones(count, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+                continue
+            g = torch.Generator().manual_seed(_tensor_seed(name))
+            done = 0
+            while done < count:
+                k = min(chunk_elems, count - done)
+                w = -(-k // 4)
+                f.write(memoryview(_bf16_words(buf[:w], tmp[:w], g).view(torch.uint8).numpy())[: 2 * k])
+                done += k
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def build(dest: Path, shape: Shape) -> Path:
+    """Build the model of ``shape`` into ``dest`` (the tiny model's tokenizer, a Llama
+    ``config.json``, ``model.safetensors``); returns ``dest``. Does nothing if
+    ``dest/config.json`` exists. Raises ImportError without torch/transformers/tokenizers,
+    OSError when the disk is full (nothing is left behind)."""
+    dest = Path(dest)
+    if (dest / "config.json").exists():
+        return dest
+    from transformers import AutoTokenizer, LlamaConfig
+
+    tiny = tinymodel.build(tinymodel.model_dir(dest.parent))  # its tokenizer, built once
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(tiny)
+        tok.save_pretrained(tmp)
+        LlamaConfig(
+            vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
+            max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=False, torch_dtype="bfloat16",
+        ).save_pretrained(tmp)
+        write_weights(tmp / "model.safetensors", shape)
+        os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
