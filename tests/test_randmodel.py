@@ -17,10 +17,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_names_parse_to_llama_shapes():
-    s = randmodel.parse("builtin:random-llama-32x4096")
-    assert (s.layers, s.hidden, s.heads, s.intermediate) == (32, 4096, 32, 11008)  # Llama-2-7B's
+    s = randmodel.parse("builtin:random-llama-32x4096-bf16")
+    assert (s.layers, s.hidden, s.heads, s.intermediate, s.dtype) == (32, 4096, 32, 11008, "bfloat16")  # Llama-2-7B's
     # Llama-2-7B has 6.74 B parameters with its 32000-token vocabulary; ours has 1024 tokens
-    assert s.params() == 6_738_415_616 - 2 * (32000 - 1024) * 4096
+    assert s.params() == 6_738_415_616 - 2 * (32000 - 1024) * 4096 and s.weight_bytes() == 2 * s.params()
+    f32 = randmodel.parse("builtin:random-llama-16x4096")
+    assert f32.dtype == "float32" and f32.weight_bytes() == 4 * f32.params()
     assert randmodel.parse("builtin:tiny") is None and randmodel.parse("builtin:random-llama-2x4096x") is None
     with pytest.raises(ValueError, match="multiple of 128"):
         randmodel.parse("builtin:random-llama-2x1000")
@@ -38,22 +40,28 @@ def test_benchmark_profiles_are_the_engine_memory_they_say(name, gib):
     assert w["checkpoint"] == {"weights_outside_image": True} and w["engine"]["model"] == p["engine"]["model"]
 
 
-def test_build_is_deterministic_and_cached_by_recipe(tmp_path):
+@pytest.mark.parametrize("suffix", ["", "-bf16"])
+def test_build_is_deterministic_and_cached_by_recipe(tmp_path, suffix):
+    import torch
     from safetensors import safe_open
 
-    shape = randmodel.parse("builtin:random-llama-2x256")
-    d = tinymodel.build_builtin("builtin:random-llama-2x256", tmp_path)
-    assert d == randmodel.model_dir(tmp_path, shape) and d.name.startswith("random-llama-2x256-")
-    assert randmodel.model_dir(tmp_path, randmodel.parse("builtin:random-llama-3x256")) != d  # the recipe names it
+    name = "builtin:random-llama-2x256" + suffix
+    shape = randmodel.parse(name)
+    d = tinymodel.build_builtin(name, tmp_path)
+    assert d == randmodel.model_dir(tmp_path, shape) and d.name.startswith(f"random-llama-2x256{suffix}-")
+    for other in ("builtin:random-llama-3x256", "builtin:random-llama-2x384", "builtin:random-llama-2x256" + ("" if suffix else "-bf16")):
+        assert randmodel.model_dir(tmp_path, randmodel.parse(other)) != d  # the recipe names it
     cfg = json.loads((d / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (2, 256, 768)
+    assert cfg.get("torch_dtype", cfg.get("dtype")) == shape.dtype
     f = d / "model.safetensors"
     assert shape.weight_bytes() < f.stat().st_size < shape.weight_bytes() + 64 * 1024
     with safe_open(str(f), "pt") as st:
         assert sorted(st.keys()) == sorted(n for n, _ in shape.tensors())
-        w = st.get_tensor("model.layers.1.mlp.down_proj.weight").float()
+        w = st.get_tensor("model.layers.1.mlp.down_proj.weight")
         norm = st.get_tensor("model.norm.weight").float()
-    assert tuple(w.shape) == (256, 768) and bool(w.isfinite().all())
+    assert tuple(w.shape) == (256, 768) and bool(w.isfinite().all()) and w.dtype == getattr(torch, shape.dtype)
+    w = w.float()
     assert 0.02 < float(w.std()) < 0.035 and abs(float(w.mean())) < 0.002  # symmetric, bounded draw
     assert float(w.abs().max()) < 0.0625 and bool((norm == 1).all())
     # the same recipe gives the same bytes, whatever the chunk size; another tensor differs
@@ -61,4 +69,4 @@ def test_build_is_deterministic_and_cached_by_recipe(tmp_path):
     randmodel.write_weights(again, shape, chunk_elems=1000)
     assert again.read_bytes() == f.read_bytes()
     mtime = f.stat().st_mtime_ns
-    assert tinymodel.build_builtin("builtin:random-llama-2x256", tmp_path) == d and f.stat().st_mtime_ns == mtime  # reused
+    assert tinymodel.build_builtin(name, tmp_path) == d and f.stat().st_mtime_ns == mtime  # reused

@@ -2,24 +2,32 @@
 
 ``builtin:random-llama-<layers>x<hidden>`` names a decoder of Llama-2's architecture
 (``LlamaForCausalLM``: RMSNorm, rotary embeddings, SwiGLU MLP, multi-head attention) with
-``layers`` decoder layers of width ``hidden``; the other dimensions follow Llama's rules:
-head size 128 (``hidden / 128`` attention heads, as many KV heads), MLP width ``8/3 * hidden``
-rounded up to a multiple of 256 (4096 -> 11008, Llama-2-7B's), and the tiny model's tokenizer
-(:mod:`warmctl.tinymodel`, vocabulary :data:`~warmctl.tinymodel.VOCAB_SIZE`). So
-``random-llama-32x4096`` has Llama-2-7B's shape (6.48 B parameters, 12.1 GiB of bfloat16) and
-``random-llama-16x4096`` half its layers (6.0 GiB).
+``layers`` decoder layers of width ``hidden``, in float32 (``...-bf16``: bfloat16); the other
+dimensions follow Llama's rules: head size 128 (``hidden / 128`` attention heads, as many KV
+heads), MLP width ``8/3 * hidden`` rounded up to a multiple of 256 (4096 -> 11008, Llama-2-7B's),
+and the tiny model's tokenizer (:mod:`warmctl.tinymodel`, vocabulary
+:data:`~warmctl.tinymodel.VOCAB_SIZE`). So ``random-llama-32x4096-bf16`` has Llama-2-7B's shape
+(6.48 B parameters, 12.1 GiB) and ``random-llama-16x4096`` half its layers in float32 (3.25 B
+parameters, the same 12.1 GiB).
 
-The weights are bfloat16 with random sign and mantissa and a bounded exponent (magnitudes
-2**-8 to 2**-4, std about 0.027; norms 1.0), drawn by ``torch.Generator`` seeded per tensor from :data:`SEED` and the tensor's name, so the bytes
-depend only on the recipe (not on chunking, thread count or tensor order) and the canary's
-tokens and logprobs repeat run to run. They are untrained: the output is fluent noise, which is
-all a snapshot benchmark needs. The weights are streamed into one ``model.safetensors`` (the
-header first, then each tensor generated and written in chunks of :data:`CHUNK_ELEMS`), so
-building needs no more memory than one chunk: 16 GiB of weights in about a minute on 2 cores
-(docs/benchmarks.md, "Scale").
+float32 is the default because a bfloat16 engine did not survive a CRIU restore on this AMX
+host (``amx_bf16`` in /proc/cpuinfo): the snapshot passed its canary, but after ``up`` the
+worker died with SIGILL (exit -4) on the first request. The likely cause, not verified: oneDNN
+runs bfloat16 GEMMs on AMX tiles, a per-process permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``)
+that the restored process does not hold (docs/benchmarks.md, "Scale"). The float32 ``tiny``
+model restores on the same host.
 
-The model is cached by its recipe: its directory is ``random-llama-<layers>x<hidden>-<recipe
-id>`` under the models directory (:func:`recipe_id`: shape, seed, dtype, recipe version and the
+The weights have random sign and mantissa and a bounded exponent (magnitudes 2**-8 to 2**-4,
+std about 0.027; norms 1.0), drawn by ``torch.Generator`` seeded per tensor from :data:`SEED`
+and the tensor's name, so the bytes depend only on the recipe (not on chunking, thread count or
+tensor order) and the canary's tokens and logprobs repeat run to run. They are untrained: the
+output is fluent noise, which is all a snapshot benchmark needs. The weights are streamed into
+one ``model.safetensors`` (the header first, then each tensor generated and written in chunks
+of :data:`CHUNK_ELEMS`), so building needs no more memory than one chunk (about 0.3 GiB/s on
+one core here).
+
+The model is cached by its recipe: its directory is ``random-llama-<layers>x<hidden>[-bf16]-<recipe
+id>`` under the models directory (:func:`recipe_id`: shape, dtype, seed, recipe version and the
 tokenizer's recipe), built once (atomically, a temp dir renamed into place) and reused.
 """
 
@@ -38,14 +46,13 @@ from pathlib import Path
 from warmctl import tinymodel
 
 #: ``builtin:random-llama-<layers>x<hidden>``.
-NAME_RE = re.compile(r"builtin:random-llama-(?P<layers>[1-9][0-9]{0,3})x(?P<hidden>[1-9][0-9]{1,5})")
+NAME_RE = re.compile(r"builtin:random-llama-(?P<layers>[1-9][0-9]{0,3})x(?P<hidden>[1-9][0-9]{1,5})(?P<bf16>-bf16)?")
 SEED = 20261201
 HEAD_DIM = 128
 #: Bump when anything below changes the bytes; part of :func:`recipe_id`.
 RECIPE_VERSION = 1
 #: Elements generated per step (64 Mi: 256 MiB of float32 scratch, 128 MiB written).
 CHUNK_ELEMS = 1 << 26
-BYTES_PER_PARAM = 2  # bfloat16
 
 
 @dataclass(frozen=True)
@@ -57,15 +64,20 @@ class Shape:
     heads: int
     intermediate: int
     vocab: int
+    dtype: str = "float32"
+
+    @property
+    def bytes_per_param(self) -> int:
+        return 2 if self.dtype == "bfloat16" else 4
 
     @classmethod
-    def of(cls, layers: int, hidden: int) -> "Shape":
+    def of(cls, layers: int, hidden: int, dtype: str = "float32") -> "Shape":
         """The shape for ``layers`` x ``hidden``. Raises ValueError if ``hidden`` is not a
         multiple of :data:`HEAD_DIM` or either is below 1."""
         if layers < 1 or hidden < HEAD_DIM or hidden % HEAD_DIM:
             raise ValueError(f"random-llama-{layers}x{hidden}: need layers >= 1 and hidden a multiple of {HEAD_DIM}")
         inter = -(-(8 * hidden // 3) // 256) * 256
-        return cls(layers, hidden, hidden // HEAD_DIM, inter, tinymodel.VOCAB_SIZE)
+        return cls(layers, hidden, hidden // HEAD_DIM, inter, tinymodel.VOCAB_SIZE, dtype)
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every tensor, in file order (as ``LlamaForCausalLM`` names them)."""
@@ -90,66 +102,72 @@ class Shape:
         return total
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights in bfloat16 (the safetensors file's data; the engine holds the same)."""
-        return self.params() * BYTES_PER_PARAM
+        """Bytes of the weights (the safetensors file's data; the engine holds the same)."""
+        return self.params() * self.bytes_per_param
 
 
 def parse(model: str) -> Shape | None:
     """The :class:`Shape` a ``builtin:random-llama-<L>x<H>`` name asks for; None for other names.
     Raises ValueError for a malformed size (:meth:`Shape.of`)."""
     m = NAME_RE.fullmatch(model)
-    return None if m is None else Shape.of(int(m["layers"]), int(m["hidden"]))
+    return None if m is None else Shape.of(int(m["layers"]), int(m["hidden"]), "bfloat16" if m["bf16"] else "float32")
 
 
 def recipe_id(shape: Shape) -> str:
     """Short digest of everything that determines the model's bytes."""
-    h = hashlib.sha256(json.dumps({"v": RECIPE_VERSION, "seed": SEED, "draw": "bits-exp119-2", "dtype": "bf16",
+    h = hashlib.sha256(json.dumps({"v": RECIPE_VERSION, "seed": SEED, "draw": "bits-exp-2",
                                    "shape": asdict(shape), "tokenizer": tinymodel.recipe_id()}, sort_keys=True).encode())
     return h.hexdigest()[:12]
 
 
 def model_dir(models_root: Path, shape: Shape) -> Path:
     """``<models_root>/random-llama-<layers>x<hidden>-<recipe id>``."""
-    return Path(models_root) / f"random-llama-{shape.layers}x{shape.hidden}-{recipe_id(shape)}"
+    bf16 = "-bf16" if shape.dtype == "bfloat16" else ""
+    return Path(models_root) / f"random-llama-{shape.layers}x{shape.hidden}{bf16}-{recipe_id(shape)}"
 
 
 def _tensor_seed(name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{SEED}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-# Four bfloat16 lanes per int64 word: sign and mantissa random, exponent 119 + 2 random bits.
-_SIGN_MANTISSA = 0x807F807F807F807F - (1 << 64)
-_EXP_BITS, _EXP_BASE = 0x0003000300030003, 0x0077007700770077
+# Random bits per 64-bit word, then each lane bounded: sign and mantissa kept, the exponent
+# set to 2**-8 .. 2**-5 by two random bits (bfloat16: four 16-bit lanes; float32: two 32-bit lanes).
+_LANES = {"bfloat16": (0x807F807F807F807F, 0x0003000300030003, 0x0077007700770077, 7),
+          "float32": (0x807FFFFF807FFFFF, 0x0000000300000003, 0x0000007700000077, 23)}
 
 
-def _bf16_words(buf, tmp, g):
-    """Fill ``buf`` (int64) with random bits from ``g`` and bound each 16-bit lane as a bfloat16
-    of magnitude in [2**-8, 2**-4) (std about 0.027, never NaN, inf or subnormal). Returns ``buf``."""
+def _words(buf, tmp, g, dtype: str):
+    """Fill ``buf`` (int64) with random bits from ``g`` and bound each lane of ``dtype`` to a
+    magnitude in [2**-8, 2**-4) (std about 0.027, never NaN, inf or subnormal). Returns ``buf``."""
     import torch
 
+    keep, ebits, ebase, shift = _LANES[dtype]
     buf.random_(-(1 << 63), (1 << 63) - 1, generator=g)  # all 64 bits (random_() leaves the top one 0)
-    torch.bitwise_right_shift(buf, 7, out=tmp)
-    tmp.bitwise_and_(_EXP_BITS).add_(_EXP_BASE).bitwise_left_shift_(7)
-    return buf.bitwise_and_(_SIGN_MANTISSA).bitwise_or_(tmp)
+    torch.bitwise_right_shift(buf, shift, out=tmp)
+    tmp.bitwise_and_(ebits).add_(ebase).bitwise_left_shift_(shift)
+    return buf.bitwise_and_(keep - (1 << 64)).bitwise_or_(tmp)
 
 
 def write_weights(path: Path, shape: Shape, chunk_elems: int = CHUNK_ELEMS) -> int:
     """Stream the weights of ``shape`` into the safetensors file ``path``; returns its size in
-    bytes. Norm weights are 1.0, all others random bfloat16 from each tensor's own generator, generated ``chunk_elems`` elements at a time."""
+    bytes. Norm weights are 1.0, all others random from each tensor's own generator,
+    generated ``chunk_elems`` elements at a time."""
     import torch
 
     header: dict = {"__metadata__": {"format": "pt", "warmctl_recipe": recipe_id(shape)}}
     off = 0
     specs = shape.tensors()
     for name, s in specs:
-        n = BYTES_PER_PARAM
+        n = shape.bytes_per_param
         for d in s:
             n *= d
-        header[name] = {"dtype": "BF16", "shape": list(s), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": "BF16" if shape.dtype == "bfloat16" else "F32", "shape": list(s), "data_offsets": [off, off + n]}
         off += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    words = -(-chunk_elems // 4)
+    bpp = shape.bytes_per_param
+    tdtype = torch.bfloat16 if shape.dtype == "bfloat16" else torch.float32
+    words = -(-chunk_elems * bpp // 8)
     buf, tmp = torch.empty(words, dtype=torch.int64), torch.empty(words, dtype=torch.int64)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(hb)) + hb)
@@ -158,14 +176,14 @@ def write_weights(path: Path, shape: Shape, chunk_elems: int = CHUNK_ELEMS) -> i
             for d in s:
                 count *= d
             if name.endswith("norm.weight"):
-                f.write(torch.ones(count, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+                f.write(torch.ones(count, dtype=tdtype).view(torch.uint8).numpy().tobytes())
                 continue
             g = torch.Generator().manual_seed(_tensor_seed(name))
             done = 0
             while done < count:
                 k = min(chunk_elems, count - done)
-                w = -(-k // 4)
-                f.write(memoryview(_bf16_words(buf[:w], tmp[:w], g).view(torch.uint8).numpy())[: 2 * k])
+                w = -(-k * bpp // 8)
+                f.write(memoryview(_words(buf[:w], tmp[:w], g, shape.dtype).view(torch.uint8).numpy())[: bpp * k])
                 done += k
         f.flush()
         os.fsync(f.fileno())
@@ -193,7 +211,7 @@ def build(dest: Path, shape: Shape) -> Path:
             num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
             max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
             eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=False, torch_dtype="bfloat16",
+            tie_word_embeddings=False, torch_dtype=shape.dtype,
         ).save_pretrained(tmp)
         write_weights(tmp / "model.safetensors", shape)
         os.replace(tmp, dest) if not dest.exists() else shutil.rmtree(tmp)
