@@ -129,6 +129,17 @@ def phase_line(res: dict) -> str:
     return " ".join(parts) + f" outside {res['outside_s']:.2f}"
 
 
+def boto3_download(s3, bucket: str, keys: list[str], out: Path, threads: int) -> tuple[int, float]:
+    """boto3 ``download_file`` of every object ``keys`` of ``bucket`` into files under ``out``
+    (created), ``threads`` at a time: the S3 floor. Returns (bytes, seconds)."""
+    out.mkdir(parents=True)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda k: s3.download_file(bucket, k, str(out / k.replace("/", "_"))), keys))
+    dt = time.monotonic() - t0
+    return sum(p.stat().st_size for p in out.iterdir()), dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -243,13 +254,7 @@ def main() -> None:
             ours = c.report.bytes_copied / (time.monotonic() - t0)
             keys = [o.key for o in src.backend.list("chunks/")]
             prefix = url.split("/", 3)[3] + "/"
-            out = work / "boto3"
-            out.mkdir()
-            t0 = time.monotonic()
-            with ThreadPoolExecutor(src.workers) as ex:
-                list(ex.map(lambda k: s3.download_file(bucket, prefix + k, str(out / k.replace("/", "_"))), keys))
-            dt = time.monotonic() - t0
-            total = sum((out / k.replace("/", "_")).stat().st_size for k in keys)
+            total, dt = boto3_download(s3, bucket, [prefix + k for k in keys], work / "boto3", src.workers)
             theirs = total / dt
             print(f"\nfetch from RGW: warmctl {ours / 2**20:,.0f} MiB/s (verified, written) vs boto3 download_file "
                   f"{theirs / 2**20:,.0f} MiB/s ({src.workers} threads, {len(keys)} objects, {total / 2**20:,.0f} MiB): "

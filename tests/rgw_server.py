@@ -64,8 +64,7 @@ log to stderr = false
 err to stderr = true
 mon data = {d}/mon/$cluster-$id
 osd data = {d}/osd/$cluster-$id
-osd objectstore = memstore
-memstore device bytes = 1073741824
+{objectstore_conf}
 osd pool default size = 1
 osd pool default min size = 1
 osd pool default pg num = 8
@@ -199,13 +198,27 @@ class _Cluster:
                 p.wait()
 
 
+def _objectstore_conf(objectstore: str, capacity_bytes: int) -> str:
+    if objectstore == "memstore":
+        return f"osd objectstore = memstore\nmemstore device bytes = {int(capacity_bytes)}"
+    if objectstore == "bluestore":  # one sparse file as the block device; small caches
+        return ("osd objectstore = bluestore\nbluestore block create = true\n"
+                f"bluestore block size = {int(capacity_bytes)}\nbluestore fsck on mkfs = false\n"
+                "osd memory target = 1073741824\nbluestore cache autotune = false\nbluestore cache size = 268435456")
+    raise ValueError(f"objectstore {objectstore!r}: memstore or bluestore")
+
+
 @contextmanager
-def start_rgw(workdir: Path, mon_port: int, rgw_port: int, timeout: float = 60.0) -> Iterator[tuple[str, str, str]]:
+def start_rgw(workdir: Path, mon_port: int, rgw_port: int, timeout: float = 60.0,
+              capacity_bytes: int = 1 << 30, objectstore: str = "memstore") -> Iterator[tuple[str, str, str]]:
     """Start mon, memstore OSD and radosgw under ``workdir`` (created; should be empty) and
     yield ``(endpoint_url, access_key, secret_key)`` of an S3 user with no buckets.
 
     Every daemon started is stopped (SIGTERM, then SIGKILL after 3 s) and reaped on exit, also
-    when start-up fails. Raises :class:`RGWStartError` (with log tails) when a step fails, a
+    when start-up fails. ``capacity_bytes``: the OSD's capacity (default 1 GiB); ``objectstore``:
+    ``memstore`` (the default: objects held in RAM) or ``bluestore`` (on a sparse file under
+    ``workdir``, for more data than RAM; caches capped at 256 MiB).
+    Raises :class:`RGWStartError` (with log tails) when a step fails, a
     daemon exits, or radosgw does not listen within ``timeout`` seconds; RuntimeError when a
     binary is missing.
     """
@@ -220,7 +233,8 @@ def start_rgw(workdir: Path, mon_port: int, rgw_port: int, timeout: float = 60.0
         (workdir / sub).mkdir(parents=True, exist_ok=True)
     fsid = str(uuid.uuid4())
     c = _Cluster(workdir, mon_port, rgw_port)
-    c.conf.write_text(CONF.format(fsid=fsid, mon_port=mon_port, rgw_port=rgw_port, rgw_name=RGW_NAME, d=workdir))
+    c.conf.write_text(CONF.format(fsid=fsid, mon_port=mon_port, rgw_port=rgw_port, rgw_name=RGW_NAME, d=workdir,
+                                    objectstore_conf=_objectstore_conf(objectstore, capacity_bytes)))
     deadline = time.monotonic() + timeout
     keyring = str(workdir / "keyring")
     try:

@@ -10,12 +10,13 @@ and the tiny model's tokenizer (:mod:`warmctl.tinymodel`, vocabulary
 (6.48 B parameters, 12.1 GiB) and ``random-llama-16x4096`` half its layers in float32 (3.25 B
 parameters, the same 12.1 GiB).
 
-float32 is the default because a bfloat16 engine did not survive a CRIU restore on this AMX
-host (``amx_bf16`` in /proc/cpuinfo): the snapshot passed its canary, but after ``up`` the
-worker died with SIGILL (exit -4) on the first request. The likely cause, not verified: oneDNN
-runs bfloat16 GEMMs on AMX tiles, a per-process permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``)
-that the restored process does not hold (docs/benchmarks.md, "Scale"). The float32 ``tiny``
-model restores on the same host.
+float32 is the default because a bfloat16 engine does not survive a CRIU restore on an AMX host
+(``amx_bf16`` in /proc/cpuinfo, as here): the snapshot passes its canary, but after ``up`` the
+worker dies with SIGILL (exit -4) on its first request. oneDNN runs bfloat16 GEMMs on AMX tiles
+(``brg_matmul:avx10_1_512_amx``), and CRIU 4.2.1 restores the process without its AMX state
+(its xfeatures mask here is 0xe5: no tile bits); a process doing one bfloat16 matmul, dumped
+and restored, dies the same way, and lives with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
+(docs/benchmarks.md, "Scale"). The float32 ``tiny`` model restores on the same host.
 
 The weights have random sign and mantissa and a bounded exponent (magnitudes 2**-8 to 2**-4,
 std about 0.027; norms 1.0), drawn by ``torch.Generator`` seeded per tensor from :data:`SEED`
