@@ -414,6 +414,18 @@ def run(a, work: Path, models: Path, res: dict) -> None:
         say(f"  dd of the kept image, {'cold' if cold else 'warm'} cache          {dt:8.2f} s  {gib_s(n, dt):6.2f} GiB/s  ({n / GiB:.2f} GiB)")
     res["kept_image_bytes"] = kept_bytes
     a_pub = next((root_a / "keys").glob("local-*.pub"))
+    shutil.rmtree(images_root, ignore_errors=True)  # node A is measured: its kept image goes, to bound the disk
+    shutil.rmtree(raw_dir, ignore_errors=True)
+    free = shutil.disk_usage(work).free
+    need = 2 * stored + kept_bytes + GiB  # the remote, then a fresh node's store and kept image
+    res["disk_free_gib_before_remotes"], res["disk_needed_gib_remotes"] = free / GiB, need / GiB
+    if need > free:
+        res["remotes_skipped"] = (f"the remote phases need about {need / GiB:.1f} GiB of disk (remote {stored / GiB:.1f}, "
+                                  f"fresh node's store {stored / GiB:.1f} and kept image {kept_bytes / GiB:.1f} GiB): "
+                                  f"{free / GiB:.1f} GiB free")
+        say(f"\nremote phases skipped: {res['remotes_skipped']}")
+        run_measured(env_a, "down", name, check=False)
+        return report(res)
 
     # -- remotes: directory, then RGW (each removed before the next, to bound the disk)
     remotes = [("dir", str(work / "remote"), {})]

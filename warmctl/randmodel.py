@@ -10,13 +10,13 @@ and the tiny model's tokenizer (:mod:`warmctl.tinymodel`, vocabulary
 (6.48 B parameters, 12.1 GiB) and ``random-llama-16x4096`` half its layers in float32 (3.25 B
 parameters, the same 12.1 GiB).
 
-float32 is the default because a bfloat16 engine does not survive a CRIU restore on an AMX host
-(``amx_bf16`` in /proc/cpuinfo, as here): the snapshot passes its canary, but after ``up`` the
-worker dies with SIGILL (exit -4) on its first request. oneDNN runs bfloat16 GEMMs on AMX tiles
-(``brg_matmul:avx10_1_512_amx``), and CRIU 4.2.1 restores the process without its AMX state
-(its xfeatures mask here is 0xe5: no tile bits); a process doing one bfloat16 matmul, dumped
-and restored, dies the same way, and lives with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
-(docs/benchmarks.md, "Scale"). The float32 ``tiny`` model restores on the same host.
+float32 is the default: a bfloat16 engine computes on AMX tiles on AMX hosts (``amx_bf16`` in
+/proc/cpuinfo, as here: oneDNN's ``brg_matmul:avx10_1_512_amx``), and CRIU 4.2.1 alone restores
+such a process without its AMX permission, so the worker dies with SIGILL (exit -4) at its first
+request after ``up`` (seen here with ``random-llama-2x1024-bf16``; a one-matmul Python process
+dumped and restored dies the same way, and lives with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``).
+warmctl's ``criu-xtile-perm.so`` (``warmctl/checkpoint/criu.py``) restores the permission;
+float32 never needs it, so the benchmark's figures do not depend on it.
 
 The weights have random sign and mantissa and a bounded exponent (magnitudes 2**-8 to 2**-4,
 std about 0.027; norms 1.0), drawn by ``torch.Generator`` seeded per tensor from :data:`SEED`
