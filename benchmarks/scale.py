@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from fleet_up import boto3_download  # noqa: E402
-from up_vs_raw import drop_caches, first_token, prepare_raw_run, raw_restore  # noqa: E402
+from up_vs_raw import drop_caches, first_token, raw_restore  # noqa: E402
 
 ENGINE_PORT = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT") or 18500)
 GATE_PORT = int(os.environ.get("WARMCTL_TEST_GATE_PORT") or 18580)
@@ -394,17 +394,16 @@ def run(a, work: Path, models: Path, res: dict) -> None:
     kept_bytes = sum(p.stat().st_size for p in kept)
     raw_dir = work / "raw"
     raw_dir.mkdir()
-    prepare_raw_run(load_settings(), m, name)
     port = m.restore.internal_port or ENGINE_PORT
     warm, raw = [], []
     for i in range(a.rounds):
-        tok, dt, secs = raw_restore(load_settings(), store, m, img_dir, raw_dir, port, prompt, model)
+        tok, dt, secs = raw_restore(load_settings(), store, m, name, img_dir, raw_dir, port, prompt, model)
         assert tok == expected, f"raw restore: token {tok} != {expected}"
         raw.append({"to_token_s": dt, "criu_restore_s": secs})
         say(f"  raw criu restore, warm cache            {dt:8.2f} s  {gib_s(kept_bytes, dt):6.2f} GiB/s  (criu restore {secs:.2f} s)")
         warm.append(timed_up(env_a, "up, kept image, warm cache", logical))
     res["raw_warm"], res["up_warm"] = raw, warm
-    tok, dt, secs = raw_restore(load_settings(), store, m, img_dir, raw_dir, port, prompt, model, cold=True)
+    tok, dt, secs = raw_restore(load_settings(), store, m, name, img_dir, raw_dir, port, prompt, model, cold=True)
     res["raw_cold"] = {"to_token_s": dt, "criu_restore_s": secs}
     say(f"  raw criu restore, cold cache            {dt:8.2f} s  {gib_s(kept_bytes, dt):6.2f} GiB/s  (criu restore {secs:.2f} s)")
     res["up_cold"] = timed_up(env_a, "up, kept image, cold cache", logical, cold=True)

@@ -123,16 +123,18 @@ def prepare_raw_run(settings, manifest, name: str) -> None:
     run.log_path.touch()
 
 
-def raw_restore(settings, store, manifest, images: Path, raw_dir: Path, port: int, prompt: str, model: str,
+def raw_restore(settings, store, manifest, name: str, images: Path, raw_dir: Path, port: int, prompt: str, model: str,
                 cold: bool = False) -> tuple[int, float, float]:
     """One raw ``criu restore`` of the image directory ``images`` (warmctl's flags, under the
     host's CRIU lock, the snapshot's ``/dev/shm`` files put back first, untimed; with ``cold``
     the page cache dropped after that) and the first token of ``prompt`` on the engine's
     ``port``; then the tree is killed and its ``/dev/shm`` files removed. Returns (token id,
     seconds from ``criu restore``'s start to the token, ``criu restore``'s own seconds).
-    :func:`prepare_raw_run` must have run once; logs go to ``raw_dir``."""
+    The run directory of ``name`` is prepared first (:func:`prepare_raw_run`: a ``warmctl
+    down`` in between removes it, with the sockets directory CRIU binds in); logs go to ``raw_dir``."""
     from warmctl.checkpoint import criu
 
+    prepare_raw_run(settings, manifest, name)
     root_pid, inodes = None, []
     try:
         with criu.host_lock():
@@ -251,7 +253,6 @@ def run_all(a, root: Path) -> None:
             else:
                 store.read_file(f.chunks, images / f.path)
                 os.chmod(images / f.path, f.mode)
-    prepare_raw_run(settings, manifest, name)
     image_bytes = sum(p.stat().st_size for p in images.iterdir())
     subprocess.run(["sync"], check=False)
 
@@ -271,7 +272,7 @@ def run_all(a, root: Path) -> None:
     try:
         for i in range(a.runs):
             wc(env, "down", name)
-            tok, dt, secs = raw_restore(settings, store, manifest, images, raw_dir,
+            tok, dt, secs = raw_restore(settings, store, manifest, name, images, raw_dir,
                                         manifest.restore.internal_port or a.engine_port, prompt, model, cold=a.cold)
             assert tok == expected, f"raw-restored engine's first token {tok} != canary {expected}"
             raw.append(dt)
