@@ -10,8 +10,8 @@ from outside, beside the floors measured in the same run on the same bytes:
 - ``up`` on node A: ``cold-store`` (no kept image, page cache dropped: the image materialized
   from the local store), ``warm`` (kept image, page cache warm; ``--rounds`` times) and
   ``cold`` (kept image, page cache dropped), each to the first *correct* token on the public
-  port; beside them the **raw** ``criu restore`` of the same kept image directory
-  (``benchmarks/up_vs_raw.py``'s :func:`raw_restore`, warm and cold, interleaved with ``warm``)
+  port; beside them the **raw** ``criu restore`` of the same kept image directory (with
+  ``benchmarks/up_vs_raw.py``'s helpers; warm and cold, interleaved with ``warm``)
   and **dd** of the image files to /dev/null (warm and cold);
 - ``push`` to a directory remote and to Ceph RGW on loopback (``tests/rgw_server.py``: a memstore
   OSD when the snapshot and the engine fit in RAM, else bluestore on a file), then ``up`` on a **fresh node** (empty home) from each, and ``pull``
@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from fleet_up import boto3_download  # noqa: E402
-from up_vs_raw import drop_caches, first_token, raw_restore  # noqa: E402
+from up_vs_raw import drop_caches, first_token, kill_raw, put_back_shm  # noqa: E402
 
 ENGINE_PORT = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT") or 18500)
 GATE_PORT = int(os.environ.get("WARMCTL_TEST_GATE_PORT") or 18580)
@@ -71,6 +71,40 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 # -- measuring a command ---------------------------------------------------------------------
+
+def raw_restore(settings, store, manifest, name: str, images: Path, raw_dir: Path, port: int, prompt: str, model: str,
+                cold: bool = False) -> tuple[int, float, float]:
+    """One raw ``criu restore`` of the image directory ``images`` with warmctl's flags, as
+    ``benchmarks/up_vs_raw.py`` does it (its :func:`put_back_shm` and :func:`kill_raw`): under
+    the host's CRIU lock, the snapshot's ``/dev/shm`` files and the engine's run and scratch
+    directories put back first, untimed (with ``cold`` the page cache dropped after that); then
+    the first token of ``prompt`` on the engine's ``port``; then the tree killed, its
+    ``/dev/shm`` files and scratch directory removed. Returns (token id, seconds from ``criu
+    restore``'s start to the token, ``criu restore``'s own seconds); CRIU logs to ``raw_dir``."""
+    from warmctl.checkpoint import criu
+    from warmctl.engine.run import EngineRun
+
+    run = EngineRun(settings.run_dir, name, 0, log_path=manifest.restore.log_path, cwd=manifest.restore.cwd).prepare()
+    run.log_path.touch()  # CRIU reopens the recorded log and cwd
+    tmp = getattr(manifest.restore, "tmp_dir", None)
+    root_pid, inodes = None, []
+    try:
+        with criu.host_lock():
+            inodes = put_back_shm(store, manifest)
+            if tmp:  # the engine's scratch dir: its UNIX sockets are bound there again
+                Path(tmp).mkdir(mode=0o700, parents=True, exist_ok=True)
+            if cold:
+                drop_caches()
+            t0 = time.monotonic()
+            root_pid, secs = criu.restore(images, raw_dir / "engine.pid", log_file=raw_dir / "restore.log",
+                                          binary=settings.criu)
+        tok, t1 = first_token(port, prompt, model)
+    finally:
+        kill_raw(root_pid, inodes)
+        if tmp:  # its sockets, so that up binds them afresh
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok, t1 - t0, secs
+
 
 def host_cpu() -> dict[str, float]:
     """Seconds of all CPUs from /proc/stat: busy (user+nice+system+irq+softirq) and iowait."""

@@ -114,42 +114,6 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def prepare_raw_run(settings, manifest, name: str) -> None:
-    """The run directory of ``name`` with the recorded log and cwd that CRIU reopens on restore."""
-    from warmctl.engine.run import EngineRun
-
-    run = EngineRun(settings.run_dir, name, 0, log_path=manifest.restore.log_path,
-                    cwd=manifest.restore.cwd).prepare()
-    run.log_path.touch()
-
-
-def raw_restore(settings, store, manifest, name: str, images: Path, raw_dir: Path, port: int, prompt: str, model: str,
-                cold: bool = False) -> tuple[int, float, float]:
-    """One raw ``criu restore`` of the image directory ``images`` (warmctl's flags, under the
-    host's CRIU lock, the snapshot's ``/dev/shm`` files put back first, untimed; with ``cold``
-    the page cache dropped after that) and the first token of ``prompt`` on the engine's
-    ``port``; then the tree is killed and its ``/dev/shm`` files removed. Returns (token id,
-    seconds from ``criu restore``'s start to the token, ``criu restore``'s own seconds).
-    The run directory of ``name`` is prepared first (:func:`prepare_raw_run`: a ``warmctl
-    down`` in between removes it, with the sockets directory CRIU binds in); logs go to ``raw_dir``."""
-    from warmctl.checkpoint import criu
-
-    prepare_raw_run(settings, manifest, name)
-    root_pid, inodes = None, []
-    try:
-        with criu.host_lock():
-            inodes = put_back_shm(store, manifest)
-            if cold:
-                drop_caches()
-            t0 = time.monotonic()
-            root_pid, secs = criu.restore(images, raw_dir / "engine.pid", log_file=raw_dir / "restore.log",
-                                          binary=settings.criu)
-        tok, t1 = first_token(port, prompt, model)
-    finally:
-        kill_raw(root_pid, inodes)
-    return tok, t1 - t0, secs
-
-
 def micro(n: int, fn) -> float:
     """Median seconds of ``n`` calls of ``fn``."""
     out = []
@@ -217,6 +181,7 @@ def run_all(a, root: Path) -> None:
     from warmctl.catalog import Catalog
     from warmctl.checkpoint import criu
     from warmctl.config import load_settings
+    from warmctl.engine.run import EngineRun
     from warmctl.host import fingerprint
     from warmctl.store import open_store
 
@@ -253,6 +218,9 @@ def run_all(a, root: Path) -> None:
             else:
                 store.read_file(f.chunks, images / f.path)
                 os.chmod(images / f.path, f.mode)
+    run = EngineRun(settings.run_dir, name, 0, log_path=manifest.restore.log_path,
+                    cwd=manifest.restore.cwd).prepare()  # CRIU reopens the recorded log and cwd
+    run.log_path.touch()
     image_bytes = sum(p.stat().st_size for p in images.iterdir())
     subprocess.run(["sync"], check=False)
 
@@ -272,10 +240,20 @@ def run_all(a, root: Path) -> None:
     try:
         for i in range(a.runs):
             wc(env, "down", name)
-            tok, dt, secs = raw_restore(settings, store, manifest, name, images, raw_dir,
-                                        manifest.restore.internal_port or a.engine_port, prompt, model, cold=a.cold)
+            root_pid, inodes = None, []
+            try:
+                with criu.host_lock():
+                    inodes = put_back_shm(store, manifest)
+                    if a.cold:
+                        drop_caches()
+                    t0 = time.monotonic()
+                    root_pid, secs = criu.restore(images, raw_dir / "engine.pid", log_file=raw_dir / "restore.log",
+                                                  binary=settings.criu)
+                tok, t1 = first_token(manifest.restore.internal_port or a.engine_port, prompt, model)
+            finally:
+                kill_raw(root_pid, inodes)
             assert tok == expected, f"raw-restored engine's first token {tok} != canary {expected}"
-            raw.append(dt)
+            raw.append(t1 - t0)
             raw_criu.append(secs)
             print(f"run {i}: raw criu restore -> first correct token {raw[-1]:6.2f} s (criu restore {secs:.2f} s)",
                   flush=True)
