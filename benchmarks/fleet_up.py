@@ -70,7 +70,9 @@ GATE_PORT = int(os.environ.get("WARMCTL_TEST_GATE_PORT") or 18780)
 
 
 def wc(env, *args, check=True):
-    r = subprocess.run([sys.executable, "-m", "warmctl", *args], env=env, capture_output=True, text=True)
+    # run in the checkout's tree: ``-m`` puts the working directory first on sys.path
+    r = subprocess.run([sys.executable, "-m", "warmctl", *args], env=env, capture_output=True, text=True,
+                       cwd=env.get("PYTHONPATH") or None)
     if check and r.returncode:
         sys.exit(f"warmctl {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
     return r
