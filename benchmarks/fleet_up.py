@@ -31,7 +31,8 @@ whose ``up`` runs beside this one's on the fresh nodes, in the same rounds (``ol
 ``old-rgw``...): before/after in one run. ``--profile-env NAME=VALUE`` (repeatable): added to
 the ``tiny`` profile's ``[engine.env]`` on every node (e.g. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
 on an AMX host when ``--old`` predates c20c503: before it, a restored engine that used AMX died
-of SIGILL, CRIU 4.2 not giving the restored process its AMX permission back).
+of SIGILL, CRIU 4.2 not giving the restored process its AMX permission back; an ``--old`` node
+also gets ``criu-xtile-perm.so`` in ``LD_PRELOAD``, which its ``criu restore`` inherits).
 
 Usage::
 
@@ -101,6 +102,9 @@ def node_env(root: Path, a_pub: Path, checkout: Path | None = None, **extra: str
     shutil.copy(a_pub, root / "keys" / "node-a.pub")
     env.update(extra)
     env["PYTHONPATH"] = str(checkout or REPO)
+    lib = Path("/usr/local/lib/warmctl/criu-xtile-perm.so")
+    if checkout is not None and lib.is_file():  # an --old warmctl without the AMX fix: its criu inherits it
+        env["LD_PRELOAD"] = ":".join(x for x in (str(lib), env.get("LD_PRELOAD", "")) if x)
     return env
 
 
