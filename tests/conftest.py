@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -167,15 +168,28 @@ def tiny_profile(engine_port: int, gate_port: int, name: str = "tiny", extra: st
     return text + extra
 
 
-def tp2_profile(engine_port: int, gate_port: int) -> str:
-    """The shipped ``tiny-tp2`` profile (two tensor-parallel ranks) on internal port
-    ``engine_port + 2`` and public port ``gate_port``, with ``VLLM_PORT`` = ``engine_port + 40``
-    in its ``[engine.env]``: where vLLM starts looking for the ranks' rendezvous ports (else any
-    free port: a suite beside another on one host would race for them)."""
-    text = (REPO / "profiles" / "tiny-tp2.toml").read_text()
-    text = re.sub(r"(?m)^port = 18002", f"port = {engine_port + 2}", text)
-    text = text.replace('HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\nVLLM_PORT = "{engine_port + 40}"')
+#: The multi-rank profiles the e2e tests snapshot, shipped in ``profiles/``: name -> (internal
+#: port in the file, offset of the test's internal port from ``WARMCTL_TEST_ENGINE_PORT``, offset
+#: of its ``VLLM_PORT``). Each gets ports of its own, so a session's engines never share one.
+RANK_PROFILES = {"tiny-tp2": (18002, 2, 40), "tiny-moe-tp2": (18004, 4, 60)}
+
+
+def rank_profile(name: str, engine_port: int, gate_port: int) -> str:
+    """The shipped multi-rank profile ``name`` (:data:`RANK_PROFILES`) on internal port
+    ``engine_port`` + its offset and public port ``gate_port``, with ``VLLM_PORT`` (engine_port +
+    its own offset) in its ``[engine.env]``: where vLLM starts looking for the ranks' rendezvous
+    ports (else any free port: a suite beside another on one host would race for them)."""
+    shipped, port_off, vllm_off = RANK_PROFILES[name]
+    text = (REPO / "profiles" / f"{name}.toml").read_text()
+    text = re.sub(rf"(?m)^port = {shipped}", f"port = {engine_port + port_off}", text)
+    text = text.replace('HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\nVLLM_PORT = "{engine_port + vllm_off}"')
     return re.sub(r"(?m)^port = 8000", f"port = {gate_port}", text)
+
+
+def tp2_profile(engine_port: int, gate_port: int) -> str:
+    """:func:`rank_profile` of ``tiny-tp2`` (internal port ``engine_port + 2``, ``VLLM_PORT``
+    ``engine_port + 40``)."""
+    return rank_profile("tiny-tp2", engine_port, gate_port)
 
 
 def isolated_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
@@ -219,26 +233,92 @@ def tiny_snapshot(wc_env) -> dict:
     return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}
 
 
-def tp2_env(env: dict[str, str], engine_port: int, gate_port: int) -> dict[str, str]:
-    """``env`` (an :func:`isolated_env`) with the ``tiny-tp2`` profile (:func:`tp2_profile`)
-    written beside ``tiny``'s; returns a copy of ``env``."""
+def rank_env(env: dict[str, str], name: str, engine_port: int, gate_port: int) -> dict[str, str]:
+    """``env`` (an :func:`isolated_env`) with the multi-rank profile ``name``
+    (:func:`rank_profile`) written beside ``tiny``'s; returns a copy of ``env``."""
     profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
     profiles.mkdir(parents=True, exist_ok=True)
-    (profiles / "tiny-tp2.toml").write_text(tp2_profile(engine_port, gate_port))
+    (profiles / f"{name}.toml").write_text(rank_profile(name, engine_port, gate_port))
     return dict(env)
+
+
+def tp2_env(env: dict[str, str], engine_port: int, gate_port: int) -> dict[str, str]:
+    """:func:`rank_env` with ``tiny-tp2``."""
+    return rank_env(env, "tiny-tp2", engine_port, gate_port)
+
+
+def snapshot_once(env: dict[str, str], name: str) -> dict:
+    """``warmctl snapshot NAME`` in ``env``; {"digest", "stdout", "stderr", "seconds"} (wall
+    time of the command). Fails with its output when no digest is printed."""
+    import time
+
+    t0 = time.monotonic()
+    r = warmctl("snapshot", name, env=env, timeout=1500)
+    m = re.search(rf"{re.escape(name)}:latest\s+(sha256:[0-9a-f]{{64}})", r.stdout.replace("\n", " "))
+    assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
+    return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t0}
 
 
 @pytest.fixture(scope="session")
 def tp2_snapshot(wc_env, engine_ports) -> dict:
     """``warmctl snapshot tiny-tp2`` (tensor parallel 2: two worker ranks) run once per session,
-    in the session's home. Returns {"digest", "stdout", "stderr", "seconds"}."""
-    import time
+    in the session's home (:func:`snapshot_once`)."""
+    return snapshot_once(tp2_env(wc_env, *engine_ports), "tiny-tp2")
 
-    t0 = time.monotonic()
-    r = warmctl("snapshot", "tiny-tp2", env=tp2_env(wc_env, *engine_ports), timeout=1500)
-    m = re.search(r"tiny-tp2:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
-    assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
-    return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "seconds": time.monotonic() - t0}
+
+@pytest.fixture(scope="session")
+def moe_snapshot(wc_env, engine_ports) -> dict:
+    """``warmctl snapshot tiny-moe-tp2`` (the tiny mixture of experts at tensor parallel 2, no
+    expert parallel: the CPU build refuses it) run once per session, in the session's home
+    (:func:`snapshot_once`)."""
+    return snapshot_once(rank_env(wc_env, "tiny-moe-tp2", *engine_ports), "tiny-moe-tp2")
+
+
+def rank_procs(roles: list[str]) -> dict[str, list[int]]:
+    """``{role: [pid, ...]}`` of live processes titled as one of ``roles`` (``VLLM::<role>``,
+    :data:`warmctl.checkpoint.layout.RANK_TITLE`; any engine's on this host: the e2e tests run
+    one engine at a time)."""
+    import psutil
+
+    from warmctl.checkpoint.layout import RANK_TITLE
+
+    out: dict[str, list[int]] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        m = RANK_TITLE.match((p.info["cmdline"] or [""])[0])
+        if m and m.group(1) in roles:
+            out.setdefault(m.group(1), []).append(p.pid)
+    return out
+
+
+def up_restore(env: dict[str, str], name: str, *args: str, check: bool = True):
+    """``warmctl up NAME --json --cold-start never ARGS``: (the process, its JSON or None when
+    it failed)."""
+    import json
+
+    r = warmctl("up", name, "--json", "--cold-start", "never", *args, env=env, check=check)
+    return r, (json.loads(r.stdout) if r.returncode == 0 else None)
+
+
+def ls_row(env: dict[str, str], name: str) -> dict:
+    """The one row of ``warmctl ls --json`` in ``env`` for snapshot ``name``."""
+    import json
+
+    [row] = [x for x in json.loads(warmctl("ls", "--json", env=env).stdout) if x["name"] == name]
+    return row
+
+
+def node_b_env(root: Path, a_env: dict[str, str], remote: Path, engine_port: int, gate_port: int) -> dict[str, str]:
+    """A second node in ``root``: an :func:`isolated_env` with its own home and its own signing
+    key (``root/signing/node.key``), trusting the public key of node A's home (``a_env``) only,
+    reading the directory remote ``remote`` (``WARMCTL_REMOTE_STORE``)."""
+    b = isolated_env(root, engine_port, gate_port)
+    (root / "keys").mkdir(exist_ok=True)
+    warmctl("keygen", str(root / "signing"), "--name", "node", env=b)
+    a_pub = next(Path(a_env["WARMCTL_CONFIG"]).parent.joinpath("keys").glob("local-*.pub"))
+    shutil.copy(a_pub, root / "keys" / "a.pub")
+    cfg = Path(b["WARMCTL_CONFIG"])
+    cfg.write_text(cfg.read_text() + f'signing_key = "{root / "signing" / "node.key"}"\n')
+    return dict(b, WARMCTL_REMOTE_STORE=str(remote))
 
 
 @pytest.fixture

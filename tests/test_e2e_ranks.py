@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-from tests.conftest import isolated_env, listening, shm_leaked, shm_names, tp2_env, warmctl
+from tests.conftest import (listening, ls_row, node_b_env, rank_procs, shm_leaked, shm_names, tp2_env, up_restore,
+                            warmctl)
 
 from warmctl.checkpoint.affinity import parse_cpu_list
 from warmctl.checkpoint.layout import RankError
@@ -37,24 +35,15 @@ def a(wc_env, engine_ports, tp2_snapshot) -> dict[str, str]:
 
 
 def _rank_procs() -> dict[str, list[int]]:
-    """Live processes titled as a TP2 rank (any engine's; the tests run one at a time)."""
-    out: dict[str, list[int]] = {}
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = (p.info["cmdline"] or [""])[0]
-        for role in ROLES:
-            if cmd.startswith(f"VLLM::{role}"):
-                out.setdefault(role, []).append(p.pid)
-    return out
+    return rank_procs(ROLES)
 
 
 def _up(env, *args: str, check: bool = True):
-    r = warmctl("up", "tiny-tp2", "--json", "--cold-start", "never", *args, env=env, check=check)
-    return r, (json.loads(r.stdout) if r.returncode == 0 else None)
+    return up_restore(env, "tiny-tp2", *args, check=check)
 
 
 def _layout(env) -> dict:
-    [row] = [x for x in json.loads(warmctl("ls", "--json", env=env).stdout) if x["name"] == "tiny-tp2"]
-    return row
+    return ls_row(env, "tiny-tp2")
 
 
 def test_the_snapshot_records_both_ranks_their_cpus_and_the_network_lock(a, tp2_snapshot):
@@ -118,14 +107,7 @@ def test_node_b_restores_the_tp2_snapshot_from_a_directory_remote(a, engine_port
     remote = root / "remote"
     r = warmctl("push", "tiny-tp2", "--to", str(remote), env=a)
     assert f"push tiny-tp2:latest ({tp2_snapshot['digest'][:19]})" in r.stderr
-    b = isolated_env(root / "b", *engine_ports)  # its own home, its own key, trusting A's public key only
-    (root / "b" / "keys").mkdir(exist_ok=True)
-    warmctl("keygen", str(root / "b" / "signing"), "--name", "node", env=b)
-    a_pub = next(Path(a["WARMCTL_CONFIG"]).parent.joinpath("keys").glob("local-*.pub"))
-    shutil.copy(a_pub, root / "b" / "keys" / "a.pub")
-    cfg = Path(b["WARMCTL_CONFIG"])
-    cfg.write_text(cfg.read_text() + f'signing_key = "{root / "b" / "signing" / "node.key"}"\n')
-    b = tp2_env(dict(b, WARMCTL_REMOTE_STORE=str(remote)), *engine_ports)
+    b = tp2_env(node_b_env(root / "b", a, remote, *engine_ports), *engine_ports)  # its own home and key
     try:
         r, res = _up(b)
         assert res["path"] == "restore" and res["snapshot"] == tp2_snapshot["digest"], r.stderr
