@@ -77,6 +77,10 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     # nothing of the snapshot's engine is left running or in /dev/shm (semaphores included)
     assert not any(f.path in shm_names() for f in m.files if f.role == "shm")
     assert tiny_snapshot["shm_left"] == set()
+    # which digest is which (issue 27): the profile's at the start, the snapshot's at the end
+    prof = m.profile_digest[:19]
+    assert f"(profile {prof})" in " ".join(tiny_snapshot["stderr"].split()), tiny_snapshot["stderr"]
+    assert f"{tiny_snapshot['digest']} (the snapshot's digest;" in " ".join(tiny_snapshot["stdout"].split())
 
 
 def test_no_credential_of_the_snapshot_environment_is_stored(tiny_snapshot, wc_env):
@@ -181,6 +185,19 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert [_completion(gate, p) for p in PROMPTS] == cold
     warmctl("down", "tiny", env=wc_env)
     assert (entry / "verified.json").is_file()
+
+    # keep no image (image_cache_bytes = 0, issue 27) and `up -q`: the image is written into the
+    # run directory, restored from (the canary and the completions match) and removed; stdout
+    # is the serving line alone, no progress on stderr
+    shutil.rmtree(entry)
+    none = {**wc_env, "WARMCTL_IMAGE_CACHE_BYTES": "0"}
+    r = warmctl("up", "tiny", "-q", env=none)
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("serving tiny on http://") and lines[0].endswith(f":{gate}/v1"), r.stdout
+    assert "ok materialize" not in r.stderr and "not kept" not in r.stderr, r.stderr
+    assert [_completion(gate, p) for p in PROMPTS] == cold
+    assert not entry.exists() and not (_settings(wc_env).run_dir / "tiny" / "unkept-image").exists()
+    warmctl("down", "tiny", env=wc_env)
 
 
 def test_corrupt_chunk_is_refused_and_named(tiny_snapshot, wc_env, engine_ports):

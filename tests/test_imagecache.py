@@ -10,7 +10,7 @@ import pytest
 
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
 from warmctl.catalog import Catalog
-from warmctl.checkpoint.imagecache import MARKER, ImageCache, entry_name
+from warmctl.checkpoint.imagecache import MARKER, ImageCache, entry_name, image_bytes
 from warmctl.errors import HostError, IntegrityError
 from warmctl.manifest import FileEntry
 from warmctl.store import open_store
@@ -113,22 +113,27 @@ def test_corrupt_chunk_leaves_no_entry(tmp_path, snap):
 
 def test_prune_keeps_most_recent_and_gc_set(tmp_path, snap):
     store, m, digest, src = snap
-    cache = ImageCache(tmp_path / "cache", keep=1)
-    cache.get(store, m, digest)
     m2 = make_manifest(store, "other", {"pages-1.img": write_payload(src / "o.img", [("random", MiB)], seed=9)})
     d2 = store.put_manifest(m2)
-    cache.get(store, m2, d2)  # keep=1: the older entry goes
-    assert [e.digest for e in cache.entries()] == [d2]
+    cache = ImageCache(tmp_path / "cache", budget=image_bytes(m) + image_bytes(m2) // 2 + 64 * 1024)
+    cache.get(store, m, digest)
+    img2 = cache.get(store, m2, d2)  # both do not fit the budget: the older entry goes
+    assert [e.digest for e in cache.entries()] == [d2] and [e.digest for e in img2.evicted] == [digest]
     assert cache.du() >= MiB
     removed = cache.prune(keep_digests=set())  # gc: no manifest left that names it
     assert [e.digest for e in removed] == [d2] and cache.entries() == []
 
 
-def test_keep_zero_release_removes(tmp_path, snap):
-    store, m, digest, _ = snap
-    cache = ImageCache(tmp_path / "cache", keep=0)
-    img = cache.get(store, m, digest)
-    assert img.images.is_dir()
+def test_budget_zero_keeps_nothing_and_release_removes(tmp_path, snap):
+    store, m, digest, src = snap
+    cache = ImageCache(tmp_path / "cache", budget=0)
+    img = cache.get(store, m, digest, scratch=tmp_path / "run" / "unkept-image")
+    assert img.written and not img.kept and "keeps no image" in img.not_kept
+    assert img.path == tmp_path / "run" / "unkept-image"
+    assert (img.images / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
+    assert cache.entries() == []
+    cache.release(img, busy=True)  # a lazy restore's daemon still reads it
+    assert img.path.exists()
     cache.release(img)
     assert not img.path.exists()
 
@@ -168,7 +173,8 @@ def test_store_gc_and_du_know_the_image_cache(tmp_path, monkeypatch):
     r = CliRunner()
     res = r.invoke(app, ["du"])
     assert res.exit_code == 0, res.output
-    assert "kept restore images" in res.output and d1[:19] in res.output and d2[:19] in res.output
+    assert "kept images: 2" in res.output and d1[:19] in res.output and d2[:19] in res.output
+    assert "(image only: no manifest here)" in res.output  # d2: its manifest is not in this store
     res = r.invoke(app, ["gc"])  # default grace 300 s: both were just used
     assert res.exit_code == 0, res.output
     assert sorted(e.digest for e in cache.entries()) == sorted([d1, d2])

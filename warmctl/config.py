@@ -54,7 +54,43 @@ ENV_VARS = {
     "cold_start": "WARMCTL_COLD_START",
     "restore_pages": "WARMCTL_RESTORE_PAGES",
     "seal_key": "WARMCTL_SEAL_KEY",
+    "image_cache_bytes": "WARMCTL_IMAGE_CACHE_BYTES",
 }
+
+#: Default ``image_cache_bytes``: half the size of the filesystem holding ``<home>/cache``.
+DEFAULT_IMAGE_CACHE = "50%"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(v: Any) -> int | float:
+    """An ``image_cache_bytes`` value as bytes (``int``) or as a fraction of the filesystem
+    (``float`` in [0, 1]): a non-negative integer is bytes; a float in [0, 1] or a string
+    ``"N%"`` is a fraction; a string ``"N UNIT"`` is bytes (``K/M/G/T`` and ``KB..TB`` are
+    powers of 1000, ``KiB..TiB`` of 1024). Raises :class:`ValueError` for anything else."""
+    if isinstance(v, bool):
+        raise ValueError("a number of bytes, a fraction in [0, 1] or a string like '40%' or '200 GiB'")
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError("bytes must be >= 0")
+        return v
+    if isinstance(v, float):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError("a fraction of the filesystem must be in [0, 1] (bytes are an integer)")
+        return v
+    if isinstance(v, str):
+        t = v.strip().replace("_", "").lower()
+        m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*(%|[a-z]*)", t)
+        if m and m.group(2) == "%":
+            pct = float(m.group(1))
+            if pct > 100:
+                raise ValueError(f"{v!r}: more than 100% of the filesystem")
+            return pct / 100.0
+        if m and m.group(2) == "" and "." in m.group(1):  # "0.5" (the environment's form of 0.5)
+            return parse_budget(float(m.group(1)))
+        if m and m.group(2) in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    raise ValueError(f"{v!r}: a number of bytes, a fraction in [0, 1] or a string like '40%' or '200 GiB'")
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
 PATH_FIELDS = ("home", "store", "keys_dir", "signing_key", "agent_token_file", "gate_api_key_file",
@@ -132,6 +168,14 @@ class Settings(BaseModel):
       URL``): every object encrypted and authenticated (AES-256-GCM) before it leaves
       the host (docs/store-format.md, "Sealed stores"). Unset: a sealed store is refused,
       naming its key ids.
+    - ``image_cache_bytes``: how much disk the verified images kept for fast ``up``\\ s
+      (``<home>/cache/images``, :mod:`warmctl.checkpoint.imagecache`) may take: bytes
+      (``200000000000``, ``"200 GiB"``) or a fraction of the filesystem holding the cache
+      (``"50%"``, ``0.5``; the default is ``"50%"``: the store's chunks of a snapshot take about
+      as much as its kept image, so half for images leaves the other half for the store that
+      holds them). Least recently used images go first; an image in use by a running engine
+      never goes; an image larger than the budget is restored from and not kept; ``0`` keeps
+      none (every ``up`` writes the image into its run directory and removes it afterwards).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -163,6 +207,7 @@ class Settings(BaseModel):
     restore_pages: Literal["auto", "lazy", "eager"] = "eager"
     engine_env_passthrough: list[str] = []
     seal_key: Path | None = None
+    image_cache_bytes: int | float | str = DEFAULT_IMAGE_CACHE
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 
@@ -174,6 +219,24 @@ class Settings(BaseModel):
             raise ValueError("not an environment variable name, or a prefix of one ending in '*' "
                              f"(a bare '*' would pass the whole environment): {', '.join(map(repr, bad))}")
         return v
+
+    @field_validator("image_cache_bytes")
+    @classmethod
+    def _budget(cls, v: Any) -> Any:
+        parse_budget(v)
+        return v
+
+    def image_cache_budget(self) -> int:
+        """``image_cache_bytes`` in bytes: a fraction is of the size of the filesystem holding
+        ``<home>/cache`` (its nearest existing parent), rounded down."""
+        v = parse_budget(self.image_cache_bytes)
+        if isinstance(v, int):
+            return v
+        p = self.cache_dir
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        st = os.statvfs(p)
+        return int(v * st.f_blocks * st.f_frsize)
 
     @property
     def store_dir(self) -> Path:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from warmctl import faults
+from warmctl import diskspace, faults
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, DriverPolicy, Ref, Rejection, entry_key, nothing_fits, select
 from warmctl.config import Settings
 from warmctl.errors import SnapshotNotFound, WarmctlError
@@ -68,6 +68,7 @@ def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress |
         sigs = EntrySignatures(signatures=[sign_entry(entry, signer)])
     if keys_dir is not None:
         check_entry(entry, sigs, load_trusted_keys(keys_dir), src.backend.location(entry_key(entry)))
+    require_space(src, dst, entry)
     report = copy_manifest(src, dst, entry.manifest, progress=advance)
     faults.point("transfer_catalog")  # chunks, manifest and signatures written; the name not yet
     m = dst.get_manifest(entry.manifest)
@@ -76,6 +77,32 @@ def copy_entry(src: Store, dst: Store, entry: CatalogEntry, progress: Progress |
     Catalog(dst).add(entry.model_copy(update={"published": _now()}),
                      profile=m.profile if m.profile_digest == entry.profile_digest else None, signatures=sigs)
     return Copied(entry, report)
+
+
+def require_space(src: Store, dst: Store, entry: CatalogEntry) -> None:
+    """Before copying ``entry`` into a ``dst`` on a local filesystem: raise
+    :class:`~warmctl.errors.HostError` (exit 10, nothing written) when the filesystem cannot
+    hold the chunks ``dst`` lacks, counted at their uncompressed size (the manifest records no
+    compressed sizes: an upper bound), plus the manifest, with :mod:`warmctl.diskspace`'s margin.
+    Any other ``dst`` (S3, OCI) is not checked."""
+    from warmctl.store.chunks import is_zero_chunk
+    from warmctl.store.local import LocalBackend
+
+    b = dst.backend
+    while not isinstance(b, LocalBackend) and getattr(b, "inner", None) is not None:
+        b = b.inner
+    if not isinstance(b, LocalBackend):
+        return
+    m = src.get_manifest(entry.manifest)
+    missing: dict[str, int] = {}
+    for f in m.files:
+        for c in f.chunks:
+            if c.digest not in missing and not is_zero_chunk(c.digest, c.size) and not dst.has_chunk(c.digest):
+                missing[c.digest] = c.size
+    diskspace.require([diskspace.Need(b.root, sum(missing.values()) + len(m.to_bytes()) if missing else 0,
+                                      f"{len(missing)} chunk(s) to fetch of {len(m.chunk_digests())} and the manifest, "
+                                      "at their uncompressed size (an upper bound)")],
+                      f"pull {entry.name}:{entry.tag} ({entry.manifest[:19]}) into {b.root}")
 
 
 def entries_to_copy(src: Store, ref: Ref, fp: HostFingerprint | None = None, *,

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from warmctl import enginelock, faults, fleet
+from warmctl import diskspace, enginelock, faults, fleet
 from warmctl import snapshot as snap
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import affinity, capture, criu, layout
@@ -66,6 +66,7 @@ from warmctl.profile import Profile
 from warmctl.progress import Reporter
 from warmctl.state import EngineSource, EngineState, all_states
 from warmctl.store import Fetched, open_store
+from warmctl.store.chunks import is_zero_chunk
 
 
 @dataclass
@@ -137,9 +138,16 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
         raise HostError(f"shared-memory files of this snapshot already exist ({', '.join(clash[:3])}): "
                         "another restore of it is running on this host; `warmctl down` it first")
     advance = reporter.bytes_progress("materialize", m.total_size())
-    img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched)
+    img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
+                     also=_other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})")
     if not img.written:
         reporter.info(f"image: reusing the verified image of {digest[:19]} ({img.path})")
+    if img.evicted:
+        reporter.info(f"image cache: removed {len(img.evicted)} least recently used image(s) "
+                      f"({diskspace.human(sum(e.bytes for e in img.evicted))}) to make room: "
+                      + ", ".join(e.digest[:19] for e in img.evicted))
+    if not img.kept:
+        reporter.info(f"image: not kept ({img.not_kept}); restoring from {img.path}, removed afterwards")
     written_shm: list[str] = []
     try:
         written_shm = [str(p) for p in images.put_back_shm(img, m, capture.SHM)]
@@ -167,6 +175,32 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
         raise
     run.shm_files, run.shm_inodes = written_shm, inodes
     return img
+
+
+def _other_writes(m: Manifest, cache) -> list[diskspace.Need]:
+    """What materializing ``m`` writes besides its image (checked with it before anything is
+    written, :mod:`warmctl.diskspace`): the non-zero bytes of its ``/dev/shm`` files, of the
+    bundled files missing or changed at their paths, and, restoring from a remote store
+    (``cache``: the local store that keeps what is fetched), the chunks the local store lacks,
+    at their uncompressed size (an upper bound: the manifest records no compressed sizes)."""
+    def nonzero(f) -> int:
+        return sum(c.size for c in f.chunks if not is_zero_chunk(c.digest, c.size))
+
+    needs = [diskspace.Need(capture.SHM, sum(nonzero(f) for f in m.files if f.role == "shm" and f.hardlink_to is None),
+                            "shared-memory files")]
+    for f in m.files:
+        dest = Path("/") / f.path
+        if f.role == "file" and f.hardlink_to is None and not (dest.is_file() and dest.stat().st_size == f.size):
+            needs.append(diskspace.Need(dest.parent, nonzero(f), f"bundled file {dest}"))
+    if cache is not None:
+        missing: dict[str, int] = {}
+        for f in m.files:
+            for c in f.chunks:
+                if c.digest not in missing and not cache.has_chunk(c.digest, c.size):
+                    missing[c.digest] = c.size
+        needs.append(diskspace.Need(Path(cache.location), sum(missing.values()),
+                                    f"{len(missing)} chunk(s) to fetch into the local store, at their uncompressed size (an upper bound)"))
+    return needs
 
 
 def protected_paths(settings: Settings) -> list[Path]:
@@ -399,6 +433,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     images = ImageCache.for_settings(settings)
     img = None
     lazy = None
+    served = False
     try:
         img, lazy = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins, pages)
         _check_ranks(run, m, reporter)
@@ -418,14 +453,15 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
                 lazy.check("during the canary")
             watch = None if lazy is None else LazyWatch(lazy.ident, lazy.log, run.root, run.lazy_failed)  # type: ignore[arg-type]
             run.set_gate(pending_gate.open(run.root_pid, lazy=watch))
+        served = True
     except BaseException:
         pending_gate.cancel()
         run.teardown()
         raise
     finally:
         run.remove_scratch()
-        if img is not None:
-            images.release(img)
+        if img is not None:  # an image not kept stays while a lazy restore's daemon reads it (down removes it)
+            images.release(img, busy=served and lazy is not None)
     timings = _timings(reporter)
     _serving(run, timings)
     fetched = found.fetched.as_dict()

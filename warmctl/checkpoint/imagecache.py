@@ -13,6 +13,7 @@ Layout (``<home>/cache/images``, created mode 0700, owned by the user running wa
         weights/                   its ``weights`` files (loaded into the engine after restore)
         shm/                       its ``/dev/shm`` files, copied to /dev/shm at every restore
         verified.json              written last: digest, and (size, mtime_ns, inode) per file
+        used.json                  last use: {"seq": n, "at": unix seconds}, rewritten on reuse
     <root>/.partial-*              an entry being written (removed on failure, swept after 1 h)
 
 An entry is *verified once, when written*: every chunk is checked against its digest by
@@ -29,9 +30,26 @@ verified copy in the entry (``shm/``), copied region by region so their holes st
 decompressing and verifying them from the store took 200-500 ms). Bundled files are written
 back from the store when missing or changed, as before.
 
-The cache keeps the :data:`DEFAULT_KEEP` most recently used entries (``up`` prunes after
-writing one); ``warmctl store gc`` removes entries whose manifest the local store no longer
-holds, and ``warmctl store du`` reports the space it takes.
+Budget (issue 27): the entries may take :attr:`ImageCache.budget` bytes on disk (allocated
+blocks: holes count nothing; the ``image_cache_bytes`` setting, by default half the filesystem
+holding the cache). Before an entry is written, the least recently used entries are removed
+until it fits; an entry in use by a running engine of this home (its state names the digest
+and its tree is alive: a lazily restored engine reads its image until its last page is copied)
+is never removed, nor the one being written. Last use is recorded in ``<entry>/used.json`` on
+every reuse, with a sequence number one above the newest (the order does not depend on the
+clock or on mtimes, which ``touch``, copies and clock steps change). An image larger than the
+budget (every image when the budget is 0: "keep no image") is written outside the cache, into
+the run directory of the engine restored from it (``scratch``), and removed once the restore
+no longer needs it (:meth:`ImageCache.release`).
+
+Free space: before writing, the bytes the entry takes (the non-zero bytes of its files) and the
+caller's other needs (``also``: chunks fetched into the local store, ``/dev/shm``) are checked
+against the filesystems' free space (:mod:`warmctl.diskspace`); when the disk cannot hold them
+within the budget, more unused entries are removed (oldest first) if that is enough, else
+nothing is removed or written and :class:`HostError` names the numbers.
+
+``warmctl store gc`` removes entries whose manifest the local store no longer holds;
+``warmctl du`` reports the space each snapshot takes on this node, kept image included.
 """
 
 from __future__ import annotations
@@ -45,15 +63,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from warmctl import diskspace
 from warmctl.errors import HostError
 from warmctl.manifest import Manifest
 from warmctl.proc import pid_alive
+from warmctl.store import chunks as ck
 
-#: Entries kept after a new one is written (most recently used first).
-DEFAULT_KEEP = 2
 #: Version of ``verified.json``.
 MARKER_FORMAT = 1
 MARKER = "verified.json"
+#: Last use of an entry (see module doc).
+USED = "used.json"
 #: A ``.partial-*`` directory older than this is left over from a crash and is removed.
 PARTIAL_STALE_S = 3600.0
 #: Roles kept in an entry, and the subdirectory each goes to.
@@ -73,11 +93,16 @@ def entry_name(digest: str) -> str:
 class CachedImage:
     """A usable entry: ``images`` is CRIU's image directory, ``weights`` the weights directory
     (may not exist when the snapshot has no weights files). ``written``: True if this call
-    wrote it (False: reused)."""
+    wrote it (False: reused). ``kept``: False when it was written outside the cache (larger
+    than the budget, or a budget of 0), ``not_kept`` then says why; :meth:`ImageCache.release`
+    removes such an image. ``evicted``: entries removed to make room for it."""
 
     digest: str
     path: Path
     written: bool
+    kept: bool = True
+    not_kept: str = ""
+    evicted: list = None  # type: ignore[assignment]
 
     @property
     def images(self) -> Path:
@@ -91,17 +116,35 @@ class CachedImage:
 @dataclass
 class CacheEntry:
     """One entry as listed by :meth:`ImageCache.entries`: ``bytes`` on disk (allocated blocks,
-    so holes count as nothing), ``last_used`` (Unix seconds), ``valid`` (marker readable)."""
+    so holes count as nothing), ``last_used`` (Unix seconds), ``valid`` (marker readable),
+    ``seq`` (use order: higher is more recent; 0 for an entry never marked), ``in_use`` (a
+    running engine of this home was restored from it)."""
 
     digest: str
     path: Path
     bytes: int
     last_used: float
     valid: bool
+    seq: int = 0
+    in_use: bool = False
 
 
 def _cached_files(m: Manifest) -> list:
     return [f for f in m.files if f.role in CACHED_ROLES]
+
+
+def image_bytes(m: Manifest) -> int:
+    """Bytes an entry of ``m`` takes once written: the non-zero chunks of its image, weights and
+    shm files (zero chunks stay holes; hard links take nothing)."""
+    return sum(c.size for f in _cached_files(m) if f.hardlink_to is None for c in f.chunks
+               if not ck.is_zero_chunk(c.digest, c.size))
+
+
+def live_digests(run_dir: Path) -> set[str]:
+    """Manifest digests of the engines of ``run_dir`` whose tree is alive (their entries are in use)."""
+    from warmctl.state import all_states
+
+    return {st.manifest_digest for st in all_states(run_dir) if st.manifest_digest and st.engine_alive()}
 
 
 def _rel(f) -> str:
@@ -126,18 +169,24 @@ def _owner_only(path: Path) -> str | None:
 
 
 class ImageCache:
-    """The image cache under ``root`` (see module doc). ``keep``: entries kept by
-    :meth:`prune` (0 disables the cache: :meth:`get` then writes a throwaway entry that
-    :meth:`release` removes)."""
+    """The image cache under ``root`` (see module doc). ``budget``: bytes its entries may take
+    (None: no limit; 0: keep none, :meth:`get` then writes the image outside the cache and
+    :meth:`release` removes it). ``in_use``: digests whose entries a running engine uses (never
+    removed), asked before each removal."""
 
-    def __init__(self, root: Path, keep: int = DEFAULT_KEEP):
+    def __init__(self, root: Path, budget: int | None = None, in_use: Callable[[], set[str]] | None = None):
         self.root = Path(root)
-        self.keep = keep
+        self.budget = budget
+        self.in_use = in_use or (lambda: set())
 
     @classmethod
     def for_settings(cls, settings) -> "ImageCache":
-        """The cache of a :class:`warmctl.config.Settings`: ``<home>/cache/images``."""
-        return cls(Path(settings.home) / "cache" / "images")
+        """The cache of a :class:`warmctl.config.Settings`: ``<home>/cache/images``, its budget
+        ``image_cache_bytes`` (:meth:`~warmctl.config.Settings.image_cache_budget`), in use: the
+        live engines of ``<home>/run``."""
+        run_dir = settings.run_dir
+        return cls(Path(settings.home) / "cache" / "images", budget=settings.image_cache_budget(),
+                   in_use=lambda: live_digests(run_dir))
 
     # -- reading -------------------------------------------------------------------------
 
@@ -161,8 +210,15 @@ class ImageCache:
         if why:
             shutil.rmtree(path, ignore_errors=True)
             return None
-        os.utime(path / MARKER)
+        self._mark_used(path)
         return CachedImage(digest, path, written=False)
+
+    def _mark_used(self, path: Path) -> None:
+        """Record a use of the entry at ``path``: ``used.json`` with the next sequence number."""
+        seq = max((e.seq for e in self.entries()), default=0) + 1
+        tmp = path / f".{USED}.{os.getpid()}"
+        tmp.write_text(json.dumps({"seq": seq, "at": time.time()}))
+        os.replace(tmp, path / USED)
 
     def _invalid(self, path: Path, m: Manifest, digest: str) -> str | None:
         problem = _owner_only(path)
@@ -189,26 +245,52 @@ class ImageCache:
     # -- writing -------------------------------------------------------------------------
 
     def get(self, store, m: Manifest, digest: str, progress: Callable[[int], None] | None = None,
-            cache=None, fetched=None) -> CachedImage:
+            cache=None, fetched=None, also: Iterable[diskspace.Need] = (), scratch: Path | None = None,
+            command: str = "") -> CachedImage:
         """The entry of ``digest``: reused if intact, else written from ``store`` (every chunk
         verified; ``cache``: the local store that keeps chunks read from a remote ``store``;
         ``fetched``: counts the stored bytes loaded from each, as in ``read_file``).
         ``progress(n)``: bytes written (or, for a reused entry, skipped) since the last call.
 
-        The caller holds the host's CRIU lock (two writers of one entry never race). Raises
-        :class:`IntegrityError` on a bad chunk and :class:`HostError` when the cache root is
-        unsafe; either way no partial entry is left.
+        First, unused entries over the budget are removed (a budget lowered since; with a budget
+        of 0 every unused entry, this digest's too, so it is written and not kept). Before
+        writing, room is made within the budget (least recently used entries not in
+        use removed) and the free space checked for the entry and ``also`` (the caller's other
+        writes, :mod:`warmctl.diskspace`), removing more unused entries if that is enough; an
+        image that does not fit the budget at all is written to ``scratch`` (default: a
+        ``.unkept-*`` directory in the root) and not kept. ``command`` names the command in a
+        refusal. The caller holds the host's CRIU lock (two writers of one entry never race).
+
+        Raises :class:`IntegrityError` on a bad chunk, :class:`HostError` when the cache root is
+        unsafe or the disk cannot hold what will be written (then nothing was removed or
+        written); on any failure no partial entry is left.
         """
         self._ensure_root()
+        if self.budget is not None:  # a budget lowered since (0: keep none): unused entries over it go first
+            self.prune(protect={digest} if self.budget else ())
         hit = self.lookup(m, digest)
         if hit is not None:
             if progress:
                 progress(sum(f.size for f in _cached_files(m) if f.hardlink_to is None))
             return hit
         self._sweep_partials()
-        tmp = self.root / f".partial-{entry_name(digest)}-{os.getpid()}"
+        need = image_bytes(m)
+        keep = self.budget is None or (self.budget > 0 and need <= self.budget)
+        not_kept = "" if keep else (
+            "the image cache keeps no image (image_cache_bytes = 0)" if self.budget == 0 else
+            f"the image ({diskspace.human(need)}) is larger than the image cache's budget "
+            f"(image_cache_bytes: {diskspace.human(self.budget or 0)})")
+        if keep:
+            tmp = self.root / f".partial-{entry_name(digest)}-{os.getpid()}"
+        else:
+            tmp = Path(scratch) if scratch is not None else self.root / f".unkept-{entry_name(digest)}-{os.getpid()}"
+        evict = self._make_room(need, [diskspace.Need(tmp.parent, need, f"image of {m.name} ({digest[:19]})"),
+                                       *also], protect={digest} if keep else set(), within_budget=keep,
+                                command=command or f"the image of {m.name} ({digest[:19]})")
+        for e in evict:
+            shutil.rmtree(e.path, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
+        tmp.mkdir(mode=0o700, parents=True)
         try:
             for sub in set(CACHED_ROLES.values()):
                 (tmp / sub).mkdir(mode=0o700)
@@ -221,6 +303,8 @@ class ImageCache:
                 if f.hardlink_to is not None:
                     dest = tmp / _rel(f)
                     os.link(dest.parent / f.hardlink_to, dest)
+            if not keep:
+                return CachedImage(digest, tmp, written=True, kept=False, not_kept=not_kept, evicted=evict)
             files = {}
             for f in _cached_files(m):
                 st = (tmp / _rel(f)).stat()
@@ -234,8 +318,43 @@ class ImageCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.prune(protect={digest})
-        return CachedImage(digest, final, written=True)
+        self._mark_used(final)
+        return CachedImage(digest, final, written=True, evicted=evict)
+
+    def _make_room(self, need: int, needs: list, protect: set[str], within_budget: bool,
+                   command: str) -> list[CacheEntry]:
+        """The entries to remove before writing an entry of ``need`` bytes (see :meth:`get`):
+        with ``within_budget``, least recently used first until the cache and ``need`` fit the
+        budget; then more, oldest first, while the disk cannot hold ``needs``. Never an entry in
+        ``protect`` or in use. Raises :class:`HostError` (:func:`warmctl.diskspace.require`)
+        when even removing every such entry would not be enough; nothing is removed here."""
+        busy = self.in_use() | protect
+        entries = self.entries()
+        candidates = [e for e in reversed(entries) if e.digest not in busy]  # oldest first
+        evict: list[CacheEntry] = []
+        if within_budget and self.budget is not None:
+            total = sum(e.bytes for e in entries if e.digest not in protect)
+            while candidates and total + need > self.budget:
+                e = candidates.pop(0)
+                evict.append(e)
+                total -= e.bytes
+        try:
+            dev = os.stat(self.root).st_dev
+        except OSError:
+            dev = -1
+        freed = {dev: sum(e.bytes for e in evict)}
+        while candidates and diskspace.shortfall(needs, freed):
+            e = candidates.pop(0)
+            evict.append(e)
+            freed[dev] += e.bytes
+        held = [e for e in entries if e.digest in busy]
+        kept_note = "" if not held else (
+            f"; {len(held)} kept image(s) in {self.root} ({diskspace.human(sum(e.bytes for e in held))}) "
+            "are in use by running engines and stay")
+        diskspace.require(needs, command, freed,
+                          hint="free space (`warmctl du` shows what takes it) or lower image_cache_bytes, and retry"
+                          + kept_note)
+        return evict
 
     def put_back_shm(self, img: CachedImage, m: Manifest, shm_dir: Path = Path("/dev/shm")) -> list[Path]:
         """Copy the snapshot's ``/dev/shm`` files from ``img`` into ``shm_dir`` (data regions
@@ -263,16 +382,18 @@ class ImageCache:
             raise
         return written
 
-    def release(self, img: CachedImage) -> None:
-        """Done restoring from ``img``: with ``keep == 0`` the entry is removed."""
-        if self.keep <= 0:
+    def release(self, img: CachedImage, busy: bool = False) -> None:
+        """Done restoring from ``img``: an image not kept (:attr:`CachedImage.kept` False) is
+        removed, unless ``busy`` (a lazy restore's daemon still reads it: the engine's teardown
+        removes it with its run directory)."""
+        if not img.kept and not busy:
             shutil.rmtree(img.path, ignore_errors=True)
 
     # -- housekeeping --------------------------------------------------------------------
 
     def _sweep_partials(self) -> None:
         now = time.time()
-        for p in self.root.glob(".partial-*"):
+        for p in [*self.root.glob(".partial-*"), *self.root.glob(".unkept-*")]:
             try:
                 if now - p.stat().st_mtime > PARTIAL_STALE_S or not pid_alive(int(p.name.rsplit("-", 1)[1])):
                     shutil.rmtree(p, ignore_errors=True)
@@ -280,10 +401,15 @@ class ImageCache:
                 continue
 
     def entries(self) -> list[CacheEntry]:
-        """Every entry, most recently used first."""
+        """Every entry, most recently used first (by ``used.json``'s sequence number, then by
+        the time of last use; an entry never marked by its marker's mtime)."""
         out = []
         if not self.root.is_dir():
             return out
+        try:
+            busy = self.in_use()
+        except Exception:  # noqa: BLE001 - a listing never fails for a bad state file
+            busy = set()
         for p in self.root.iterdir():
             if p.name.startswith(".") or not p.is_dir():
                 continue
@@ -293,33 +419,48 @@ class ImageCache:
                 used, valid = marker.stat().st_mtime, True
             except OSError:
                 used, valid = p.stat().st_mtime, False
-            out.append(CacheEntry(f"{alg}:{hexpart}", p, _disk_bytes(p), used, valid))
-        out.sort(key=lambda e: e.last_used, reverse=True)
+            seq = 0
+            try:
+                rec = json.loads((p / USED).read_text())
+                seq, used = int(rec["seq"]), float(rec["at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            digest = f"{alg}:{hexpart}"
+            out.append(CacheEntry(digest, p, _disk_bytes(p), used, valid, seq, digest in busy))
+        out.sort(key=lambda e: (e.seq, e.last_used), reverse=True)
         return out
 
     def prune(self, keep_digests: Iterable[str] | None = None, protect: Iterable[str] = (),
               unused_for: float = 0.0, dry_run: bool = False) -> list[CacheEntry]:
-        """Remove entries: those beyond the :attr:`keep` most recently used, those without a
-        readable marker, and (when ``keep_digests`` is given: ``store gc``) those whose digest
-        is not in it and that were not used for ``unused_for`` seconds (an ``up`` from a
-        remote catalog keeps no manifest in the local store); never those in ``protect``.
-        Returns what was (or, with ``dry_run``, would be) removed."""
+        """Remove entries: the least recently used while the cache is over its :attr:`budget`,
+        those without a readable marker, and (when ``keep_digests`` is given: ``store gc``)
+        those whose digest is not in it and that were not used for ``unused_for`` seconds (an
+        ``up`` from a remote catalog keeps no manifest in the local store); never those in
+        ``protect`` or in use by a running engine. Returns what was (or, with ``dry_run``,
+        would be) removed."""
         keep_set = None if keep_digests is None else set(keep_digests)
-        protect = set(protect)
+        entries = self.entries()
+        busy = set(protect) | {e.digest for e in entries if e.in_use}
         removed = []
-        kept = 0
         now = time.time()
-        for e in self.entries():
-            if e.digest in protect:
-                kept += 1
+        for e in entries:
+            if e.digest in busy:
                 continue
             orphan = keep_set is not None and e.digest not in keep_set and now - e.last_used >= unused_for
-            if orphan or kept >= self.keep or not e.valid:
-                if not dry_run:
-                    shutil.rmtree(e.path, ignore_errors=True)
+            if orphan or not e.valid:
                 removed.append(e)
-            else:
-                kept += 1
+        total = sum(e.bytes for e in entries if e not in removed)
+        if self.budget is not None:
+            for e in reversed(entries):  # oldest first
+                if total <= self.budget:
+                    break
+                if e.digest in busy or e in removed:
+                    continue
+                removed.append(e)
+                total -= e.bytes
+        if not dry_run:
+            for e in removed:
+                shutil.rmtree(e.path, ignore_errors=True)
         return removed
 
     def du(self) -> int:

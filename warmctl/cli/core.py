@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
         push_to = settings.remote_store if push is not False else None
         if push and not push_to:
             raise WarmctlError("--push: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
-        rep.info(f"snapshot of [bold]{prof.name}[/] ({prof.digest()[:19]}) into {settings.store_dir}"
+        rep.info(f"snapshot of [bold]{prof.name}[/] (profile {prof.digest()[:19]}) into {settings.store_dir}"
                  + (f", then published to {push_to}" if push_to else ""))
         res = run_snapshot(prof, settings, rep, tag=tag, push_to=push_to)
         from warmctl.engine.vllm import PHASE_NAMES
@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
                        "profile_digest": prof.digest(), "pushed_to": push_to,
                        "timings_s": {p.name: p.seconds for p in res.manifest.phases}})
             return
-        _out().print(f"{prof.name}:{tag} {res.digest} ({_human(res.size)})", highlight=False)
+        _out().print(f"{prof.name}:{tag} {res.digest} (the snapshot's digest; {_human(res.size)})", highlight=False)
 
     @app.command()
     def up(
@@ -123,6 +123,7 @@ def register(app: typer.Typer) -> None:
                                         help="Stay in the foreground as the engine's supervisor (systemd Type=notify: READY=1 after "
                                              "the canary and the open port, WATCHDOG=1 while healthy); exit 7 when the engine dies, "
                                              "0 after SIGTERM (which takes the engine down)."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no phase table, only the result line."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
 
@@ -178,16 +179,16 @@ def register(app: typer.Typer) -> None:
             from warmctl import foreground as fg
 
             def show(res) -> None:
-                _show_up(res, json_out)
+                _show_up(res, json_out, quiet)
                 sys.stdout.flush()  # a pipe (the journal) is block-buffered, and this process stays
 
-            code = fg.run(ref, settings, fg.NotifyingReporter(quiet=json_out),
+            code = fg.run(ref, settings, fg.NotifyingReporter(quiet=json_out or quiet),
                           lambda rep: run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port,
                                              public_host=host, snapshot_after=snapshot_after, insecure=insecure,
                                              allow_rollback=allow_rollback),
                           show, lambda line: _err().print(line, markup=False, highlight=False))
             raise typer.Exit(code)
-        rep = ConsoleReporter(quiet=json_out)
+        rep = ConsoleReporter(quiet=json_out or quiet)
         if settings.agent_url:  # a configured agent does the work (issue 5); same output
             from warmctl.client import AgentClient
             res = AgentClient.from_settings(settings).up(ref, rep, tag=tag, digest=r.digest, public_port=port, public_host=host,
@@ -196,9 +197,12 @@ def register(app: typer.Typer) -> None:
         else:
             res = run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port, public_host=host,
                          snapshot_after=snapshot_after, insecure=insecure, allow_rollback=allow_rollback)
-        _show_up(res, json_out)
+        _show_up(res, json_out, quiet)
 
-    def _show_up(res, json_out: bool) -> None:
+    def _show_up(res, json_out: bool, quiet: bool = False) -> None:
+        """``up``'s result on stdout: the JSON object (docs/cli-json.md), or the phase table and
+        the serving line (``quiet``: the serving line only, as ``snapshot -q`` prints only its
+        result)."""
         st = res.state
         if json_out:
             emit_json({"name": st.name, "source": res.source, "already_up": res.already_up,
@@ -210,8 +214,9 @@ def register(app: typer.Typer) -> None:
         if res.already_up:
             o.print(f"{st.name} is already up on {st.public_host}:{st.public_port} (pid {st.root_pid}); nothing changed")
             return
-        table(("phase", "seconds"), [(k, f"{v:.2f}") for k, v in res.timings.items()],
-              title=f"{st.name} up ({res.source})", console_=o)
+        if not quiet:
+            table(("phase", "seconds"), [(k, f"{v:.2f}") for k, v in res.timings.items()],
+                  title=f"{st.name} up ({res.source})", console_=o)
         o.print(f"serving {st.served_model_name} on http://{st.public_host}:{st.public_port}/v1")
 
     @app.command()

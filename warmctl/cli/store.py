@@ -287,32 +287,64 @@ def register(app: typer.Typer) -> None:
         store: Optional[str] = typer.Option(None, "--store", help="Store to measure: directory, s3://bucket/prefix or oci://HOST/REPO (default: local store)."),
         json_out: bool = JsonOpt,
     ) -> None:
-        """Space used per snapshot: file bytes, stored bytes, and how much is shared with others.
+        """Disk used on this node, per snapshot: its chunks in the store and its kept image.
 
-        `unique` is what removing that snapshot (then gc) would free; `zero` bytes are never stored.
+        Per snapshot: `files` (its file bytes), `stored` (its chunks, compressed), `unique`
+        (stored bytes no other snapshot uses), `shared` (the rest), `zero` (all-zero bytes,
+        never stored), `image` (the verified image kept for fast `up`s, its holes not counted;
+        `*`: in use by a running engine) and `on node` = unique + image: what removing the
+        snapshot (`warmctl rm`, then `gc`) would free here. Then the store's and the kept
+        images' totals, the image budget (image_cache_bytes) and the free space of the
+        filesystems holding them. With --store: that store's figures only.
         """
         from warmctl.catalog import Catalog
 
         s = _remote(store, "--store") if store else _local(None)
-        rep = s.du(names=Catalog(s).names_of())
-        entries = None
-        if store is None:
-            from warmctl.checkpoint.imagecache import ImageCache
-            from warmctl.config import load_settings
-
-            cache = ImageCache.for_settings(load_settings())
-            entries = cache.entries()
-        if json_out:
-            emit_json({"store": s.location, **dataclasses.asdict(rep),
-                       "images": None if entries is None else [{"digest": e.digest, "bytes": e.bytes} for e in entries]})
+        if store is not None:
+            rep = s.du(names=Catalog(s).names_of())
+            if json_out:
+                emit_json({"store": s.location, **dataclasses.asdict(rep), "images": None})
+                return
+            table(("manifest", "tags", "files", "stored", "unique", "shared", "zero"),
+                  [(r.digest[:19] + ("" if not r.missing_chunks else f" ({r.missing_chunks} missing)"),
+                    ", ".join(r.tags) or f"({r.name}, unnamed: gc removes it)",
+                    _human(r.logical), _human(r.stored), _human(r.unique), _human(r.shared), _human(r.zero))
+                   for r in rep.rows],
+                  title=f"store {s.location}")
+            _out().print(f"total stored {_human(rep.total_stored)} in {rep.chunk_count} chunks; "
+                         f"unreferenced {_human(rep.unreferenced)}", highlight=False)
             return
-        table(("manifest", "tags", "files", "stored", "unique", "shared", "zero"),
+        from warmctl.checkpoint.imagecache import ImageCache
+        from warmctl.config import load_settings
+        from warmctl.diskspace import node_report
+
+        settings = load_settings()
+        cache = ImageCache.for_settings(settings)
+        node = node_report(s, cache, Catalog(s).names_of(), budget_setting=str(settings.image_cache_bytes))
+        if json_out:
+            rows = [dataclasses.asdict(r) for r in node.rows]
+            emit_json({"store": s.location, "rows": rows, "total_stored": node.store_bytes,
+                       "shared": node.shared_bytes, "unreferenced": node.unreferenced, "chunk_count": node.chunk_count,
+                       "images": [{"digest": r.digest, "bytes": r.image, "in_use": r.image_in_use}
+                                  for r in node.rows if r.image],
+                       "image_cache": {"root": node.image_cache, "bytes": node.images_bytes, "budget": node.budget,
+                                       "setting": node.budget_setting},
+                       "filesystems": node.filesystems})
+            return
+        table(("manifest", "tags", "files", "stored", "unique", "shared", "zero", "image", "on node"),
               [(r.digest[:19] + ("" if not r.missing_chunks else f" ({r.missing_chunks} missing)"),
-                ", ".join(r.tags) or f"({r.name}, unnamed: gc removes it)",
-                _human(r.logical), _human(r.stored), _human(r.unique), _human(r.shared), _human(r.zero))
-               for r in rep.rows],
-              title=f"store {s.location}")
-        _out().print(f"total stored {_human(rep.total_stored)} in {rep.chunk_count} chunks; unreferenced {_human(rep.unreferenced)}", highlight=False)
-        if entries:
-            _out().print(f"kept restore images ({cache.root}): {len(entries)}, {_human(sum(e.bytes for e in entries))} "
-                         "on disk: " + ", ".join(e.digest[:19] for e in entries), highlight=False)
+                ", ".join(r.tags) or (f"({r.name}, unnamed: gc removes it)" if r.name else "(image only: no manifest here)"),
+                _human(r.logical), _human(r.stored), _human(r.unique), _human(r.shared), _human(r.zero),
+                (_human(r.image) + (" *" if r.image_in_use else "")) if r.image else "-", _human(r.node))
+               for r in node.rows],
+              title=f"store {s.location}, kept images {node.image_cache}")
+        o = _out()
+        o.print(f"store: {_human(node.store_bytes)} in {node.chunk_count} chunks ({_human(node.shared_bytes)} shared "
+                f"between snapshots, {_human(node.unreferenced)} unreferenced)", highlight=False)
+        budget = "no limit" if node.budget is None else f"{_human(node.budget)} (image_cache_bytes = {node.budget_setting})"
+        n_img = len([r for r in node.rows if r.image])
+        in_use = len([r for r in node.rows if r.image_in_use])
+        o.print(f"kept images: {n_img}, {_human(node.images_bytes)} of a budget of {budget}"
+                + (f"; {in_use} in use (*) by running engines" if in_use else ""), highlight=False)
+        for f in node.filesystems:
+            o.print(f"filesystem of {f['path']}: {_human(f['free'])} free of {_human(f['size'])}", highlight=False)

@@ -10,6 +10,9 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/images/       CRIU image directory (dump target; materialized before a restore)
     <run>/weights/      rank weight files kept outside the image (``checkpoint.weights_outside_image``)
     <run>/shm/          copies of CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` at dump
+    <run>/unkept-image/ an image restored from but not kept (larger than ``image_cache_bytes``, or
+                        0): removed after the restore, or by the teardown when a lazy restore's
+                        daemon still reads it (:mod:`warmctl.checkpoint.imagecache`)
     <run>/tmp/          the engine's own scratch directory: ``VLLM_RPC_BASE_PATH``, where vLLM binds
                         its ZMQ IPC sockets (``<uuid>`` files that outlive a killed tree; a run
                         directory too deep for socket paths gets one in the temp dir, see
@@ -98,6 +101,8 @@ class EngineRun:
         self.images = self.dir / "images"
         self.weights = self.dir / "weights"
         self.shm_copies = self.dir / "shm"
+        #: an image restored from but not kept (warmctl.checkpoint.imagecache: over the budget)
+        self.unkept_image = self.dir / "unkept-image"
         self.tmp: Path | None = (socket_dir(self.dir) if tmp_dir is True else Path(tmp_dir) if tmp_dir else None)
         self.pidfile = self.dir / "engine.pid"
         self.criu_pidfile = self.dir / "restore.pid"
@@ -327,6 +332,9 @@ class EngineRun:
             p.unlink(missing_ok=True)
             rep.removed_shm.append(str(p))
         rep.removed_scratch = self.remove_scratch()
+        if self.unkept_image.is_dir() and not self.unkept_image.is_symlink() and not self.dir.is_symlink():
+            shutil.rmtree(self.unkept_image, ignore_errors=True)
+            rep.removed_scratch = True
         rep.removed_tmp = self.remove_tmp()
         for f in (self.pidfile, self.criu_pidfile, self.lazy_pidfile, self.lazy_failed):
             if f.is_file() and not f.is_symlink():
