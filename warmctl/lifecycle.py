@@ -139,7 +139,7 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
                         "another restore of it is running on this host; `warmctl down` it first")
     advance = reporter.bytes_progress("materialize", m.total_size())
     img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
-                     also=_other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})")
+                     also=lambda: _other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})")
     if not img.written:
         reporter.info(f"image: reusing the verified image of {digest[:19]} ({img.path})")
     if img.evicted:

@@ -245,7 +245,8 @@ class ImageCache:
     # -- writing -------------------------------------------------------------------------
 
     def get(self, store, m: Manifest, digest: str, progress: Callable[[int], None] | None = None,
-            cache=None, fetched=None, also: Iterable[diskspace.Need] = (), scratch: Path | None = None,
+            cache=None, fetched=None, also: "Iterable[diskspace.Need] | Callable[[], Iterable[diskspace.Need]]" = (),
+            scratch: Path | None = None,
             command: str = "") -> CachedImage:
         """The entry of ``digest``: reused if intact, else written from ``store`` (every chunk
         verified; ``cache``: the local store that keeps chunks read from a remote ``store``;
@@ -256,7 +257,8 @@ class ImageCache:
         of 0 every unused entry, this digest's too, so it is written and not kept). Before
         writing, room is made within the budget (least recently used entries not in
         use removed) and the free space checked for the entry and ``also`` (the caller's other
-        writes, :mod:`warmctl.diskspace`), removing more unused entries if that is enough; an
+        writes, :mod:`warmctl.diskspace`; a callable is called only when the entry is written,
+        never for a reused one), removing more unused entries if that is enough; an
         image that does not fit the budget at all is written to ``scratch`` (default: a
         ``.unkept-*`` directory in the root) and not kept. ``command`` names the command in a
         refusal. The caller holds the host's CRIU lock (two writers of one entry never race).
@@ -285,7 +287,7 @@ class ImageCache:
         else:
             tmp = Path(scratch) if scratch is not None else self.root / f".unkept-{entry_name(digest)}-{os.getpid()}"
         evict = self._make_room(need, [diskspace.Need(tmp.parent, need, f"image of {m.name} ({digest[:19]})"),
-                                       *also], protect={digest} if keep else set(), within_budget=keep,
+                                       *(also() if callable(also) else also)], protect={digest} if keep else set(), within_budget=keep,
                                 command=command or f"the image of {m.name} ({digest[:19]})")
         for e in evict:
             shutil.rmtree(e.path, ignore_errors=True)
