@@ -236,3 +236,30 @@ def test_a_budget_lowered_to_zero_drops_unused_kept_images_at_the_next_up(tmp_pa
     img = cache.get(store, a, da, scratch=tmp_path / "run" / "unkept-image")
     assert img.written and not img.kept  # its kept entry was removed, not reused
     assert [e.digest for e in cache.entries()] == [db]  # the one in use stays
+
+
+def test_warmctl_pull_refuses_with_exit_10_before_fetching(tmp_path, small_fs):
+    """The CLI as an operator runs it: `warmctl pull` into a home on a 6 MiB filesystem of a
+    signed 12 MiB snapshot exits 10 with one line naming the numbers; nothing is named locally."""
+    import sys
+
+    from tests.test_catalog import host
+    from warmctl.trust import generate_keypair
+
+    remote = open_store(tmp_path / "remote")
+    key = generate_keypair(tmp_path / "keys", "a")
+    m = make_manifest(remote, "tiny", {"pages-1.img": write_payload(tmp_path / "p.img", [("random", 12 * MiB)])})
+    m.host = host().model_dump(mode="json")
+    Catalog(remote).publish(remote.put_manifest(m), m, tag="latest", signer=key.private)
+    remote.close()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'home = "{small_fs / "home"}"\nkeys_dir = "{tmp_path / "keys"}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
+    env.update(WARMCTL_CONFIG=str(cfg), COLUMNS="400")
+    r = subprocess.run([sys.executable, "-m", "warmctl", "pull", "tiny", "--all", "--from", str(tmp_path / "remote")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 10, (r.returncode, r.stdout, r.stderr)
+    err = " ".join(r.stderr.split())
+    assert "not enough disk space for pull tiny:latest" in err and "needed 12,58" in err and "bytes free" in err, err
+    assert str(small_fs) in err
+    assert Catalog(open_store(small_fs / "home" / "store")).entries("tiny") == []
