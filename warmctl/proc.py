@@ -356,6 +356,36 @@ def kill_tree(root: ProcessId | None, timeout_s: float = 10.0) -> bool:
     return True
 
 
+def freeze_tree(root: ProcessId | None, rounds: int = 5) -> list[int]:
+    """SIGSTOP ``root`` and all its descendants, again until no new descendant appears (a
+    process that forked while it was being stopped; at most ``rounds`` times); returns the
+    PIDs stopped. A stopped tree makes no file and starts no process until it is continued
+    or killed: what it holds can then be listed completely (:meth:`warmctl.engine.run.EngineRun.teardown`).
+    Acts only while ``root`` still is the recorded process (as :func:`kill_tree`)."""
+    if root is None:
+        return []
+    _require(root)
+    if not root.alive():
+        return []
+    done: set[int] = set()
+    for _ in range(rounds):
+        try:
+            top = psutil.Process(root.pid)
+            procs = [top, *top.children(recursive=True)]
+        except psutil.Error:
+            break
+        new = [p for p in procs if p.pid not in done]
+        if not new:
+            break
+        for p in new:
+            try:
+                p.send_signal(signal.SIGSTOP)
+                done.add(p.pid)
+            except psutil.Error:
+                pass
+    return sorted(done)
+
+
 def kill_child(proc: "subprocess.Popen", timeout_s: float = 5.0) -> bool:
     """Kill our own child ``proc`` and its descendants (:func:`kill_tree` on
     :meth:`ProcessId.child`) and reap it. Returns True if it was still running."""

@@ -217,28 +217,32 @@ def _record_shm(run: EngineRun) -> capture.TreeFiles:
     only mapping of its semaphores with it), a teardown removes exactly them."""
     files = capture.referenced_files(run.root_pid, exclude=[run.dir])
     run.shm_files = [str(p) for p in files.shm]
-    run.shm_inodes = [(st.st_dev, st.st_ino) for st in map(Path.stat, files.shm)]
+    have = {tuple(x) for x in run.shm_inodes}  # kept: files of processes that died since they were sampled
+    run.shm_inodes += [k for st in map(Path.stat, files.shm) if (k := (st.st_dev, st.st_ino)) not in have]
+    run.sample_shm()
     run.save()
     return files
 
 
-def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayout | None:
-    """Right before the dump: every rank the profile's layout names is running
+def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayout:
+    """Right before the dump: every rank the profile's layout names is running and not stopped
     (:func:`warmctl.checkpoint.layout.discover`; :class:`~warmctl.checkpoint.layout.RankError`
-    naming a missing one, with its log lines), recorded with its namespace PID, CPUs and GPU.
-    None for a one-rank engine (its snapshot records no layout; its one process tree is
-    checked by the canary as before)."""
+    naming a missing one or one stopped for over
+    :data:`~warmctl.checkpoint.layout.STOP_GRACE_S` seconds, with its log lines), recorded
+    with its namespace PID, CPUs and GPU. A one-rank engine records its one rank (world size
+    1: its ``VLLM::Worker`` process, or the engine core), without a network lock or
+    listening ports (it holds no rank-to-rank connection: CRIU dumps it as before)."""
     sizes = layout.profile_sizes(profile)
-    if not sizes.multi_process:
-        return None
     _record_shm(run)  # a rank found dead below leaves semaphores only it mapped: the teardown needs their inodes
-    faults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 of one rank (WARMCTL_TEST_KILL_RANK)
+    faults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 / SIGSTOP of a rank (WARMCTL_TEST_KILL_RANK)
     gpus = None
     if profile.hardware.gpu_count:
         from warmctl.checkpoint import nvml
 
         gpus = {pid: next(iter(used)) for pid, used in nvml.compute_processes().items() if used}
     live = layout.discover(run.root_pid, sizes, run.log_path, gpus)
+    if not sizes.multi_process:
+        return layout.record(live, sizes, layout.cpu_binding(profile), None)
     netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
     return layout.record(live, sizes, layout.cpu_binding(profile), netlock, layout.listening(run.root_pid))
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from warmctl.checkpoint import capture
 from warmctl.private import private_dir, trusted, untrusted, write_private
-from warmctl.proc import ProcessId, Stamp, created_during, kill_tree, owned_by_me
+from warmctl.proc import ProcessId, Stamp, created_during, freeze_tree, kill_tree, owned_by_me
 from warmctl.state import EngineState
 from warmctl.state import load as load_state
 from warmctl.state import remove as remove_state
@@ -209,6 +209,21 @@ class EngineRun:
         """True while the recorded root is alive and still the same process."""
         return self.root is not None and self.root.alive()
 
+    def sample_shm(self) -> int:
+        """Add the (st_dev, st_ino) of every ``/dev/shm`` file the live tree maps or holds open
+        now (:func:`warmctl.checkpoint.capture.shm_inodes_of`, deleted names included) to
+        :attr:`shm_inodes`, keeping those recorded before: a process of the tree that dies
+        (a rank killed, the survivors' shutdown) takes the only mapping of its semaphores with
+        it, and the teardown still removes them by inode. Called about once a second while
+        warmctl waits on a starting engine and during its warm-up; never another tree's files
+        (only inodes this tree maps are added). Returns how many were new."""
+        if not self.alive():
+            return 0
+        have = {tuple(x) for x in self.shm_inodes}
+        new = sorted(capture.shm_inodes_of(self.root.pid) - have)  # type: ignore[union-attr]
+        self.shm_inodes.extend(new)
+        return len(new)
+
     # --- the persisted record -------------------------------------------------------------
 
     def record(self, st: EngineState) -> None:
@@ -282,8 +297,11 @@ class EngineRun:
     def teardown(self, *, strays: bool = False) -> TeardownReport:
         """Stop everything of this run and remove what it left; safe to call more than once.
 
-        In order: the gate's tree; the engine's tree (its ``/dev/shm`` files and the inodes of
-        the semaphores it maps under removed names are listed first); with ``strays`` (agent
+        In order: the gate's tree; the engine's tree, stopped first (every process SIGSTOPped,
+        :func:`warmctl.proc.freeze_tree`), then its ``/dev/shm`` files and the inodes of the
+        semaphores it maps under removed names listed, then SIGKILLed (no shutdown of its own:
+        a shutdown, or the survivors of a dead rank, would make semaphores after the listing
+        that nothing records); with ``strays`` (agent
         recovery, where the record may lag behind), also the root named by ``engine.pid``
         (its recorded identity) and the one CRIU wrote to ``restore.pid`` when the record
         was written before that restore and the process was created between the two (see
@@ -302,9 +320,10 @@ class EngineRun:
         live_shm: list[Path] = []
         live_inodes: set[tuple[int, int]] = set()
         if self.alive():
+            freeze_tree(self.root)  # nothing of the tree makes a file between the listing and the kill
             live_shm = capture.referenced_files(self.root.pid).shm  # type: ignore[union-attr]
             live_inodes = capture.shm_inodes_of(self.root.pid)  # type: ignore[union-attr]
-            if kill_tree(self.root):
+            if kill_tree(self.root, timeout_s=0):
                 rep.killed.append(self.root.pid)  # type: ignore[union-attr]
         elif self.root is not None and self.root.ctime and (why := self.root.mismatch()) not in (None, "gone"):
             rep.refused.append(f"engine root: {why}")
