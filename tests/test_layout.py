@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import psutil
@@ -285,3 +286,74 @@ def test_a_one_rank_engine_with_a_worker_process_is_found_as_worker(tmp_path):
     finally:
         kill_tree(ProcessId.of(kids[0].pid))
         p.wait(10)
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped (delivery takes a moment)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while not layout.stopped(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@needs_root
+def test_a_stopped_rank_before_the_dump_is_named_after_its_grace(tmp_path):
+    """A rank stopped (SIGSTOP: its peers would wait on it in the all-reduce) is refused before
+    the dump once it has stayed stopped STOP_GRACE_S; one continued within the grace is not."""
+    launcher, root = _ranks_tree(tmp_path)
+    try:
+        tp1 = layout.live_ranks(root)["Worker_TP1"].pid
+        _stop(tp1)
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as e:
+            layout.discover(root, Sizes(tp=2), tmp_path / "engine.log", stop_grace_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 3
+        assert e.value.ranks == ["Worker_TP1"] and f"rank Worker_TP1 (pid {tp1}) is stopped (state T)" in str(e.value)
+        threading.Timer(0.2, os.kill, (tp1, signal.SIGCONT)).start()  # continued within the grace: fine
+        assert [r.role for r in layout.discover(root, Sizes(tp=2), stop_grace_s=2)] == ["Worker_TP0", "Worker_TP1"]
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)
+
+
+@needs_root
+def test_the_watch_names_a_dead_rank_at_once_and_a_stopped_one_after_its_grace(tmp_path):
+    launcher, root = _ranks_tree(tmp_path)
+    try:
+        watch = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log", stop_grace_s=0.4)
+        assert watch.problem() is None
+        tp0 = layout.live_ranks(root)["Worker_TP0"].pid
+        _stop(tp0)
+        assert watch.problem() is None  # stopped, not yet for its grace
+        time.sleep(0.5)
+        err = watch.problem()
+        assert err is not None and err.ranks == ["Worker_TP0"] and "is stopped (state T) for 0." in str(err)
+        assert "during the warm-up" in str(err) and watch.problem() is err  # the first problem is kept
+
+        os.kill(tp0, signal.SIGCONT)
+        watch2 = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log")
+        tp1 = layout.live_ranks(root)["Worker_TP1"].pid
+        os.kill(tp1, signal.SIGKILL)
+        time.sleep(0.2)
+        err = watch2.problem("the canary record")
+        assert err is not None and err.ranks == ["Worker_TP1"] and f"rank Worker_TP1 (pid {tp1}) died during the canary record" in str(err)
+        assert "rank 1 up" in str(err)  # its log lines
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)
+
+
+@needs_root
+def test_the_fault_hook_kills_or_stops_each_rank_it_names(tmp_path, monkeypatch):
+    from warmctl import faults
+
+    launcher, root = _ranks_tree(tmp_path)
+    try:
+        ranks = layout.live_ranks(root)
+        monkeypatch.setenv(faults.RANK_ENV, "before_dump:Worker_TP0, before_dump:Worker_TP1:STOP,ranks:Worker_TP1")
+        assert faults.kill_rank("warmup", root) == []  # another point: nothing
+        assert faults.kill_rank("before_dump", root) == [ranks["Worker_TP0"].pid, ranks["Worker_TP1"].pid]
+        assert not layout.pid_alive(ranks["Worker_TP0"].pid) and layout.stopped(ranks["Worker_TP1"].pid)
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)

@@ -28,29 +28,42 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-#: The environment variable naming a rank to kill and where: ``POINT:ROLE`` (``ranks:Worker_TP1``).
+#: The environment variable naming ranks to kill and where: ``POINT:ROLE[:SIGNAL]``, several
+#: separated by commas (``ranks:Worker_TP1``, ``before_dump:Worker_TP0,before_dump:Worker_TP1:STOP``).
 RANK_ENV = "WARMCTL_TEST_KILL_RANK"
 
 
-def kill_rank(name: str, root_pid: int) -> None:
-    """If ``WARMCTL_TEST_KILL_RANK`` is ``NAME:ROLE``: SIGKILL the rank ``ROLE`` (its process
-    title ``VLLM::ROLE``, :mod:`warmctl.checkpoint.layout`) of ``root_pid``'s tree at this point
-    and wait until it is dead, as a ``kill -9`` of one rank would (points: ``before_dump``,
-    after the warm-up and canary; ``ranks``, after a restore, before its ranks are checked).
-    Unset: one dictionary lookup."""
+def kill_rank(name: str, root_pid: int) -> list[int]:
+    """For each ``POINT:ROLE[:SIGNAL]`` of ``WARMCTL_TEST_KILL_RANK`` whose point is ``name``:
+    send the rank ``ROLE`` (its process title ``VLLM::ROLE``, :mod:`warmctl.checkpoint.layout`)
+    of ``root_pid``'s tree ``SIGNAL`` (``KILL``, the default: then wait until it is dead, as a
+    ``kill -9`` of one rank would; ``STOP``: then wait until it is stopped, as a rank stuck would be, its peers
+    waiting on it in their collectives). Points: ``warmup``, while the warm-up grid runs (after
+    its first cell, :func:`warmctl.engine.cold.warm_and_record`); ``before_dump``, after the
+    warm-up and canary; ``ranks``, after a restore, before its ranks are checked. The hook
+    only chooses the moment: the signal is real. Returns the PIDs signalled. Unset: one
+    dictionary lookup."""
     want = os.environ.get(RANK_ENV, "")
-    point_, _, role = want.partition(":")
-    if point_ != name or not role:
-        return
+    if not want:
+        return []
     import time
 
-    from warmctl.checkpoint.layout import live_ranks
+    from warmctl.checkpoint.layout import live_ranks, stopped
     from warmctl.proc import ProcessId, pid_alive, signal_process
 
-    r = live_ranks(root_pid).get(role)
-    if r is None:
-        return
-    signal_process(ProcessId.of(r.pid), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while pid_alive(r.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    done: list[int] = []
+    for item in want.split(","):
+        point_, _, rest = item.strip().partition(":")
+        role, _, sig_name = rest.partition(":")
+        if point_ != name or not role:
+            continue
+        sig = signal.SIGSTOP if sig_name.upper() in ("STOP", "SIGSTOP") else signal.SIGKILL
+        r = live_ranks(root_pid).get(role)
+        if r is None:
+            continue
+        signal_process(ProcessId.of(r.pid), sig)
+        done.append(r.pid)
+        deadline = time.monotonic() + 10
+        while (pid_alive(r.pid) if sig == signal.SIGKILL else not stopped(r.pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return done

@@ -372,25 +372,121 @@ def _named(role: str, what: str, log_path, pid: int | None = None) -> str:
     return f"{who} {what}" + (f"; its log lines ({log_path}):\n    " + "\n    ".join(tail) if tail else "")
 
 
-def discover(root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
-             gpus: dict[int, str] | None = None) -> list[LiveRank]:
-    """Every rank ``sizes`` names, live in ``root_pid``'s tree, in rank order (before the dump).
-    ``gpus``: ``{host pid: GPU UUID}`` of the GPU ranks (GPU hosts). Raises :class:`RankError`
-    naming each missing rank, with its log lines (``log_path``: the engine log)."""
-    found = live_ranks(root_pid)
-    roles = sizes.roles()
+#: Seconds a rank may stay stopped (``T``/``t`` in ``/proc/PID/stat``: SIGSTOP, a debugger)
+#: before it is an error: its peers wait on it in their collectives (the gloo group, the
+#: shared-memory all-reduce) and would wait for ever. Before a dump a stopped rank is
+#: refused after this long; during the warm-up and the canary record (:class:`RankWatch`)
+#: it ends the run this long after it stopped.
+STOP_GRACE_S = 2.0
+#: Seconds between two looks at the ranks while the warm-up runs (:class:`RankWatch`).
+WATCH_INTERVAL_S = 0.1
+
+
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` (``/proc/PID/stat`` field 3: ``R``, ``S``, ``D``, ``T``
+    stopped, ``t`` tracing stop, ``Z``...); ``""`` when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    rest = data[data.rfind(b")") + 2:]
+    return rest[:1].decode(errors="replace")
+
+
+def stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped (state ``T`` or ``t``): it runs no instruction, its peers
+    in a collective wait on it."""
+    return proc_state(pid) in ("T", "t")
+
+
+def _one_rank_roles(roles: list[str], found: dict[str, "LiveRank"]) -> list[str]:
+    """``roles`` with a one-rank engine's rank as its ``Worker`` process where it has one."""
     if roles == ["EngineCore"] and "Worker" in found:  # one rank in a worker process of its own
-        roles = ["Worker"]
+        return ["Worker"]
+    return roles
+
+
+def discover(root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
+             gpus: dict[int, str] | None = None, stop_grace_s: float = STOP_GRACE_S) -> list[LiveRank]:
+    """Every rank ``sizes`` names, live in ``root_pid``'s tree, in rank order (before the dump).
+    ``gpus``: ``{host pid: GPU UUID}`` of the GPU ranks (GPU hosts). A rank found stopped is
+    looked at again every 0.1 s for up to ``stop_grace_s`` seconds (:data:`STOP_GRACE_S`),
+    unless a rank is missing too (the run fails at once then: its survivors' shutdown would
+    otherwise run, and leave files, while this waits).
+    Raises :class:`RankError` naming each missing rank and each rank still stopped, with its
+    log lines (``log_path``: the engine log)."""
+    found = live_ranks(root_pid)
+    roles = _one_rank_roles(sizes.roles(), found)
     missing = [r for r in roles if r not in found]
-    if missing:
+    import time
+
+    deadline = time.monotonic() + stop_grace_s
+    halted = [r for r in roles if r in found and stopped(found[r].pid)]
+    while halted and not missing and time.monotonic() < deadline:  # with a rank gone the run fails now
+        time.sleep(0.1)
+        halted = [r for r in halted if stopped(found[r].pid)]
+    if missing or halted:
         have = ", ".join(f"{r.role} (pid {r.pid})" for r in found.values()) or "none"
         raise RankError(f"{sizes.describe()} engine (pid {root_pid}): "
-                        + "; ".join(_named(r, "is not running", log_path) for r in missing)
-                        + f"\n  ranks present: {have}", missing)
+                        + "; ".join([_named(r, "is not running", log_path) for r in missing]
+                                    + [_named(r, f"is stopped (state {proc_state(found[r].pid) or '?'})"
+                                              + ("" if missing else f" for over {stop_grace_s:g} s")
+                                              + ": its peers would wait on it in their collectives",
+                                              log_path, found[r].pid) for r in halted])
+                        + f"\n  ranks present: {have}", missing + halted)
     out = [found[r] for r in roles]
     for r in out:
         r.gpu = (gpus or {}).get(r.pid)
     return out
+
+
+class RankWatch:
+    """The ranks of a running tree watched while warmctl waits on the engine (the warm-up grid
+    and the canary record: :func:`warmctl.engine.cold.warm_and_record`), so that a rank that
+    dies or stops ends the wait at once, named, instead of the request's timeout.
+
+    Made with the ranks found live (:func:`discover`, which raises :class:`RankError` for one
+    missing already). :meth:`problem` looks at each of them (every
+    :data:`WATCH_INTERVAL_S` seconds, by the caller): a rank whose process is gone (a
+    ``kill -9``) is an error at the first look; one stopped (``SIGSTOP``: its peers wait in
+    the all-reduce for ever) once it has stayed stopped ``stop_grace_s`` seconds."""
+
+    def __init__(self, root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
+                 stop_grace_s: float = STOP_GRACE_S):
+        self.root_pid, self.sizes, self.log_path, self.stop_grace_s = root_pid, sizes, log_path, stop_grace_s
+        self.ranks = discover(root_pid, sizes, log_path, stop_grace_s=stop_grace_s)
+        self._stopped_since: dict[str, float] = {}
+        #: the first problem seen (kept: the ranks a dead one takes with it are not blamed)
+        self.first: RankError | None = None
+
+    def problem(self, what: str = "the warm-up") -> RankError | None:
+        """A :class:`RankError` naming the ranks that died or stayed stopped during ``what``
+        (the first one found is kept and returned again), else None."""
+        if self.first is not None:
+            return self.first
+        import time
+
+        now = time.monotonic()
+        dead, halted = [], []
+        for r in self.ranks:
+            if not pid_alive(r.pid) or not RANK_TITLE.match(_title(r.pid)):
+                dead.append(r)
+            elif stopped(r.pid):
+                since = self._stopped_since.setdefault(r.role, now)
+                if now - since >= self.stop_grace_s:
+                    halted.append(r)
+            else:
+                self._stopped_since.pop(r.role, None)
+        if not dead and not halted:
+            return None
+        msgs = [_named(r.role, f"died during {what}", self.log_path, r.pid) for r in dead]
+        msgs += [_named(r.role, f"is stopped (state {proc_state(r.pid) or '?'}) for {now - self._stopped_since[r.role]:.1f} s "
+                        f"during {what}: its peers wait on it in their collectives", self.log_path, r.pid)
+                 for r in halted]
+        self.first = RankError(f"{self.sizes.describe()} engine (pid {self.root_pid}): " + "; ".join(msgs),
+                               [r.role for r in dead + halted])
+        return self.first
 
 
 def restored_pids(root_pid: int, nspids: list[int]) -> dict[int, int]:

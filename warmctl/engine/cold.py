@@ -103,7 +103,7 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
                                log_path=str(run.log_path)))
     try:
         with reporter.phase("cold_start", f"starting {profile.engine.kind} for {profile.name} (log: {run.log_path})"):
-            total = vllm.wait_healthy(run, profile.engine.startup_timeout_s)
+            total = vllm.wait_healthy(run, profile.engine.startup_timeout_s, progress=lambda _: run.sample_shm())
     except BaseException:
         run.teardown()
         raise
@@ -116,9 +116,65 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
 
 
 def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> CanaryRecord:
-    """Run the warm-up grid, then record the canary. Raises :class:`EngineError`; the caller
-    owns the run (and tears it down on failure)."""
+    """Run the warm-up grid, then record the canary, with the engine's ranks watched
+    (:class:`warmctl.checkpoint.layout.RankWatch`) and its ``/dev/shm`` files sampled
+    (:meth:`EngineRun.sample_shm`) while they run.
+
+    The requests run in a thread; this one looks at the ranks every
+    :data:`~warmctl.checkpoint.layout.WATCH_INTERVAL_S` seconds. A rank that dies ends the
+    wait at once, one that stays stopped after
+    :data:`~warmctl.checkpoint.layout.STOP_GRACE_S` seconds (its peers wait in the all-reduce
+    for ever) too: :class:`~warmctl.checkpoint.layout.RankError` naming it, its process and
+    its log lines, instead of a request that would wait out its 600 s timeout. A request that
+    fails because a rank died is reported as that rank's error. Raises :class:`EngineError`
+    otherwise; the caller owns the run (and tears it down on failure, which ends the
+    requests still in flight)."""
+    import threading
+    import time
+
+    from warmctl import faults
+
+    watch = layout.RankWatch(run.root_pid, layout.profile_sizes(profile), run.log_path)
+    cells_done = [0]
+
+    def grid() -> None:
+        warmup.run_grid(run.base_url, profile.engine.served_model_name, profile.warmup,
+                        progress=lambda done, total, cell: cells_done.__setitem__(0, done))
+
+    def watched(fn, what: str, hook: str | None = None):
+        out: dict = {}
+
+        def body() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # handed to the waiting thread
+                out["error"] = e
+
+        # a daemon thread: neither this wait nor the interpreter's exit ever waits on a request
+        # a stopped rank holds up (the teardown's kill of the tree ends it)
+        t = threading.Thread(target=body, name="warmctl-" + what.split()[-1], daemon=True)
+        t.start()
+        last_sample = 0.0
+        while True:
+            t.join(layout.WATCH_INTERVAL_S)
+            if not t.is_alive():
+                if "error" in out:
+                    e = out["error"]
+                    if isinstance(e, EngineError):
+                        raise (watch.problem(what) or e) from e
+                    raise e
+                return out.get("value")
+            if hook and cells_done[0] >= 1:
+                faults.kill_rank(hook, run.root_pid)  # a test's kill -9 / SIGSTOP of one rank
+                hook = None
+            if (err := watch.problem(what)) is not None:
+                raise err
+            if time.monotonic() - last_sample >= 1.0:
+                run.sample_shm()
+                last_sample = time.monotonic()
+
     with reporter.phase("warmup", f"warm-up grid: {len(profile.warmup.cells())} cells"):
-        warmup.run_grid(run.base_url, profile.engine.served_model_name, profile.warmup)
+        watched(grid, "the warm-up", "warmup")
     with reporter.phase("canary_record", f"recording canary ({len(profile.canary.prompts)} prompts)"):
-        return canary.run(run.base_url, profile.canary, profile.engine.served_model_name)
+        return watched(lambda: canary.run(run.base_url, profile.canary, profile.engine.served_model_name),
+                       "the canary record")
