@@ -623,9 +623,8 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
                                **gate_enforces(gate_args),
                                log_path=str(run.log_path)))
         record = cold.warm_and_record(run, profile, reporter)
-        if (sizes := layout.profile_sizes(profile)).multi_process:
-            run.state.layout = sizes.describe()  # type: ignore[union-attr]
-            run.state.ranks = {r: x.pid for r, x in layout.live_ranks(run.root_pid).items()}  # type: ignore[union-attr]
+        run.state.layout = layout.profile_sizes(profile).describe()  # type: ignore[union-attr]
+        run.state.ranks = {r: x.pid for r, x in layout.live_ranks(run.root_pid).items()}  # type: ignore[union-attr]
         if snapshot_after:
             digest = snap.snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
             reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
