@@ -81,6 +81,19 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     prof = m.profile_digest[:19]
     assert f"(profile {prof})" in " ".join(tiny_snapshot["stderr"].split()), tiny_snapshot["stderr"]
     assert f"{tiny_snapshot['digest']} (the snapshot's digest;" in " ".join(tiny_snapshot["stdout"].split())
+    # a one-rank engine records its layout too: world size 1, its one rank (the CPU build's
+    # VLLM::Worker process at TP1) with its namespace PID and bound CPUs; ls shows it
+    lay = m.restore.layout
+    assert lay is not None and (lay.tp, lay.pp, lay.dp, lay.ep, lay.world_size) == (1, 1, 1, 1, 1)
+    [rank] = lay.ranks
+    assert rank.rank == 0 and rank.role in ("Worker", "EngineCore") and rank.nspid > 1
+    assert lay.network_lock is None and lay.listen == []  # no rank-to-rank connection to lock
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert rank.cpus, "the one rank's bound CPUs were not recorded"
+    [row] = [x for x in json.loads(warmctl("ls", "--json", env=wc_env).stdout)
+             if x["name"] == "tiny" and x["digest"] == tiny_snapshot["digest"]]
+    assert row["layout"]["world_size"] == 1 and row["layout"]["ranks"][0]["role"] == rank.role
+    assert f"TP1 ({rank.role} ns-pid {rank.nspid}" in warmctl("ls", env=wc_env).stdout
 
 
 def test_no_credential_of_the_snapshot_environment_is_stored(tiny_snapshot, wc_env):
@@ -166,6 +179,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert again["already_up"] and again["source"] == "restore" and again["path"] == "already-up"
     st = json.loads(warmctl("status", "tiny", "--json", env=wc_env).stdout)[0]
     assert st["phase"] == "serving" and st["healthy"] and st["gate_alive"]
+    assert st["layout"] == "TP1" and list(st["ranks"]) == [m.restore.layout.ranks[0].role]  # checked after the restore
 
     shm_before_down = shm_names()
     warmctl("down", "tiny", env=wc_env)
