@@ -133,7 +133,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     assert res["source"] == "cold" and not res["already_up"] and "no snapshot tiny:none" in res["reason"]
     assert res["path"] == "cold"  # the field older clients read
     t = res["timings_s"]  # total: the sum of up's own phases (not the engine's launch-to-healthy)
-    assert t["total"] == pytest.approx(sum(t[k] for k in ("cold_start", "warmup", "canary_record", "gate")))
+    assert t["total"] == pytest.approx(sum(t.get(k, 0) for k in ("catalog", "cold_start", "warmup", "canary_record", "gate")))
     assert t["total"] > t["cold_start"] >= t["torch_compile"]
     cold = [_completion(gate, p) for p in PROMPTS]
     warmctl("down", "tiny", env=wc_env)
