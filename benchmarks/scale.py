@@ -135,11 +135,11 @@ def run_measured(env: dict, *args: str, check: bool = True, timeout: float = 360
     last: list = [(0.0, 0.0, 0.0)]
     stop = threading.Event()
 
-    def sample():
+    def sample():  # the largest value of each: a zombie's last sample has no VmHWM
         while not stop.is_set():
             s = proc_sample(p.pid)
             if s is not None:
-                last[0] = s
+                last[0] = tuple(max(x, y) for x, y in zip(last[0], s))
             stop.wait(0.05)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -284,6 +284,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compare", type=Path, nargs="+", default=None, metavar="JSON",
                     help="print the per-GiB curve across earlier runs' --json files and exit")
+    ap.add_argument("--report", type=Path, default=None, metavar="JSON",
+                    help="print the summary and aims of an earlier run's --json file again (adding them to it) and exit")
     ap.add_argument("--size", choices=tuple(SIZES))
     ap.add_argument("--rounds", type=int, default=3, help="warm up/raw pairs (medians; default 3)")
     ap.add_argument("--keep-models", type=Path, default=None, help="build/reuse the models here (kept)")
@@ -299,6 +301,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.compare:
         return compare(a.compare)
+    if a.report:
+        res = json.loads(a.report.read_text())
+        report(res)
+        a.report.write_text(json.dumps(res, indent=1, default=str))
+        return
     if a.size is None:
         ap.error("--size is required")
     if os.geteuid() != 0:
@@ -519,6 +526,7 @@ def run(a, work: Path, models: Path, res: dict) -> None:
                         for o in page.get("Contents", [])]
                 from warmctl.store import open_store as _open
 
+                os.environ.update(extra)  # the S3 endpoint and credentials, for this process's store
                 workers = _open(url).workers
                 n, dt = boto3_download(s3, bucket, keys, work / "boto3", workers)
                 res["boto3_download"] = {"bytes": n, "s": dt, "objects": len(keys), "threads": workers}
