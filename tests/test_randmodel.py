@@ -30,14 +30,14 @@ def test_names_parse_to_llama_shapes():
 
 @pytest.mark.parametrize("name, gib", [("scale-8g", 8), ("scale-16g", 16)])
 def test_benchmark_profiles_are_the_engine_memory_they_say(name, gib):
-    """Weights + KV cache of the benchmark profiles within 10% of their nominal size; the
-    weights-outside variant differs only in that flag."""
-    p = tomllib.loads((REPO / "benchmarks" / "profiles" / f"{name}.toml").read_text())
-    shape = randmodel.parse(p["engine"]["model"])
-    total = shape.weight_bytes() + int(p["engine"]["env"]["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
-    assert abs(total / 2**30 - gib) / gib < 0.10, total / 2**30
-    w = tomllib.loads((REPO / "benchmarks" / "profiles" / f"{name}-wout.toml").read_text())
-    assert w["checkpoint"] == {"weights_outside_image": True} and w["engine"]["model"] == p["engine"]["model"]
+    """Weights + KV cache of the benchmark profiles (and of their weights-outside variants, in
+    bfloat16) within 10% of their nominal size."""
+    for variant, dtype in (("", "float32"), ("-wout", "bfloat16")):
+        p = tomllib.loads((REPO / "benchmarks" / "profiles" / f"{name}{variant}.toml").read_text())
+        shape = randmodel.parse(p["engine"]["model"])
+        total = shape.weight_bytes() + int(p["engine"]["env"]["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+        assert shape.dtype == dtype and abs(total / 2**30 - gib) / gib < 0.10, (variant, total / 2**30)
+        assert p.get("checkpoint", {}).get("weights_outside_image", False) == (variant == "-wout")
 
 
 @pytest.mark.parametrize("suffix", ["", "-bf16"])
