@@ -244,6 +244,8 @@ def run_all(a, root: Path) -> None:
             try:
                 with criu.host_lock():
                     inodes = put_back_shm(store, manifest)
+                    if manifest.restore.tmp_dir:  # the engine's scratch dir: its UNIX sockets are bound there again
+                        Path(manifest.restore.tmp_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
                     if a.cold:
                         drop_caches()
                     t0 = time.monotonic()
@@ -252,6 +254,8 @@ def run_all(a, root: Path) -> None:
                 tok, t1 = first_token(manifest.restore.internal_port or a.engine_port, prompt, model)
             finally:
                 kill_raw(root_pid, inodes)
+                if manifest.restore.tmp_dir:  # its sockets, so that up binds them afresh
+                    shutil.rmtree(manifest.restore.tmp_dir, ignore_errors=True)
             assert tok == expected, f"raw-restored engine's first token {tok} != canary {expected}"
             raw.append(t1 - t0)
             raw_criu.append(secs)

@@ -28,7 +28,8 @@ def prompt_ids(n_tokens: int, salt: int) -> list[int]:
 def run_grid(base_url: str, model: str, spec: WarmupSpec,
              progress: Callable[[int, int, tuple[int, int, int]], None] | None = None,
              timeout_s: float = 600.0) -> dict:
-    """Run every cell of ``spec``. Returns ``{"cells": n, "requests": n, "seconds": s}``.
+    """Run every cell of ``spec``, then build the engine's OpenAPI schema (``GET /openapi.json``,
+    see below). Returns ``{"cells": n, "requests": n, "seconds": s, "openapi_s": s}``.
 
     ``progress(done, total, cell)`` is called after each cell. Raises :class:`EngineError`
     naming the cell if any request fails (a warm-up that fails would snapshot a cold shape).
@@ -56,4 +57,15 @@ def run_grid(base_url: str, model: str, spec: WarmupSpec,
             n_req += c
             if progress:
                 progress(i + 1, len(cells), (p, o, c))
-    return {"cells": len(cells), "requests": n_req, "seconds": time.monotonic() - t0}
+        # vLLM's FastAPI app builds its OpenAPI schema on the first GET /openapi.json and keeps
+        # it; the gate reads it once it has opened (its route report), and building it holds
+        # the API server's event loop, so a restored engine's first client request waited
+        # behind it (0.7-0.9 s after `up` returned, measured with benchmarks/up_vs_raw.py).
+        # Built here, it is in the snapshot's memory and every restore answers it at once.
+        t_schema = time.monotonic()
+        try:
+            client.get("/openapi.json").raise_for_status()
+        except httpx.HTTPError as e:
+            raise EngineError(f"warm-up: GET /openapi.json failed: {e}") from None
+        schema_s = time.monotonic() - t_schema
+    return {"cells": len(cells), "requests": n_req, "seconds": time.monotonic() - t0, "openapi_s": schema_s}
