@@ -3,6 +3,7 @@ on real processes and real ``/dev/shm`` files (no engine needed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -54,7 +55,9 @@ def test_process_identity_survives_only_as_the_same_process():
         legacy = ProcessId(p.pid, me.ctime + 100)  # a record from before start ticks: psutil's ctime decides
         assert not legacy.alive()
         assert kill_tree(imposter) is False and pid_alive(p.pid)  # never signalled
-        other_exe = ProcessId(p.pid, me.ctime, "/usr/bin/not-" + Path(me.exe).name)  # same PID and time, exec'd since
+        # same PID and start, exec'd since (the record's start ticks kept: without them psutil's
+        # create_time decides, and it is early by the host's boot-time fraction, up to 1 s)
+        other_exe = dataclasses.replace(me, exe="/usr/bin/not-" + Path(me.exe).name)
         assert not other_exe.alive() and "runs" in other_exe.mismatch()
         assert kill_tree(other_exe) is False and signal_process(other_exe) is False and pid_alive(p.pid)
         with pytest.raises(TypeError):
