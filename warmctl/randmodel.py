@@ -2,7 +2,7 @@
 
 ``builtin:random-llama-<layers>x<hidden>`` names a decoder of Llama-2's architecture
 (``LlamaForCausalLM``: RMSNorm, rotary embeddings, SwiGLU MLP, multi-head attention) with
-``layers`` decoder layers of width ``hidden``, in float32 (``...-bf16``: bfloat16); the other
+``layers`` decoder layers of width ``hidden``, stored in float32 (``...-bf16``: bfloat16); the other
 dimensions follow Llama's rules: head size 128 (``hidden / 128`` attention heads, as many KV
 heads), MLP width ``8/3 * hidden`` rounded up to a multiple of 256 (4096 -> 11008, Llama-2-7B's),
 and the tiny model's tokenizer (:mod:`warmctl.tinymodel`, vocabulary
@@ -10,13 +10,16 @@ and the tiny model's tokenizer (:mod:`warmctl.tinymodel`, vocabulary
 (6.48 B parameters, 12.1 GiB) and ``random-llama-16x4096`` half its layers in float32 (3.25 B
 parameters, the same 12.1 GiB).
 
-float32 is the default: a bfloat16 engine computes on AMX tiles on AMX hosts (``amx_bf16`` in
-/proc/cpuinfo, as here: oneDNN's ``brg_matmul:avx10_1_512_amx``), and CRIU 4.2.1 alone restores
-such a process without its AMX permission, so the worker dies with SIGILL (exit -4) at its first
-request after ``up`` (seen here with ``random-llama-2x1024-bf16``; a one-matmul Python process
-dumped and restored dies the same way, and lives with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``).
-warmctl's ``criu-xtile-perm.so`` (``warmctl/checkpoint/criu.py``) restores the permission;
-float32 never needs it, so the benchmark's figures do not depend on it.
+The checkpoint's dtype is what the engine holds only when the profile says so: vLLM's
+``--dtype auto`` downcasts a float32 checkpoint to bfloat16 ("Downcasting torch.float32 to
+torch.bfloat16" in the engine log), so a float32 ``random-llama`` is served from half its file's
+bytes unless the profile passes ``--dtype float32``. A bfloat16 engine computes on AMX tiles on
+AMX hosts (``amx_bf16`` in /proc/cpuinfo, as here: oneDNN's ``brg_matmul:avx10_1_512_amx``),
+and CRIU 4.2.1 alone restores such a process without its AMX permission: the worker dies with
+SIGILL (exit -4) at its first request after ``up`` (seen here with ``random-llama-2x1024-bf16``;
+a one-matmul Python process dumped and restored dies the same way, and lives with
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``). warmctl's ``criu-xtile-perm.so``
+(``warmctl/checkpoint/criu.py``) restores the permission.
 
 The weights have random sign and mantissa and a bounded exponent (magnitudes 2**-8 to 2**-4,
 std about 0.027; norms 1.0), drawn by ``torch.Generator`` seeded per tensor from :data:`SEED`
