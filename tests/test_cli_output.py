@@ -118,8 +118,10 @@ def test_tables_are_tab_separated_lines_off_a_terminal(home):
     home_line = next(ln for ln in r.stdout.splitlines() if ln.startswith("home\t"))
     assert home_line.split("\t")[1] == str(home["root"] / "home")  # 160+ characters, one field
     r = run(home, "du")
-    assert r.returncode == 0  # the 160+ character store path unwrapped, in the line that names its free space
-    assert any(ln.startswith(f"# store {home['store']}: ") and " free of " in ln for ln in r.stdout.splitlines()), r.stdout
+    assert r.returncode == 0  # the 160+ character store path unwrapped, in du's first line and its free-space line
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"# store {home['store']}, kept images "), r.stdout
+    assert any(ln.endswith(f" {home['store']}: " + ln.split(": ")[-1]) and " free of " in ln for ln in lines), r.stdout
 
 
 def _documented_keys(command: str) -> set[str]:
