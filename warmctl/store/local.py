@@ -142,11 +142,14 @@ class LocalBackend(Backend):
             "directories, and warmctl follows no link and reads no special file inside it; refusing it "
             "(someone who can write the store put it there: remove it)")
 
-    def _walk(self, parts: list[str], create: bool = False) -> int:
+    def _walk(self, parts: list[str] | tuple[str, ...], create: bool = False,
+              made: set[tuple[str, ...]] | None = None) -> int:
         """A descriptor of the directory ``root/parts...``, each component opened relative to
         its parent without following links (``create``: missing ones are made, each new
-        directory's entry made durable in its parent). Raises FileNotFoundError (a component
-        is missing), :class:`IntegrityError` (a component is a link or not a directory)."""
+        directory's entry made durable in its parent; or, given ``made``, not synced here and
+        the parts of each one's parent added to ``made``, for one sync per directory later).
+        Raises FileNotFoundError (a component is missing), :class:`IntegrityError` (a component
+        is a link or not a directory)."""
         if create:
             self._mkdirs(self.root)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -161,7 +164,9 @@ class LocalBackend(Backend):
                         os.mkdir(p, 0o755, dir_fd=fd)
                     except FileExistsError:
                         pass  # made by another thread or process: synced below all the same
-                    if self.fsync:
+                    if made is not None:
+                        made.add(tuple(parts[:i]))
+                    elif self.fsync:
                         os.fsync(fd)
                     nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
@@ -574,31 +579,7 @@ class SaveBatch:
     def _dir(self, parts: tuple[str, ...], made: set[tuple[str, ...]]) -> int:
         """A descriptor of ``root/parts`` (no link followed), creating missing components
         without syncing; the parent of each one created is added to ``made``."""
-        b = self.backend
-        b._mkdirs(b.root)
-        fd = os.open(b.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for i, p in enumerate(parts):
-                try:
-                    nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    try:
-                        os.mkdir(p, 0o755, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    made.add(parts[:i])
-                    nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
-                except OSError as e:
-                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                        raise
-                    raise b._unsafe("/".join(parts[: i + 1]), os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode,
-                                    "a directory") from None
-                os.close(fd)
-                fd = nfd
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
+        return self.backend._walk(parts, create=True, made=made)
 
     def abort(self) -> None:
         """Remove every temporary file not committed (nothing becomes visible)."""
