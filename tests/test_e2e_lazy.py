@@ -33,7 +33,10 @@ def _status(env) -> dict:
 
 
 def _daemon(row: dict) -> ProcessId | None:
-    return ProcessId.recorded(row.get("lazy_pid"), row.get("lazy_ctime"), row.get("lazy_exe"), row.get("lazy_cmdline"))
+    # with its start ticks and boot id, as warmctl judges it (without them psutil's create_time
+    # decides, early by the host's boot-time fraction: a live daemon read as gone on such hosts)
+    return ProcessId.recorded(row.get("lazy_pid"), row.get("lazy_ctime"), row.get("lazy_exe"), row.get("lazy_cmdline"),
+                              row.get("lazy_start"), row.get("boot_id"))
 
 
 def _canary(env) -> tuple[str, int]:
@@ -109,7 +112,7 @@ def test_killing_the_daemon_after_up_is_judged_by_its_log(tiny_snapshot, wc_env,
     try:
         assert wait_until(lambda: listening(engine_ports[1]) or up.poll() is not None, 600)
         d = json.loads((run_dir / "lazy-pages.pid").read_text())
-        daemon = ProcessId.recorded(d["pid"], d["ctime"], d["exe"], d["cmdline"])
+        daemon = ProcessId.from_record(d)  # with its start ticks, as warmctl judges it (see _daemon)
         killed = daemon.alive() and psutil.Process(daemon.pid).kill() is None
         out, err = up.communicate(timeout=120)
     finally:

@@ -316,6 +316,20 @@ def _title(pid: int) -> str:
         return ""
 
 
+def _comm_is(pid: int, role: str) -> bool:
+    """True if ``pid``'s kernel name (``/proc/PID/comm``: setproctitle sets it to the title's
+    first 15 bytes) is ``VLLM::<role>`` as far as it goes. For a title that reads empty: right
+    after a lazy restore a process's argument pages may not be copied in yet, and the kernel
+    then reads ``/proc/PID/cmdline`` as nothing (measured: a restored TP1 rank came back as
+    ``''`` under ``--restore-pages lazy``)."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            comm = f.read().rstrip(b"\n").decode(errors="replace")
+    except OSError:
+        return False
+    return bool(comm) and ("VLLM::" + role)[:15] == comm
+
+
 def _bound_cpus(pid: int, unbound: set[int]) -> str:
     """CPU list of the union of the affinities of ``pid``'s threads that are bound (differ from
     ``unbound``); ``""`` when none is."""
@@ -518,8 +532,9 @@ def check_restored(root_pid: int, layout: "ParallelLayout", log_path: Path | str
             bad.append((r.role, _named(r.role, f"(namespace pid {r.nspid}) is not running after the restore", log_path,
                                        pid)))
             continue
-        m = RANK_TITLE.match(_title(pid))
-        if not m or m.group(1) != r.role:
+        title = _title(pid)
+        m = RANK_TITLE.match(title)
+        if (not m or m.group(1) != r.role) and not (title == "" and _comm_is(pid, r.role)):
             bad.append((r.role, _named(r.role, f"(namespace pid {r.nspid}) came back as {_title(pid)!r}", log_path,
                                        pid)))
             continue
