@@ -1,7 +1,8 @@
 """Issue 27: warmctl's own memory stays bounded whatever the snapshot's size. A synthetic
 snapshot of 2 GiB (513 chunks of 4 MiB, none zero, each with 256 KiB of random bytes so that
 every stored object is mapped, not read) is published by home A to a directory remote; then, in
-child processes whose peak resident set (``ru_maxrss`` from ``wait4``, this child only) must
+child processes whose peak resident set (``ru_maxrss`` from ``wait4``, this child only, started by a
+small launcher: :data:`LAUNCHER`) must
 stay under :data:`LIMIT`:
 
 - node B's real ``warmctl pull`` (every chunk fetched, decompressed, hashed, written);
@@ -47,15 +48,33 @@ def _payload(path: Path) -> Path:
     return path
 
 
+#: Runs argv[2:] as its child and writes that child's peak RSS (KiB, ``wait4``) to argv[1]. A
+#: child of pytest itself cannot be measured so: at ``execve`` the kernel folds the high-water
+#: RSS of the memory it replaces (a copy of the forking process: pytest, 700 MiB late in a full
+#: run) into the new program's ``ru_maxrss`` (``exec_mmap``, ``setmax_mm_hiwater_rss``). This
+#: launcher is a fresh, small interpreter, so its child's figure is the child's own.
+LAUNCHER = r"""
+import os, subprocess, sys
+p = subprocess.Popen(sys.argv[2:])
+_, status, ru = os.wait4(p.pid, 0)
+p.returncode = 0
+with open(sys.argv[1], "w") as f:
+    f.write(str(ru.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _peak_rss(args: list[str], env: dict[str, str], timeout: float = 600) -> tuple[int, int, str]:
     """(exit status, peak RSS in bytes of that child alone, its stderr tail)."""
-    p = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".maxrss") as out:
+        p = subprocess.Popen([sys.executable, "-c", LAUNCHER, out.name, *args], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         err = p.stderr.read()  # type: ignore[union-attr]
-        _, status, ru = os.wait4(p.pid, 0)
-    finally:
-        p.returncode = 0  # reaped by wait4 above
-    return os.waitstatus_to_exitcode(status), ru.ru_maxrss * 1024, err[-2000:]
+        p.wait(timeout)
+        kib = int(open(out.name).read() or 0)
+    return p.returncode, kib * 1024, err[-2000:]
 
 
 MATERIALIZE = r"""
