@@ -146,7 +146,7 @@ def test_scheduler_drives_up_status_down(wc_env, tiny_snapshot, engine_ports, cl
         assert j["state"] == "succeeded", j
         assert j["result"]["source"] == "restore" and j["result"]["snapshot"] == tiny_snapshot["digest"]
         names = [p["name"] for p in j["progress"]["phases"]]
-        assert names == ["materialize", "restore", "health", "canary", "gate"], names
+        assert names == ["catalog", "materialize", "restore", "ranks", "health", "canary", "gate"], names
         assert seen_phases & {"pending", "restoring", "health", "canary"}, seen_phases
         assert v["healthy"] and v["engine_alive"] and v["gate_alive"]
         assert set(v["timings"]) >= {"materialize", "restore", "health", "canary", "gate", "total"}

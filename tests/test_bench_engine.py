@@ -51,10 +51,24 @@ def test_streamed_tokens_match_server_usage(engine_url):
 
 
 def test_deadline_cuts_a_long_request_and_keeps_its_tokens(engine_url):
-    r = asyncio.run(_one(engine_url, random_prompt(64, 1, "cut"), 900, deadline_s=0.6))
-    assert r.ok and r.cut and not r.completed
-    assert 0 < r.output_tokens < 900 and r.usage_completion_tokens is None
-    assert r.total < 3.0
+    # The deadline must fall between the first streamed token and the 900th. On 2 vCPUs the
+    # API server shares a CPU with the gate and the engine core, and its stream comes in
+    # bursts (measured: 900 tokens over 1.25 s, directly and through the gate, sometimes all in
+    # the last 15 ms), so one fixed deadline may see no token or all of them: several deadlines
+    # are tried, each attempt checked, until one cuts a request that has streamed tokens.
+    cut_with_tokens = None
+    for deadline_s in (0.6, 0.3, 0.9, 0.45, 1.2, 0.75, 1.0, 0.5):
+        r = asyncio.run(_one(engine_url, random_prompt(64, 1, "cut"), 900, deadline_s=deadline_s))
+        assert r.ok, (deadline_s, r)
+        if r.completed:  # the whole stream came before the deadline
+            assert not r.cut and r.output_tokens == r.usage_completion_tokens == 900, (deadline_s, r)
+            continue
+        assert r.cut and r.usage_completion_tokens is None and r.output_tokens < 900, (deadline_s, r)
+        assert r.total < deadline_s + 2.5, (deadline_s, r)
+        if r.output_tokens > 0:
+            cut_with_tokens = r
+            break
+    assert cut_with_tokens is not None, "no deadline cut a request after its first token"
 
 
 def test_capacity_is_what_the_tiny_engine_reports(engine_url):
