@@ -3,10 +3,11 @@ two worker processes, a gloo group over loopback TCP, a shared-memory all-reduce
 with real CRIU and restored, with nothing set by hand (warmctl binds the ranks' CPUs and picks
 CRIU's network lock).
 
-One session snapshot (``tp2_snapshot``) serves every test here but the first two. Order: a rank
-killed during the warm-up, a rank stopped during the warm-up (each its own cold start; each
-next ``snapshot`` in the same home runs: the stop's reaches its warm-up, the session snapshot,
-made next unless another module made it first, completes, the dump test's reaches its dump);
+One session snapshot (``tp2_snapshot``) serves every test here but the first three. Order: a
+rank killed during the warm-up, a rank stopped during the warm-up, a rank killed while CRIU
+dumps (each its own cold start; each next ``snapshot`` in the same home runs: the stop's
+reaches its warm-up, the dump kill's its dump, the session snapshot, made next unless another
+module made it first, completes, the last test's reaches its dump);
 the layout recorded; a rank killed after the restore, before the canary (named, nothing
 served, nothing left); the restore serving a chat completion, with ``status`` naming both
 ranks; node B restoring it from a directory remote with its own home and key; a rank killed and
@@ -132,6 +133,31 @@ def test_a_rank_stopped_during_the_warm_up_ends_the_run_within_its_bound(fresh, 
     assert seen, "the rank was never seen stopped"
     took = ended - seen[0]
     assert STOP_GRACE_S - 0.5 <= took <= STOP_GRACE_S + 10, f"{took:.1f} s from the stop to warmctl's exit:\n{err}"
+    _nothing_left(fresh, engine_ports, shm_before, entries)
+
+
+def _stored(env) -> set[str]:
+    """Every chunk, manifest, signature and catalog object in ``env``'s local store (paths)."""
+    root = Path(env["WARMCTL_TEST_HOME"]) / "store"
+    return {str(p.relative_to(root)) for kind in ("chunks", "manifests", "signatures", "catalog")
+            for p in (root / kind).rglob("*") if p.is_file()}
+
+
+def test_a_rank_killed_while_criu_dumps_is_named_and_nothing_is_stored(fresh, engine_ports):
+    """kill -9 of rank 1 once ``criu dump`` has seized the tree (the hook's ``dump`` point waits
+    for CRIU as the ranks' tracer): CRIU fails on the dead task, warmctl names the rank and
+    stores nothing; the session snapshot made after it in this home shows the next one works."""
+    shm_before, entries, stored = shm_names(), _tp2_entries(fresh), _stored(fresh)
+    env = dict(fresh, WARMCTL_TEST_KILL_RANK="dump:Worker_TP1")
+    r = warmctl("snapshot", "tiny-tp2", env=env, check=False, timeout=1500)
+    assert r.returncode == RankError.exit_code, r.stderr
+    assert "rank Worker_TP1 (pid" in r.stderr and "died during the CRIU dump" in r.stderr, r.stderr
+    assert "(Worker_TP1 pid=" in r.stderr  # its own log lines
+    assert "criu dump of pid" in r.stderr and "failed" in r.stderr  # CRIU's own error after the rank's
+    err = r.stderr[r.stderr.index("TP2 engine (pid"):]
+    assert "rank Worker_TP0" not in err.split("its log lines")[0]  # the killed rank is blamed, not its peer
+    assert "criu_dump" in r.stderr and "secret_scan" not in r.stderr  # it ended in the dump phase
+    assert _stored(fresh) == stored  # no chunk, manifest, signature or name written
     _nothing_left(fresh, engine_ports, shm_before, entries)
 
 

@@ -357,3 +357,39 @@ def test_the_fault_hook_kills_or_stops_each_rank_it_names(tmp_path, monkeypatch)
     finally:
         kill_tree(ProcessId.of(root))
         launcher.wait(10)
+
+
+@needs_root
+def test_a_rank_killed_by_the_hook_while_criu_dumps_fails_the_dump_and_is_named(tmp_path, monkeypatch):
+    """The ``dump`` point: a real SIGKILL of Worker_TP1 once CRIU has seized the tree (its
+    TracerPid is CRIU); CRIU's dump then fails (it cannot finish a task that died), the rest of
+    the tree is resumed, and :func:`layout.died` names the rank with its log lines."""
+    from warmctl import faults
+    from warmctl.errors import CheckpointError
+
+    launcher, root = _ranks_tree(tmp_path)
+    try:
+        before = list(layout.live_ranks(root).values())
+        tp1 = layout.live_ranks(root)["Worker_TP1"].pid
+        monkeypatch.setenv(faults.RANK_ENV, "before_dump:Worker_TP0,dump:Worker_TP1")
+        with pytest.raises(CheckpointError) as e:
+            with faults.kill_rank_during_dump(root) as killed:
+                criu.dump(root, tmp_path / "img")
+        assert killed == [tp1] and not layout.pid_alive(tp1)
+        assert "criu dump of pid" in str(e.value) and "Dumping FAILED" in str(e.value), e.value
+        assert f"Task {tp1}" in (tmp_path / "img" / "dump.log").read_text()  # CRIU met the dead task
+        assert set(layout.live_ranks(root)) == {"Worker_TP0"}  # the survivor runs on (CRIU resumed it)
+        assert not layout.stopped(layout.live_ranks(root)["Worker_TP0"].pid)
+        err = layout.died(root, "TP2", before, "the CRIU dump", tmp_path / "engine.log")
+        assert err is not None and err.ranks == ["Worker_TP1"]
+        assert f"TP2 engine (pid {root}): rank Worker_TP1 (pid {tp1}) died during the CRIU dump" in str(err)
+        assert "rank 1 up" in str(err) and "Worker_TP0" not in str(err)  # its own log lines, not its peer's
+        assert layout.died(root, "TP2", before[:1], "the CRIU dump") is None  # a live rank: nothing
+
+        monkeypatch.setenv(faults.RANK_ENV, "before_dump:Worker_TP0")  # no dump point: no thread, nothing killed
+        with faults.kill_rank_during_dump(root) as killed:
+            pass
+        assert killed == [] and set(layout.live_ranks(root)) == {"Worker_TP0"}
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)

@@ -47,6 +47,7 @@ from warmctl.config import Settings
 from warmctl.engine import cold
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
+from warmctl.errors import CheckpointError
 from warmctl.manifest import (CanaryRecord, FileEntry, GpuRestore, Manifest, ParallelLayout, Phase, RestoreInfo,
                               WeightsRestore)
 from warmctl.profile import Profile
@@ -174,7 +175,7 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
         weights = plan.before_dump(run, reporter)
         ranks_ = _ranks(run, profile, settings)
-        dumped = _dump(run, plan, leave_running, settings.criu, reporter)
+        dumped = _dump(run, plan, leave_running, settings.criu, reporter, ranks_)
         dumped.layout = ranks_
         if leave_running:
             plan.after_dump(run, reporter)
@@ -248,19 +249,36 @@ def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayo
 
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
-          reporter: Reporter) -> _Dumped:
+          reporter: Reporter, lay: ParallelLayout | None = None) -> _Dumped:
     """The ``criu_dump`` phase: the plan's dump of ``run`` into ``run.images`` under the host's
     CRIU lock, with the ``/dev/shm`` files of the tree recorded on the run (so a teardown finds
     them by inode) and CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` before the lock is
     released: one that is a hard link of a captured file is recorded as such, any other is
-    copied to the run's scratch first. Then every file to store is listed."""
+    copied to the run's scratch first. Then every file to store is listed.
+
+    A dump that fails with a rank of ``lay`` (the layout :func:`_ranks` just checked) gone
+    since (a ``kill -9`` of the rank while CRIU ran: CRIU then fails on the dead task) raises
+    :class:`~warmctl.checkpoint.layout.RankError` naming the rank, its PID and its log lines,
+    CRIU's own error after them; any other failure CRIU's
+    :class:`~warmctl.errors.CheckpointError`. Nothing is stored either way (the caller's
+    teardown removes the engine, its images and its ``/dev/shm`` files)."""
     files = _record_shm(run)  # again: what the tree holds now, right before CRIU runs
     out = _Dumped(files, cpu_affinity=affinity.record(run.root_pid))
+    roles = {r.role for r in lay.ranks} if lay is not None else set()
+    ranks_before = [r for r in layout.live_ranks(run.root_pid).values() if r.role in roles]
     shutil.rmtree(run.images, ignore_errors=True)
     with reporter.phase("criu_dump", f"CRIU dump of pid {run.root_pid} and its children"), \
             criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
         shm_before = capture.shm_names()
-        out.gpu = plan.dump(run, leave_running, criu_bin)
+        try:
+            with faults.kill_rank_during_dump(run.root_pid):  # a test's kill -9 of a rank amid the dump
+                out.gpu = plan.dump(run, leave_running, criu_bin)
+        except CheckpointError as e:
+            lost = layout.died(run.root_pid, lay.sizes() if lay is not None else "the", ranks_before,
+                               "the CRIU dump", run.log_path)
+            if lost is None:
+                raise
+            raise layout.RankError(f"{lost}\n  {e}", lost.ranks) from e
         remaps = capture.link_remaps_since(shm_before)
         links = capture.group_hardlinks(list(files.shm) + remaps)
         for p in remaps:

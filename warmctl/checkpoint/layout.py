@@ -455,6 +455,25 @@ def discover(root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
     return out
 
 
+def _gone(r: LiveRank) -> bool:
+    """True once the process of ``r`` is gone (or a zombie), or no longer titled as a rank."""
+    return not pid_alive(r.pid) or not RANK_TITLE.match(_title(r.pid))
+
+
+def died(root_pid: int, describe: str, ranks: list[LiveRank], what: str,
+         log_path: Path | str | None = None) -> RankError | None:
+    """A :class:`RankError` naming each of ``ranks`` (found live before ``what``) whose process
+    is gone now (a ``kill -9`` during ``what``, e.g. the CRIU dump), with its PID and its log
+    lines (``log_path``: the engine log); None when every one is alive. ``describe``: the
+    layout in words (``TP2``), for the message."""
+    dead = [r for r in ranks if _gone(r)]
+    if not dead:
+        return None
+    return RankError(f"{describe} engine (pid {root_pid}): "
+                     + "; ".join(_named(r.role, f"died during {what}", log_path, r.pid) for r in dead),
+                     [r.role for r in dead])
+
+
 class RankWatch:
     """The ranks of a running tree watched while warmctl waits on the engine (the warm-up grid
     and the canary record: :func:`warmctl.engine.cold.warm_and_record`), so that a rank that
@@ -484,7 +503,7 @@ class RankWatch:
         now = time.monotonic()
         dead, halted = [], []
         for r in self.ranks:
-            if not pid_alive(r.pid) or not RANK_TITLE.match(_title(r.pid)):
+            if _gone(r):
                 dead.append(r)
             elif stopped(r.pid):
                 since = self._stopped_since.setdefault(r.role, now)
