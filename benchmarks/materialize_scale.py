@@ -91,7 +91,9 @@ s = open_store(store_dir)
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 s.read_files([(refs, Path(dest))])
 wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"wall": wall, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime}))
+import warmctl
+print(json.dumps({"wall": wall, "user": r1.ru_utime - r0.ru_utime, "sys": r1.ru_stime - r0.ru_stime,
+                  "warmctl": os.path.dirname(warmctl.__file__)}))
 """
 
 
@@ -189,12 +191,12 @@ def need_free(where: Path, nbytes: int, floor_gib: float) -> None:
                          f"and at least {floor_gib} GiB must stay free for the host's other users")
 
 
-def measured(argv: list[str], env: dict | None = None, stdout=subprocess.PIPE) -> dict:
+def measured(argv: list[str], env: dict | None = None, stdout=subprocess.PIPE, cwd: Path | None = None) -> dict:
     """Run ``argv``; wall, user, sys (the child's, all threads), vmstat deltas, peak dirty."""
     v0, rep0 = vmstat(), reported_kib()
     with DirtySampler() as ds:
         t0 = time.perf_counter()
-        p = subprocess.Popen(argv, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(argv, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=cwd)
         try:
             out, err = p.communicate()
         except BaseException:  # Ctrl-C: the child goes too, before the work directory does
@@ -223,9 +225,9 @@ class ChildCPU:
         self.user, self.sys = r1.ru_utime - self.r0.ru_utime, r1.ru_stime - self.r0.ru_stime
 
 
-def step(argv: list[str], env: dict | None = None, stdout=subprocess.PIPE) -> dict:
+def step(argv: list[str], env: dict | None = None, stdout=subprocess.PIPE, cwd: Path | None = None) -> dict:
     with ChildCPU() as c:
-        r = measured(argv, env, stdout)
+        r = measured(argv, env, stdout, cwd)
     r["user"], r["sys"] = c.user, c.sys
     return r
 
@@ -310,6 +312,7 @@ def main() -> None:
         raise SystemExit("fincore (util-linux) is needed to check the page cache")
     sides = [("new", REPO)] + ([("old", a.old.resolve())] if a.old else [])
     nmax = int(max(a.sizes) * GiB // CH)
+    a.dir = a.dir.resolve()
     store_dir, refs_path = a.dir / "store", a.dir / "refs.json"
     created = not a.dir.exists()
     a.dir.mkdir(parents=True, exist_ok=True)
@@ -345,7 +348,10 @@ def main() -> None:
                     need_free(a.dir, nz, a.min_free_gib)
                     evict(chunks)
                     env = dict(os.environ, PYTHONPATH=str(root))
-                    r = step([sys.executable, "-c", CHILD, str(store_dir), str(sub), str(img)], env)
+                    # run in the checkout: ``python -c`` puts the working directory first on
+                    # sys.path, so a child started from another checkout would import that one
+                    r = step([sys.executable, "-c", CHILD, str(store_dir), str(sub), str(img)], env, cwd=root)
+                    assert json.loads(r["out"].strip().splitlines()[-1])["warmctl"] == str(root / "warmctl"), r["out"]
                     inner = json.loads(r.pop("out").strip().splitlines()[-1])
                     # the process's figures (Python start-up and imports included) kept apart
                     r["process_wall"], r["process_user"], r["process_sys"] = r["wall"], r["user"], r["sys"]
