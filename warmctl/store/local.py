@@ -199,25 +199,49 @@ class LocalBackend(Backend):
             if self.fsync:
                 fsync_dir(m.parent)
 
-    def save(self, key: str, data: bytes | memoryview) -> None:
-        parts = self._parts(key)
-        dest = self.root / key
+    def _write_tmp(self, data: bytes | memoryview, sync: bool) -> tuple[int, str]:
+        """Write ``data`` to a new temporary file under ``ROOT/tmp/`` (fsync'ed when ``sync``)
+        and check its size; returns (a descriptor of ``tmp/``, the file's name there), for the
+        caller to rename or unlink the file and close the descriptor. The one write path of
+        :meth:`save` and :meth:`SaveBatch.save`. On any error the file is removed, the
+        descriptor closed, and the OSError raised as it came (ENOSPC included: callers name
+        the bytes)."""
         tmp = f"{uuid.uuid4().hex}.tmp"
-        fd = tmpdir = parent = -1
+        tmpdir = self._walk([TMP_DIR], create=True)
+        fd = -1
         try:
-            tmpdir = self._walk([TMP_DIR], create=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=tmpdir)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            if self.fsync:
+            if sync:
                 os.fsync(fd)
             size = os.fstat(fd).st_size
-            os.close(fd)
-            fd = -1
             if size != len(data):  # commit only what is complete
                 raise OSError(errno.EIO, f"wrote {size} of {len(data)} bytes")
+            return tmpdir, tmp
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+            try:
+                os.unlink(tmp, dir_fd=tmpdir)
+            except FileNotFoundError:
+                pass
+            os.close(tmpdir)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def save(self, key: str, data: bytes | memoryview) -> None:
+        parts = self._parts(key)
+        dest = self.root / key
+        tmp = ""
+        tmpdir = parent = -1
+        try:
+            tmpdir, tmp = self._write_tmp(data, self.fsync)
             parent = self._walk(parts[:-1], create=True)
             _fault_point()
             # rename replaces a link at the destination itself, never what it points at
@@ -236,8 +260,6 @@ class LocalBackend(Backend):
                 raise disk_full_error(dest, len(data), f"object {key}") from None
             raise
         finally:
-            if fd >= 0:
-                os.close(fd)
             if tmp and tmpdir >= 0:
                 try:
                     os.unlink(tmp, dir_fd=tmpdir)
@@ -487,32 +509,21 @@ class SaveBatch:
         with self._mu:
             if key in self._pending:
                 return
-        tmp = f"{uuid.uuid4().hex}.tmp"
-        fd = tmpdir = -1
-        done = False
+        tmp = ""
+        tmpdir = -1
         try:
-            tmpdir = b._walk([TMP_DIR], create=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=tmpdir)
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            size = os.fstat(fd).st_size
-            if size != len(data):
-                raise OSError(errno.EIO, f"wrote {size} of {len(data)} bytes")
+            tmpdir, tmp = b._write_tmp(data, sync=False)
             _fault_point()
             with self._mu:
                 if key not in self._pending:
                     self._pending[key] = tmp
-                    done = True
+                    tmp = ""
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise disk_full_error(b.root / key, len(data), f"object {key}") from None
             raise
         finally:
-            if fd >= 0:
-                os.close(fd)
-            if not done and tmpdir >= 0:
+            if tmp and tmpdir >= 0:
                 try:
                     os.unlink(tmp, dir_fd=tmpdir)
                 except FileNotFoundError:
