@@ -23,6 +23,7 @@ from warmctl.catalog import Catalog
 from warmctl.fleet import entries_to_copy, transfer
 from warmctl.catalog import Ref
 from warmctl.store import open_store
+from warmctl.store.chunks import is_zero_chunk
 from warmctl.store.local import FAULT_ENV, LocalBackend
 from warmctl.trust import generate_keypair, sign_manifest
 
@@ -86,17 +87,27 @@ def _kill_at_every_write(args: list[str], fresh: callable, tmp_path: Path, after
 
 
 def test_push_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
+    """A push into a directory store (``copy_manifest`` into a local store: the chunks go
+    through the pull's bounded :class:`~warmctl.store.local.SaveBatch`) killed at each write
+    point: the store verifies, and every 4th time the next push copies exactly the chunks not
+    committed before the kill, then names the snapshot."""
     src = _source(tmp_path)
     dst = tmp_path / "dst"
 
     def fresh():
         subprocess.run(["rm", "-rf", str(dst)], check=True)
 
+    with open_store(src) as s:
+        e = Catalog(s).entries("tiny")[0]
+        need = {c.digest for f in s.get_manifest(e.manifest).files for c in f.chunks if not is_zero_chunk(c.digest, c.size)}
+
     def after(n):
         assert_consistent(dst)
-        if n % 4 == 0:  # the next push completes (and only then names the snapshot)
+        if n % 4 == 0:  # the next push completes (and only then names the snapshot) ...
+            have = len([p for p in (dst / "chunks").rglob("*") if p.is_file()]) if (dst / "chunks").is_dir() else 0
             with open_store(src) as s, open_store(dst) as d:
-                transfer(s, d, entries_to_copy(s, Ref(name="tiny")))
+                [c] = transfer(s, d, entries_to_copy(s, Ref(name="tiny")))
+            assert c.report.chunks_copied == len(need) - have, (n, have)  # ... copying only the chunks not committed
             assert_consistent(dst)
             with open_store(dst) as d:
                 assert Catalog(d).entries("tiny")

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from urllib.parse import urlparse
 
@@ -168,31 +169,76 @@ print("finished")
 """
 
 
-def test_killed_pull_resumes_fetching_only_missing(s3_url, moto_endpoint, tmp_path, local_snap):
+#: seconds between one chunk GET's answer and the next (the proxy serializes them), so that a
+#: pull's batches, bounded by COMMIT_SECONDS, commit a few chunks each while the test watches
+GAP = 0.3
+
+
+def _paced(gap: float):
+    """A FaultProxy fault that answers the chunk GETs one at a time, ``gap`` seconds apart."""
+    mu, nxt = threading.Lock(), [time.monotonic()]
+
+    def fault(m, p, n):
+        if m != "GET" or "/chunks/" not in p:
+            return None
+        with mu:
+            nxt[0] = max(nxt[0] + gap, time.monotonic())
+            at = nxt[0]
+        return max(0.0, at - time.monotonic())
+
+    return fault
+
+
+def _tmp_files(root):
+    return sorted(p for p in (root / "tmp").iterdir() if p.is_file()) if (root / "tmp").is_dir() else []
+
+
+@pytest.mark.parametrize("when", ["after_commit", "mid_batch"])
+def test_killed_pull_resumes_fetching_only_missing(s3_url, moto_endpoint, tmp_path, local_snap, when):
+    """A real pull (a child process, chunks served one per GAP s) is SIGKILLed once it has
+    committed at least 3 chunks (``after_commit``), or then with a batch not yet committed
+    (``mid_batch``: temporary files in ``tmp/`` only). What it committed stays; what was
+    pending is not visible, at most COMMIT_SECONDS' worth of chunks, and is removed by gc; the
+    rerun fetches exactly the chunks not committed and only then names the snapshot."""
+    from warmctl.store.copy import COMMIT_SECONDS
+
     local, d, f = local_snap
     push(local, open_store(s3_url), "tiny", "latest")
     total = local.verify().chunks_checked
     proxy = FaultProxy(moto_endpoint).start()
     try:
-        proxy.fault = lambda m, p, n: 0.15 if (m == "GET" and "/chunks/" in p) else None
+        proxy.fault = _paced(GAP)
         env = dict(os.environ, WARMCTL_S3_ENDPOINT=proxy.url)
         dst_dir = tmp_path / "dst"
         proc = subprocess.Popen([sys.executable, "-c", _PULL, s3_url, str(dst_dir)], env=env)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (not (dst_dir / "chunks").exists() or len(chunk_files(dst_dir)) < 3):
-            time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (dst_dir / "chunks").exists() and len(chunk_files(dst_dir)) >= 3 and (when == "after_commit" or _tmp_files(dst_dir)):
+                break
+            time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        have = len(chunk_files(dst_dir))
-        assert 3 <= have < total, "the pull was not killed midway"
+        have, pending = len(chunk_files(dst_dir)), len(_tmp_files(dst_dir))
+        print(f"killed {when}: {have} of {total} chunks committed, {pending} pending")
+        assert 3 <= have < total, f"the pull was not killed midway: {have} of {total} chunks committed"
+        if when == "mid_batch":
+            assert pending >= 1, "killed with nothing pending"
+        # what a kill loses: the chunks fetched since the batch's first save, COMMIT_SECONDS at most
+        assert pending <= COMMIT_SECONDS / GAP + 1, (pending, have)
         dst = open_store(dst_dir)
         assert tag_of(dst, "tiny", "latest") is None and dst.list_manifests() == []
+        assert dst.verify().ok  # what is visible is whole
         before = proxy.gets()
         proxy.fault = None
         rep = pull(_proxied(s3_url, proxy), dst, "tiny", "latest")
         assert proxy.gets() - before == total - have == rep.chunks_copied
         assert tag_of(dst, "tiny", "latest") == d and dst.verify().ok
-        # the killed puller's lock is recognised as dead; gc can run
-        assert dst.gc(grace=0).chunks_removed == 0
+        # the killed puller's lock is recognised as dead; gc can run and removes its temporary
+        # files (once an hour old: aged here)
+        old = time.time() - 7200
+        for t in _tmp_files(dst_dir):
+            os.utime(t, (old, old))
+        g = dst.gc(grace=0)
+        assert g.chunks_removed == 0 and g.tmp_removed == pending and _tmp_files(dst_dir) == []
     finally:
         proxy.stop()

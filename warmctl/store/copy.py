@@ -3,11 +3,18 @@
 Owns the copy order (chunks the destination lacks, each verified on the way, then the
 manifest, then its attachments), which makes a killed copy restartable. Names travel one
 layer up: :mod:`warmctl.fleet` copies catalog entries, each after the content it names.
+
+Into a local store (a backend with ``batch``: ``pull``, a push to a directory) the chunks go
+through a :class:`~warmctl.store.local.SaveBatch` committed when :data:`COMMIT_CHUNKS` are
+pending or :data:`COMMIT_SECONDS` have passed since the batch's first save, whichever comes
+first, instead of two fsyncs per chunk: a killed copy loses at most about that much fetching
+(temporary files, removed by gc), and its rerun fetches only the chunks not committed.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pydantic_core
@@ -17,21 +24,94 @@ from warmctl.manifest import ChunkRef, Manifest
 from warmctl.store import chunks as ck
 from warmctl.store.backend import ObjectNotFound, load_limited
 from warmctl.store.chunkio import Progress, load_verified, ordered_map, thread_buffers
-from warmctl.store.layout import MAX_SIGNATURE_BYTES, attachment_prefixes, manifest_key
+from warmctl.store.layout import MAX_SIGNATURE_BYTES, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import CopyReport
 from warmctl.store.store import Store
 
 log = logging.getLogger(__name__)
 
+#: A copy into a local store commits its batch of chunks once this many are pending ...
+COMMIT_CHUNKS = 256
+#: ... or once this many seconds have passed since the batch's first save, whichever is first
+#: (docs/benchmarks.md, "pull into a local store": why these values).
+COMMIT_SECONDS = 1.0
 
-def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None = None, workers: int | None = None) -> CopyReport:
+
+class _Chunks:
+    """Where :func:`copy_manifest` puts verified chunks into ``dst``: through a
+    :class:`~warmctl.store.local.SaveBatch` when ``dst``'s backend offers one, committed when
+    ``max_chunks`` are pending or the batch is ``max_seconds`` old, by the worker whose save
+    found it due (the others keep fetching into the next batch meanwhile; one commit at a
+    time); else :meth:`Store.put_chunk_blob`, each chunk durable on return. The writer lock is
+    checked before each commit (:class:`~warmctl.store.lock.LockLost`: a gc may have removed
+    what was committed before). Thread-safe."""
+
+    def __init__(self, dst: Store, what: str, max_chunks: int, max_seconds: float):
+        self.dst, self.what = dst, what
+        self.max_chunks, self.max_seconds = max(1, max_chunks), max_seconds
+        make = getattr(dst.backend, "batch", None)
+        self.batch = make(workers=8) if make is not None else None
+        self._mu = threading.Lock()
+        self._committing = threading.Lock()
+        self._digests: list[str] = []  # saved into the batch, not yet known committed
+        self.commits = 0
+
+    def put(self, digest: str, blob: bytes | memoryview) -> None:
+        """Store one verified chunk (durable at once, or at the next commit). Raises HostError
+        (disk full), OSError, LockLost (from a commit this save made due)."""
+        if self.batch is None:
+            self.dst.put_chunk_blob(digest, blob)
+            return
+        self.batch.save(chunk_key(digest), blob)
+        with self._mu:
+            self._digests.append(digest)
+        if (len(self.batch) >= self.max_chunks or self.batch.age() >= self.max_seconds) and self._committing.acquire(blocking=False):
+            try:
+                self._commit()
+            finally:
+                self._committing.release()
+
+    def flush(self) -> None:
+        """Commit what is pending (waiting for a commit under way first); every chunk put so far
+        is durable and visible on return. Raises OSError, HostError, LockLost."""
+        if self.batch is not None:
+            with self._committing:
+                self._commit()
+
+    def discard(self) -> None:
+        """Drop what is pending (its temporary files removed)."""
+        if self.batch is not None:
+            self.batch.abort()
+
+    def _commit(self) -> None:
+        if not len(self.batch):
+            return
+        self.dst.check_lock(f"copy {self.what}")
+        # Taken before the batch's own swap: every digest taken here was saved before it, so
+        # it is in what this commit renames (one saved in between is noted at the next commit).
+        with self._mu:
+            digests, self._digests = self._digests, []
+        self.batch.commit()
+        self.commits += 1
+        self.dst.note_chunks(digests)
+
+
+def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None = None, workers: int | None = None,
+                  commit_chunks: int | None = None, commit_seconds: float | None = None) -> CopyReport:
     """Copy manifest ``digest`` and what it needs from ``src`` to ``dst``: chunks first (only
     those ``dst`` lacks, each verified on the way), then the manifest, then its attachments
     (signatures). Restartable: a killed copy, rerun, moves only what is still missing.
 
+    Into a local ``dst`` chunks are committed in batches (see the module doc): when
+    ``commit_chunks`` (default :data:`COMMIT_CHUNKS`) are pending or ``commit_seconds``
+    (default :data:`COMMIT_SECONDS`) after the batch's first save; a killed copy keeps every
+    batch committed before it. The last commit is made before the manifest is written; on an
+    error the chunks verified so far are committed (if that fails too, they are dropped and the
+    first error is raised).
+
     ``progress(n)``: snapshot file bytes accounted for (copied, already present, or zero).
     Raises IntegrityError (the manifest or a source chunk is missing or corrupt), HostError
-    (disk full: bytes needed named).
+    (disk full: bytes needed named), LockLost (``dst``'s writer lock was lost: nothing named).
     """
     t0 = time.monotonic()
     data = src.get_manifest_bytes(digest)
@@ -55,26 +135,37 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
         progress(zero)
     remaining = [sum(refs.values())]
 
+    out = _Chunks(dst, what, COMMIT_CHUNKS if commit_chunks is None else commit_chunks,
+                  COMMIT_SECONDS if commit_seconds is None else commit_seconds)
+
     def work(d: str) -> tuple[int, int]:
         size = refs[d]
-        if dst.has_chunk(d):
+        if dst.has_chunk(d):  # committed (a chunk pending in the batch is not: refs names each once)
             return size, 0
         blob, _ = load_verified(src.backend, ChunkRef(digest=d, size=size), thread_buffers(), f"{what} in {src.location}")
         try:
-            dst.put_chunk_blob(d, blob)
+            out.put(d, blob)
         except HostError as e:
             raise HostError(f"{e}; about {remaining[0]:,} more bytes (uncompressed, at most) remain to copy for {what}") from None
         return size, len(blob)
 
-    for size, copied in ordered_map(work, list(refs), workers or max(src.workers, dst.workers)):
-        remaining[0] -= size
-        if copied:
-            rep.chunks_copied += 1
-            rep.bytes_copied += copied
-        if progress:
-            progress(size)
+    try:
+        for size, copied in ordered_map(work, list(refs), workers or max(src.workers, dst.workers)):
+            remaining[0] -= size
+            if copied:
+                rep.chunks_copied += 1
+                rep.bytes_copied += copied
+            if progress:
+                progress(size)
+    except BaseException:
+        try:  # the chunks verified so far are kept for the next try
+            out.flush()
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            out.discard()
+        raise
+    out.flush()  # every chunk durable and visible before the manifest names them
     # Manifest bytes are copied verbatim (same digest), after every chunk is in place.
-    dst.check_lock(f"copy {what}")  # LockLost: chunks seen above may be gone
+    dst.check_lock(f"copy {what}")  # LockLost: chunks seen or committed above may be gone
     if not dst.has_manifest(digest):
         dst.put_manifest(manifest)
         if not dst.has_manifest(digest):  # pragma: no cover - would mean to_bytes is not canonical

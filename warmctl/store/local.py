@@ -29,6 +29,7 @@ import shutil
 import signal
 import stat
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -494,9 +495,18 @@ class SaveBatch:
         self.workers = max(1, workers)
         self._mu = threading.Lock()
         self._pending: dict[str, str] = {}  # key -> temporary file name under tmp/
+        self._first: float | None = None  # time.monotonic() of the first save now pending
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def age(self) -> float:
+        """Seconds since the first save not yet committed (0.0 when nothing is pending): a
+        caller that commits once this passes a bound keeps what a crash can lose to about that
+        long's worth of saves (:func:`warmctl.store.copy.copy_manifest`)."""
+        with self._mu:
+            first = self._first
+        return 0.0 if first is None else time.monotonic() - first
 
     def __contains__(self, key: str) -> bool:
         return key in self._pending
@@ -517,6 +527,8 @@ class SaveBatch:
             with self._mu:
                 if key not in self._pending:
                     self._pending[key] = tmp
+                    if self._first is None:
+                        self._first = time.monotonic()
                     tmp = ""
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -538,7 +550,7 @@ class SaveBatch:
 
         b = self.backend
         with self._mu:
-            pending, self._pending = self._pending, {}
+            pending, self._pending, self._first = self._pending, {}, None
         if not pending:
             return 0
         tmpdir = b._walk([TMP_DIR], create=True)
@@ -595,7 +607,7 @@ class SaveBatch:
     def abort(self) -> None:
         """Remove every temporary file not committed (nothing becomes visible)."""
         with self._mu:
-            pending, self._pending = self._pending, {}
+            pending, self._pending, self._first = self._pending, {}, None
         if not pending:
             return
         try:

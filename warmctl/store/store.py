@@ -199,6 +199,12 @@ class Store:
         self.backend.save(chunk_key(digest), blob)
         self._known.add(digest)
 
+    def note_chunks(self, digests: Iterable[str]) -> None:
+        """Note chunks a caller made durable in this store itself (a committed
+        :class:`~warmctl.store.local.SaveBatch` of chunk objects, each verified), so that
+        :meth:`has_chunk` and :meth:`put_manifest` need not look for them again."""
+        self._known.update(digests)
+
     def remove_chunk(self, digest: str) -> None:
         """Delete the chunk object ``digest`` (gc's job: a manifest may still need it)."""
         self.backend.remove(chunk_key(digest))
