@@ -348,3 +348,66 @@ def test_a_lock_whose_pid_is_another_process_now_is_stale(tmp_path):
     (tmp_path / "store" / "locks" / "reused").write_text(_json.dumps(
         {**me, "start": me["start"] - 1, "kind": "exclusive", "time": time.time(), "purpose": "a killed gc"}))
     assert s.gc(grace=0).locks_removed == 1  # not refused as a live exclusive lock
+
+
+def _ten_chunk_store(tmp_path: Path):
+    """A local store (64 KiB chunks) holding tiny:latest: 10 stored chunks (and zeros)."""
+    f = write_payload(tmp_path / "p.img", [("random", 6 * 64 * 1024), ("zero", 2 * 64 * 1024), ("text", 4 * 64 * 1024)])
+    s = open_store(tmp_path / "src", chunk_size=64 * 1024)
+    return s, snapshot(s, "tiny", {"p.img": f})
+
+
+def test_copy_into_a_local_store_commits_bounded_batches_before_the_manifest(tmp_path, monkeypatch):
+    """copy_manifest into a local store: chunks committed in SaveBatches of at least
+    ``commit_chunks`` (the last one excepted), every one of them before the manifest is written."""
+    from warmctl.store import copy_manifest
+    from warmctl.store.local import SaveBatch
+
+    src, d = _ten_chunk_store(tmp_path)
+    events: list[tuple[str, int]] = []
+    real_commit, real_put = SaveBatch.commit, Store.put_manifest
+
+    def commit(self):
+        n = real_commit(self)
+        events.append(("commit", n))
+        return n
+
+    def put_manifest(self, m):
+        events.append(("manifest", len(chunk_files(tmp_path / "dst"))))
+        return real_put(self, m)
+
+    monkeypatch.setattr(SaveBatch, "commit", commit)
+    monkeypatch.setattr(Store, "put_manifest", put_manifest)
+    dst = open_store(tmp_path / "dst")
+    rep = copy_manifest(src, dst, d, workers=2, commit_chunks=3, commit_seconds=float("inf"))
+    assert rep.chunks_copied == 10
+    sizes = [n for e, n in events if e == "commit" and n]
+    assert sum(sizes) == 10 and len(sizes) >= 3 and all(n >= 3 for n in sizes[:-1]), events
+    assert events[-1] == ("manifest", 10), events  # every chunk visible before the manifest
+    assert dst.verify().ok and list((tmp_path / "dst" / "tmp").iterdir()) == []
+    events.clear()
+    dst2 = open_store(tmp_path / "dst2")
+    copy_manifest(src, dst2, d, workers=1, commit_chunks=1000, commit_seconds=0.0)  # due at each save (one worker)
+    assert [n for e, n in events if e == "commit" and n] == [1] * 10, events
+
+
+def test_a_copy_that_fails_keeps_the_chunks_verified_so_far(tmp_path):
+    """A source chunk corrupt: the copy raises IntegrityError naming it, names nothing, and the
+    chunks it had verified are committed (visible, whole), no temporary file left; the rerun
+    after the repair fetches only the rest."""
+    from warmctl.store import copy_manifest
+
+    src, d = _ten_chunk_store(tmp_path)
+    refs = [c for f in src.get_manifest(d).files for c in f.chunks if not ck.is_zero_chunk(c.digest, c.size)]
+    victim = refs[-1]
+    path = tmp_path / "src" / chunk_key(victim.digest)
+    good = path.read_bytes()
+    path.write_bytes(good[:-3] + b"xyz")
+    dst = open_store(tmp_path / "dst")
+    with pytest.raises(IntegrityError, match=victim.digest):
+        copy_manifest(src, dst, d, workers=1, commit_chunks=1000, commit_seconds=float("inf"))
+    have = len(chunk_files(tmp_path / "dst"))
+    assert have == len(refs) - 1 and dst.list_manifests() == []  # one worker: every chunk before the victim
+    assert list((tmp_path / "dst" / "tmp").iterdir()) == [] and dst.verify().ok
+    path.write_bytes(good)
+    assert copy_manifest(src, dst, d).chunks_copied == 1 and dst.verify().ok

@@ -54,7 +54,6 @@ class _Chunks:
         self._mu = threading.Lock()
         self._committing = threading.Lock()
         self._digests: list[str] = []  # saved into the batch, not yet known committed
-        self.commits = 0
 
     def put(self, digest: str, blob: bytes | memoryview) -> None:
         """Store one verified chunk (durable at once, or at the next commit). Raises HostError
@@ -84,15 +83,14 @@ class _Chunks:
             self.batch.abort()
 
     def _commit(self) -> None:
-        if not len(self.batch):
-            return
-        self.dst.check_lock(f"copy {self.what}")
         # Taken before the batch's own swap: every digest taken here was saved before it, so
-        # it is in what this commit renames (one saved in between is noted at the next commit).
+        # it is in what this commit renames or an earlier one did (a digest saved in between
+        # is noted at the next commit).
         with self._mu:
             digests, self._digests = self._digests, []
-        self.batch.commit()
-        self.commits += 1
+        if len(self.batch):
+            self.dst.check_lock(f"copy {self.what}")
+            self.batch.commit()
         self.dst.note_chunks(digests)
 
 
