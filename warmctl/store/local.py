@@ -486,6 +486,8 @@ class SaveBatch:
     the object and one of its directory per chunk (plus one per new ``chunks/xx/``) measured
     4-6 s of a 9 s materialize of ``tiny`` (1,130 fsyncs) while the image was being written
     beside them, against about 0.3 s as one batch (docs/benchmarks.md, "up on a fleet node").
+    ``pull`` (:func:`~warmctl.store.copy.copy_manifest`) commits its batches by count and age
+    (:meth:`age`), so that a killed pull keeps all but the last second or so of its fetching.
     Without ``fsync`` on the backend the commit only renames. Thread-safe; memory: a name per
     object. A key saved twice in one batch is written once.
     """
