@@ -7,6 +7,12 @@ fetched again from the remote and rewritten, and errors name the remote's locati
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +20,7 @@ from test_store_fixtures import MiB, chunk_files, moto_endpoint, push, s3_url, s
 
 from warmctl.errors import IntegrityError
 from warmctl.store import (
+    CacheFill,
     CachingBackend,
     ChunkCorrupt,
     ChunkMissing,
@@ -58,6 +65,77 @@ def test_read_through_cache_fills_it_and_serves_the_next_read(tmp_path, remote):
         p.unlink()
     src.read_file(refs, tmp_path / "out" / "b.img", cache=open_store(tmp_path / "cache"))
     assert (tmp_path / "out" / "b.img").read_bytes() == f.read_bytes()
+
+
+def _tmp_files(store_dir: Path) -> list[Path]:
+    return sorted((store_dir / "tmp").glob("*.tmp")) if (store_dir / "tmp").is_dir() else []
+
+
+def test_a_fill_keeps_fetched_chunks_uncommitted_until_its_commit(tmp_path, remote):
+    """``read_files(cache=, fill=)`` (what ``up`` does since the commit moved after the port
+    opened): the file is whole on return, but the fetched chunks are only temporary files of the
+    cache (nothing visible under its key, nothing a reader or ``verify`` could see half-written);
+    ``commit()`` makes every one visible, each whole."""
+    src, refs, f = remote
+    cache = open_store(tmp_path / "cache")
+    fill = CacheFill(cache)
+    src.read_file(refs, tmp_path / "out" / "a.img", cache=cache, fill=fill)
+    assert (tmp_path / "out" / "a.img").read_bytes() == f.read_bytes()
+    assert chunk_files(tmp_path / "cache") == [] and len(fill) == 8 == len(_tmp_files(tmp_path / "cache"))
+    assert not any(cache.has_chunk(r.digest) for r in refs)
+    assert list((tmp_path / "cache" / "locks").iterdir()), "the copies are written under the cache's writer lock"
+    assert fill.commit() == 8 and len(fill) == 0
+    assert _blobs(tmp_path / "cache") == _blobs(tmp_path / "remote") and _tmp_files(tmp_path / "cache") == []
+    for p in chunk_files(tmp_path / "remote"):  # the cache alone serves the next read
+        p.unlink()
+    src.read_file(refs, tmp_path / "out" / "b.img", cache=cache)
+    assert (tmp_path / "out" / "b.img").read_bytes() == f.read_bytes()
+    cache.close()
+
+
+def test_a_discarded_fill_leaves_nothing_and_a_wrong_one_is_refused(tmp_path, remote):
+    src, refs, _ = remote
+    cache = open_store(tmp_path / "cache")
+    fill = CacheFill(cache)
+    src.read_file(refs, tmp_path / "a.img", cache=cache, fill=fill)
+    fill.discard()
+    assert chunk_files(tmp_path / "cache") == [] and _tmp_files(tmp_path / "cache") == []
+    assert fill.settle() is None and fill.commit() == 0  # nothing left to commit
+    with pytest.raises(ValueError, match="CacheFill of the cache"):
+        src.read_file(refs, tmp_path / "b.img", cache=open_store(tmp_path / "other"), fill=fill)
+    with pytest.raises(ValueError, match="CacheFill of the cache"):
+        src.read_file(refs, tmp_path / "b.img", fill=fill)
+
+
+def test_a_reader_killed_before_its_fill_commits_leaves_temporary_files_gc_removes(tmp_path, remote):
+    """A real process reads through the cache with a fill and is SIGKILLed before the commit (as
+    ``up`` killed between the restore and its "commit" phase): the cache holds no chunk object,
+    only temporary files; the next read fetches and commits every chunk; ``gc`` removes the old
+    temporary files (those older than an hour: a live writer's are never that old)."""
+    src, refs, f = remote
+    code = ("import json, os, signal, sys; from warmctl.store import CacheFill, open_store; "
+            "from warmctl.manifest import ChunkRef; refs = [ChunkRef(**r) for r in json.loads(sys.argv[3])]; "
+            "cache = open_store(sys.argv[2]); fill = CacheFill(cache); "
+            "open_store(sys.argv[1]).read_file(refs, sys.argv[2] + '.img', cache=cache, fill=fill); "
+            "print(len(fill), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "remote"), str(tmp_path / "cache"),
+                        json.dumps([x.model_dump() for x in refs])], env=env, capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL and r.stdout.strip() == "8", r.stderr
+    left = _tmp_files(tmp_path / "cache")
+    assert chunk_files(tmp_path / "cache") == [] and len(left) == 8
+    cache = open_store(tmp_path / "cache")
+    assert cache.verify().ok
+    src.read_file(refs, tmp_path / "again.img", cache=cache)  # the next read completes the cache
+    assert (tmp_path / "again.img").read_bytes() == f.read_bytes()
+    assert _blobs(tmp_path / "cache") == _blobs(tmp_path / "remote")
+    cache.close()
+    old = time.time() - 2 * 3600
+    for p in left:
+        os.utime(p, (old, old))
+    rep = cache.gc()
+    assert rep.tmp_removed == 8 and _tmp_files(tmp_path / "cache") == []
+    assert rep.chunks_too_new == 8  # the committed chunks (no manifest names them here) are within gc's grace
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

@@ -15,7 +15,8 @@
    under the host's CRIU lock, "materialize" (the verified image this host keeps for the
    snapshot's digest reused, :mod:`warmctl.checkpoint.imagecache`; or else every chunk fetched
    and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk; from
-   a remote store each chunk streams into the local store, its cache, and into place -- and the
+   a remote store each chunk streams into the local store, its cache (uncommitted until step 6),
+   and into place -- and the
    image written into that cache; ``/dev/shm`` files and bundled files put back, required files
    checked) and "restore" (CRIU restores the tree: new host PIDs, its own PID namespace);
 4. the checkpoint plan's ``after_restore`` ("gpu_restore" on CUDA profiles: every rank's CUDA
@@ -24,9 +25,12 @@
 5. "canary": the canary replayed and compared bit for bit with the record; on any mismatch
    :class:`CanaryMismatch` is raised -- the public port never opens;
 6. "gate": the public port opens (:mod:`warmctl.gate`: the process started at step 3 is told to
-   listen); a snapshot restored from a remote store
-   is then named in the local store's catalog too ("keep", :func:`_keep_locally`; timed after
-   the port opened, so not in ``total``), so the next ``up`` finds it without the remote.
+   listen); a snapshot restored from a remote store then has the chunks fetched into the local
+   store committed there ("commit", :func:`_commit_fetched`: until then they are temporary
+   files, :class:`warmctl.store.CacheFill`; the fsyncs no longer stand between the fetch and
+   CRIU) and is named in the local store's catalog too ("keep", :func:`_keep_locally`), both
+   timed after the port opened, so not in ``total``, so the next ``up`` finds it without the
+   remote. A restore that fails commits what it fetched before it raises (kept for the next try).
 
 Every engine is held as an :class:`~warmctl.engine.run.EngineRun` (paths resolved once, PIDs
 with identity, ``/dev/shm`` files), recorded in ``<home>/run/NAME/state.json`` before anything
@@ -65,7 +69,7 @@ from warmctl.names import check_name
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
 from warmctl.state import EngineSource, EngineState, all_states
-from warmctl.store import Fetched, open_store
+from warmctl.store import CacheFill, Fetched, open_store
 from warmctl.store.chunks import is_zero_chunk
 
 
@@ -104,7 +108,7 @@ def _public(profile: Profile, settings: Settings, port: int | None, host: str | 
 
 def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCache, reporter: Reporter,
                  cache=None, fetched: Fetched | None = None, protected: list[Path] = (),
-                 file_digests: DigestCache | None = None) -> CachedImage:
+                 file_digests: DigestCache | None = None, fill: CacheFill | None = None) -> CachedImage:
     """Write the manifest's files back: the CRIU image through the image cache (reused when
     this host already holds the verified image of ``digest``, :mod:`warmctl.checkpoint.imagecache`),
     weights linked from it into ``run.weights``, ``/dev/shm`` files copied from it (recorded on
@@ -112,7 +116,8 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
     from the store at their absolute paths. Returns the cached image to restore from.
 
     ``cache``: a local store that keeps chunks read from a remote ``store``; ``fetched``:
-    counts the stored bytes loaded from each. ``protected``: warmctl's own directories and
+    counts the stored bytes loaded from each; ``fill``: a :class:`~warmctl.store.CacheFill` of
+    ``cache`` that holds the fetched chunks uncommitted (the caller commits it). ``protected``: warmctl's own directories and
     files (home, keys, config), where no bundled file may be written; ``file_digests``: the
     host's digest cache of required files (:mod:`warmctl.checkpoint.filedigest`).
     Raises :class:`IntegrityError` (from the store) on a bad chunk or a bundled file whose
@@ -139,7 +144,8 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
                         "another restore of it is running on this host; `warmctl down` it first")
     advance = reporter.bytes_progress("materialize", m.total_size())
     img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
-                     also=lambda: _other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})")
+                     also=lambda: _other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})",
+                     fill=fill)
     if not img.written:
         reporter.info(f"image: reusing the verified image of {digest[:19]} ({img.path})")
     if img.evicted:
@@ -165,7 +171,7 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
             if f.hardlink_to is not None:
                 os.link(dest.parent / f.hardlink_to, dest)
                 continue
-            store.read_file(f.chunks, dest, progress=advance, cache=cache, fetched=fetched)
+            store.read_file(f.chunks, dest, progress=advance, cache=cache, fetched=fetched, fill=fill)
             os.chmod(dest, f.mode)
         inodes = [(x.st_dev, x.st_ino) for x in map(os.stat, written_shm)]
     except BaseException:
@@ -434,8 +440,11 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     img = None
     lazy = None
     served = False
+    # the chunks fetched into the local store are committed after the port opened ("commit")
+    fill = CacheFill(found.cache) if found.cache is not None else None
     try:
-        img, lazy = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins, pages)
+        img, lazy = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins, pages,
+                                             fill=fill)
         _check_ranks(run, m, reporter)
         run.save(phase="health")
         plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
@@ -462,16 +471,42 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
         run.remove_scratch()
         if img is not None:  # an image not kept stays while a lazy restore's daemon reads it (down removes it)
             images.release(img, busy=served and lazy is not None)
+        if fill is not None and not served:  # the verified chunks are kept for the next try, or none at all
+            err = fill.settle()
+            if err is not None:
+                reporter.info(f"[yellow]the fetched chunks were not kept in the local store: {escape(str(err))}[/]")
     timings = _timings(reporter)
     _serving(run, timings)
     fetched = found.fetched.as_dict()
     if found.cache is not None:
         reporter.info(f"fetched {fetched['remote'] / 2**20:,.0f} MiB from {found.store.location}, "
                       f"{fetched['local'] / 2**20:,.0f} MiB from the local store")
-        with reporter.phase("keep", "naming the snapshot in the local store"):
-            _keep_locally(found, reporter, settings)
-        timings["keep"] = reporter.seconds("keep")
+        kept = _commit_fetched(fill, reporter)
+        timings["commit"] = reporter.seconds("commit")
+        if kept:
+            with reporter.phase("keep", "naming the snapshot in the local store"):
+                _keep_locally(found, reporter, settings)
+            timings["keep"] = reporter.seconds("keep")
     return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched)  # type: ignore[arg-type]
+
+
+def _commit_fetched(fill: CacheFill | None, reporter: Reporter) -> bool:
+    """The "commit" phase, after the public port opened: the chunks this ``up`` fetched into the
+    local store (temporary files until now, :class:`~warmctl.store.CacheFill`) made durable and
+    visible there (one fsync per chunk object on 8 threads, one per directory). Nothing on the
+    way to the first token reads them, so it no longer runs before CRIU (it was the end of
+    "materialize"). Never fails the serving engine: on an error the temporary files are removed,
+    the error reported, and False returned (then the snapshot is not named locally: the next
+    ``up`` fetches again). A ``kill -9`` before or during it leaves temporary files for gc."""
+    if fill is None:
+        return True
+    with reporter.phase("commit", f"making the {len(fill)} fetched chunk(s) durable in the local store"):
+        err = fill.settle()
+    if err is not None:
+        reporter.info(f"[yellow]the fetched chunks were not kept in the local store, nor the snapshot named there: "
+                      f"{escape(str(err))}[/]")
+        return False
+    return True
 
 
 def _keep_locally(found: _Found, reporter: Reporter, settings: Settings) -> None:
@@ -515,14 +550,15 @@ def restore_pages(settings: Settings, binary: str, plugins: tuple[str, ...], rep
 
 def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
                              settings: Settings, reporter: Reporter, plugins: tuple[str, ...] = (),
-                             pages: str = "eager") -> tuple[CachedImage, "criu.LazyPages | None"]:
+                             pages: str = "eager", fill: CacheFill | None = None) -> tuple[CachedImage, "criu.LazyPages | None"]:
     """The "materialize" and "restore" phases, under the host's CRIU lock: one CRIU operation
     per host from the first ``/dev/shm`` file written until CRIU has consumed its link_remap
     files (see :func:`warmctl.checkpoint.criu.host_lock`). The run is recorded before CRIU
     starts, with the ``/dev/shm`` files written; its root once CRIU returns it. ``plugins``:
     the CRIU plugins the restore loads (the plan's ``criu_plugins``). ``pages``: ``lazy``
     starts a ``criu lazy-pages`` daemon first (recorded on the run the moment it runs) and
-    returns it; ``eager`` returns None beside the image."""
+    returns it; ``eager`` returns None beside the image. ``fill``: where the chunks fetched into
+    the local store wait for their commit (:func:`_commit_fetched`)."""
     m = found.manifest
     assert m is not None
     netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
@@ -530,7 +566,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
             img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
                                fetched=found.fetched, protected=protected_paths(settings),
-                               file_digests=DigestCache.for_settings(settings))
+                               file_digests=DigestCache.for_settings(settings), fill=fill)
             run.prepare()
             run.log_path.touch()
         run.record(st)

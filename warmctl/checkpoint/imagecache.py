@@ -247,7 +247,7 @@ class ImageCache:
     def get(self, store, m: Manifest, digest: str, progress: Callable[[int], None] | None = None,
             cache=None, fetched=None, also: "Iterable[diskspace.Need] | Callable[[], Iterable[diskspace.Need]]" = (),
             scratch: Path | None = None,
-            command: str = "") -> CachedImage:
+            command: str = "", fill=None) -> CachedImage:
         """The entry of ``digest``: reused if intact, else written from ``store`` (every chunk
         verified; ``cache``: the local store that keeps chunks read from a remote ``store``;
         ``fetched``: counts the stored bytes loaded from each, as in ``read_file``).
@@ -261,7 +261,9 @@ class ImageCache:
         never for a reused one), removing more unused entries if that is enough; an
         image that does not fit the budget at all is written to ``scratch`` (default: a
         ``.unkept-*`` directory in the root) and not kept. ``command`` names the command in a
-        refusal. The caller holds the host's CRIU lock (two writers of one entry never race).
+        refusal. ``fill``: a :class:`warmctl.store.CacheFill` of ``cache``, in which the fetched
+        chunks are left uncommitted for the caller (else they are committed before this returns).
+        The caller holds the host's CRIU lock (two writers of one entry never race).
 
         Raises :class:`IntegrityError` on a bad chunk, :class:`HostError` when the cache root is
         unsafe or the disk cannot hold what will be written (then nothing was removed or
@@ -298,7 +300,8 @@ class ImageCache:
                 (tmp / sub).mkdir(mode=0o700)
             whole = [f for f in _cached_files(m) if f.hardlink_to is None]
             # every file's chunks through one pool: no drain between the image's hundred files
-            store.read_files([(f.chunks, tmp / _rel(f)) for f in whole], progress=progress, cache=cache, fetched=fetched)
+            store.read_files([(f.chunks, tmp / _rel(f)) for f in whole], progress=progress, cache=cache, fetched=fetched,
+                             fill=fill)
             for f in whole:
                 os.chmod(tmp / _rel(f), f.mode & 0o555)  # read-only: CRIU and the weights loader only read
             for f in _cached_files(m):

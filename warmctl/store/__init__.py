@@ -40,7 +40,7 @@ from warmctl.store.lock import LockLost, StoreLocked
 from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
 from warmctl.store.s3 import S3Backend
 from warmctl.store.sealed import SEALED, SealedBackend, SealKeyError, load_key, read_seal
-from warmctl.store.store import Store
+from warmctl.store.store import CacheFill, Store
 
 __all__ = [
     "Backend",
@@ -66,6 +66,7 @@ __all__ = [
     "SealedBackend",
     "SealKeyError",
     "STORE_FORMAT",
+    "CacheFill",
     "Store",
     "LockLost",
     "StoreLocked",

@@ -23,8 +23,11 @@ class CachingBackend(Backend):
 
     ``before_fill()``: called before a copy is written to the cache (the cache's store takes
     its writer lock there). ``fetched``: counts the stored bytes each load took from the
-    remote and from the cache. Keep/forget refer to the calling thread's last load of a key.
-    Properties (parallelism, prefetch) are the remote's. Thread-safe.
+    remote and from the cache. ``batch``: a :class:`~warmctl.store.local.SaveBatch` of the
+    cache to put the copies in, owned by the caller (a :class:`warmctl.store.CacheFill`, whose
+    commit may come later: :meth:`flush` and :meth:`discard` then leave it alone); by default
+    one of its own, committed by :meth:`flush`. Keep/forget refer to the calling thread's last
+    load of a key. Properties (parallelism, prefetch) are the remote's. Thread-safe.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class CachingBackend(Backend):
         prefixes: tuple[str, ...] = ("chunks/",),
         before_fill: Callable[[], None] | None = None,
         fetched: Fetched | None = None,
+        batch=None,
     ):
         self.remote = remote
         self.fetched = fetched
@@ -42,7 +46,8 @@ class CachingBackend(Backend):
         self.before_fill = before_fill
         self._tls = threading.local()  # see _tried
         # a local cache is filled in one batch of fsyncs (committed by flush()), not one per chunk
-        self._batch = cache.batch(workers=8) if hasattr(cache, "batch") else None
+        self._own = batch is None
+        self._batch = batch if batch is not None else cache.batch(workers=8) if hasattr(cache, "batch") else None
 
     def __repr__(self) -> str:
         return f"CachingBackend({self.remote!r}, cache={self.cache!r})"
@@ -117,12 +122,13 @@ class CachingBackend(Backend):
         :class:`~warmctl.store.local.SaveBatch` commit; a cache without batches saved each copy
         already). Returns how many were committed. Until then a copy is a temporary file of the
         cache's store: a second load of the same key reads the remote again. Raises OSError /
-        HostError from the cache's disk."""
-        return self._batch.commit() if self._batch is not None else 0
+        HostError from the cache's disk. With a caller's ``batch``: nothing (0), its owner commits."""
+        return self._batch.commit() if self._batch is not None and self._own else 0
 
     def discard(self) -> None:
-        """Drop the copies kept since the last flush (their temporary files removed)."""
-        if self._batch is not None:
+        """Drop the copies kept since the last flush (their temporary files removed); with a
+        caller's ``batch``: nothing, its owner decides."""
+        if self._batch is not None and self._own:
             self._batch.abort()
 
     def forget(self, key: str) -> bool:

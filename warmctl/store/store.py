@@ -44,6 +44,56 @@ def _release_all() -> None:
         s.close()
 
 
+class CacheFill:
+    """Chunks fetched into a local store's read cache (``Store.read_files(cache=, fill=)``) and
+    not yet committed: each verified copy is a temporary file under the cache's ``tmp/`` (one
+    :class:`~warmctl.store.local.SaveBatch`), neither durable nor visible under its key, until
+    :meth:`commit`. Why: on a fresh node that commit (an fsync of every fetched chunk object,
+    1.4 GiB of ``tiny``'s) ran inside ``up``'s "materialize", before CRIU started, although
+    nothing on the path to the first token reads the local store; ``up`` now commits after the
+    public port opened (its "commit" phase), or, when the restore fails, before it raises.
+
+    The store's invariants hold as for an immediate commit: an object is visible only once
+    durable; a crash (``kill -9``) before or during the commit leaves temporary files (gc
+    removes them, :meth:`~warmctl.store.local.LocalBackend.list_tmp`) and at worst some whole
+    objects renamed, and a later read fetches what is missing again. The copies are written
+    under ``cache``'s shared writer lock (taken at the first copy); commit before
+    ``cache.close()`` releases it, so that no gc runs between the copies and their commit.
+    A cache whose backend has no batches (not a local directory) saved each copy already:
+    :meth:`commit` then has nothing to do. Thread-safe as the batch is.
+    """
+
+    def __init__(self, cache: "Store"):
+        self.cache = cache
+        b = cache.backend
+        self.batch = b.batch(workers=8) if hasattr(b, "batch") else None
+
+    def __len__(self) -> int:
+        """Copies pending (not yet committed)."""
+        return 0 if self.batch is None else len(self.batch)
+
+    def commit(self) -> int:
+        """Make every pending copy durable and visible in the cache; returns how many. Raises
+        OSError / :class:`~warmctl.errors.HostError` from the cache's disk (the copies not yet
+        renamed stay temporary files: :meth:`discard` removes them)."""
+        return 0 if self.batch is None else self.batch.commit()
+
+    def discard(self) -> None:
+        """Remove every pending copy's temporary file (nothing becomes visible)."""
+        if self.batch is not None:
+            self.batch.abort()
+
+    def settle(self) -> Exception | None:
+        """:meth:`commit`, or on its failure :meth:`discard`: the store is left either way with
+        only whole, durable objects. Returns the commit's error (None when it committed)."""
+        try:
+            self.commit()
+            return None
+        except Exception as e:  # noqa: BLE001 - returned for the caller to report
+            self.discard()
+            return e
+
+
 class Store:
     """A content-addressed snapshot store on ``backend``.
 
@@ -263,7 +313,7 @@ class Store:
             os.close(fd)
 
     def read_file(self, chunks: list[ChunkRef], dest: Path | str, progress: Progress | None = None, cache: Store | None = None,
-                  fetched: Fetched | None = None) -> None:
+                  fetched: Fetched | None = None, fill: "CacheFill | None" = None) -> None:
         """Write the file made of ``chunks`` to ``dest`` (parents created; written to a
         temporary file in the same directory, then renamed; zero chunks become holes).
 
@@ -272,23 +322,32 @@ class Store:
         download; a damaged cached chunk is fetched again and replaced
         (:class:`~warmctl.store.cache.CachingBackend`). ``progress(n)``: file bytes written
         since the last call. ``fetched``: adds the stored bytes loaded, by where they came from
-        (this store when it is local, else the remote; the cache).
+        (this store when it is local, else the remote; the cache). ``fill``: see :meth:`read_files`.
         Raises IntegrityError (naming the chunk digest, where it is stored, and ``dest``) for a
         missing/corrupt/truncated chunk; HostError when the disk is too small (naming bytes).
         """
-        self.read_files([(chunks, dest)], progress, cache, fetched)
+        self.read_files([(chunks, dest)], progress, cache, fetched, fill)
 
     def read_files(self, files: list[tuple[list[ChunkRef], Path | str]], progress: Progress | None = None,
-                   cache: Store | None = None, fetched: Fetched | None = None) -> None:
+                   cache: Store | None = None, fetched: Fetched | None = None,
+                   fill: "CacheFill | None" = None) -> None:
         """:meth:`read_file` for each ``(chunks, dest)`` of ``files``, through one pool of
         :attr:`workers` threads for all of them (no drain at file boundaries; see
         :func:`warmctl.store.chunkio.read_files`). Same guarantees and errors; free space is
-        checked once for all the files' non-zero bytes."""
+        checked once for all the files' non-zero bytes.
+
+        With ``cache``, the chunks fetched are committed to it (durable and visible: one
+        :class:`~warmctl.store.local.SaveBatch`) before this returns or raises; given ``fill``
+        (a :class:`CacheFill` of ``cache``), they are put in it instead and this returns without
+        committing them: ``fill.commit()`` (or ``discard()``) is the caller's, e.g. once the
+        restored engine serves (:func:`warmctl.lifecycle.up`)."""
         backend, count = self.backend, None
         what = str(files[0][1]) if len(files) == 1 else f"{len(files)} files in {Path(files[0][1]).parent}" if files else ""
+        if fill is not None and (cache is None or fill.cache is not cache):
+            raise ValueError("fill= is a CacheFill of the cache= store")
         if cache is not None:
             backend = CachingBackend(backend, cache.backend, before_fill=lambda: cache.lock_for_write(f"cache for {what}"),
-                                     fetched=fetched)
+                                     fetched=fetched, batch=None if fill is None else fill.batch)
         elif fetched is not None:
             where = "local" if backend.properties.local else "remote"
             count = lambda n: fetched.add(where, n)  # noqa: E731
