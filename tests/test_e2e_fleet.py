@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import isolated_env, warmctl
+from tests.conftest import isolated_env, listening, warmctl
 from tests.test_agent_e2e import Agent, _engine_procs
 
 pytestmark = pytest.mark.e2e
@@ -110,6 +110,63 @@ def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
     assert [(x["name"], x["tag"], x["digest"]) for x in ls] == [("tiny", "latest", fleet["digest"])]
     r, res = _up(fleet["b"])
     assert res["path"] == "restore" and res["fetched"]["remote"] == 0, res
+
+
+def _files(d: Path, pattern: str = "*") -> list[Path]:
+    return [p for p in d.rglob(pattern) if p.is_file()] if d.is_dir() else []
+
+
+def test_a_fresh_node_killed_after_its_port_opened_keeps_only_temporary_chunks(fleet, engine_ports):
+    """The chunks a fresh node fetches are committed to its local store after the public port
+    opened ("commit"): ``up`` killed there (``kill -9``, after the gate opened) leaves an engine
+    that serves, and a local store with no chunk object and nothing named, only temporary files
+    (gc's, once an hour old); ``verify`` passes. A restore that fails after materialize (a rank
+    killed before the ranks check) commits what it fetched before it raises, names nothing and
+    leaves nothing open; the next ``up`` then serves and names the snapshot locally."""
+    warmctl("push", "tiny", "--to", str(fleet["remote"]), env=fleet["a"])
+    c = node(fleet["root"] / "c", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=str(fleet["remote"]))
+    home = Path(c["WARMCTL_TEST_HOME"])
+    store = home / "store"
+    try:
+        r = warmctl("up", "tiny", "--json", "--cold-start", "never", env={**c, "WARMCTL_TEST_KILL_AT_PHASE": "commit"},
+                    check=False)
+        assert r.returncode == -9, r.stdout + r.stderr
+        assert _answers(fleet["gate"]).strip()  # the port opened before the commit: the engine serves
+        assert _files(store / "chunks") == []
+        tmp = _files(store / "tmp", "*.tmp")
+        assert len(tmp) > 100, len(tmp)  # tiny's ~460 fetched chunk objects, none durable or visible yet
+        assert json.loads(warmctl("ls", "--json", env=c).stdout) == []
+        assert warmctl("verify", env=c, check=False).returncode == 0
+        warmctl("down", "tiny", env=c)
+
+        shutil.rmtree(home / "cache" / "images")  # else the kept image is reused and nothing is fetched
+        r = warmctl("up", "tiny", "--json", "--cold-start", "never", env={**c, "WARMCTL_TEST_KILL_RANK": "ranks:Worker"},
+                    check=False)
+        assert r.returncode == 39 and "Worker" in r.stderr, r.stdout + r.stderr  # RankError
+        assert not listening(fleet["gate"])
+        chunks = _files(store / "chunks")
+        assert len(chunks) > 100 and not set(_files(store / "tmp", "*.tmp")) - set(tmp), "committed, nothing left pending"
+        assert json.loads(warmctl("ls", "--json", env=c).stdout) == []  # no partial snapshot named
+        assert warmctl("verify", env=c, check=False).returncode == 0
+        assert not _engine_procs(home)
+
+        r, res = _up(c, "--cold-start", "never")
+        assert res["path"] == "restore" and "commit" in res["timings_s"] and "keep" in res["timings_s"], r.stderr
+        assert _answers(fleet["gate"]).strip()
+        ls = json.loads(warmctl("ls", "--json", env=c).stdout)
+        assert [(x["name"], x["digest"]) for x in ls] == [("tiny", fleet["digest"])]
+        warmctl("down", "tiny", env=c)
+        old = __import__("time").time() - 2 * 3600
+        for p in tmp:
+            os.utime(p, (old, old))
+        r = warmctl("gc", env=c)
+        assert _files(store / "tmp", "*.tmp") == [], r.stdout + r.stderr
+        # named now, gc keeps them (with the few chunks no materialize fetched, e.g. of bundled files
+        # already in place, which keep copied)
+        assert set(chunks) <= set(_files(store / "chunks"))
+        assert warmctl("verify", env=c, check=False).returncode == 0
+    finally:  # node C is no fixture's: its engine goes whatever failed
+        warmctl("down", "tiny", env=c, check=False)
 
 
 def test_b_without_as_key_refuses_and_names_the_key(fleet, engine_ports):
