@@ -102,6 +102,9 @@ def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
     assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
     # (a chunk that occurs twice in the snapshot is fetched once, then read from the local cache)
     assert res["fetched"]["remote"] > 100 * 2**20 and res["fetched"]["local"] < res["fetched"]["remote"] / 100, res
+    # CRIU restored while the image was fetched and written (restore_stream, the default): it read every
+    # non-empty image file through warmctl's streamer
+    assert res["streamed"] and res["streamed"]["files"] > 10 and res["streamed"]["bytes"] > 100 * 2**20, res
     assert _answers(fleet["gate"]).strip()
     warmctl("down", "tiny", env=fleet["b"])
     # B's local store now names it and holds its chunks: the next up reads nothing remote
@@ -110,6 +113,7 @@ def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
     assert [(x["name"], x["tag"], x["digest"]) for x in ls] == [("tiny", "latest", fleet["digest"])]
     r, res = _up(fleet["b"])
     assert res["path"] == "restore" and res["fetched"]["remote"] == 0, res
+    assert res["streamed"] is None, res  # the kept image: nothing to wait for
 
 
 def _files(d: Path, pattern: str = "*") -> list[Path]:

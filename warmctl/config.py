@@ -53,6 +53,7 @@ ENV_VARS = {
     "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
     "cold_start": "WARMCTL_COLD_START",
     "restore_pages": "WARMCTL_RESTORE_PAGES",
+    "restore_stream": "WARMCTL_RESTORE_STREAM",
     "seal_key": "WARMCTL_SEAL_KEY",
     "image_cache_bytes": "WARMCTL_IMAGE_CACHE_BYTES",
 }
@@ -154,6 +155,11 @@ class Settings(BaseModel):
       lazy ``up`` took 2.50 s to the first correct token against eager's 2.05 s
       (``benchmarks/up_vs_raw.py``, docs/benchmarks.md). A profile whose checkpoint plan loads CRIU
       plugins (AMD) always restores eagerly: lazy pages with plugins are not verified.
+    - ``restore_stream``: ``auto`` (default): when ``up`` must write the image first (a fresh
+      node, or an image not kept on this host) and restores eagerly without CRIU plugins, CRIU
+      restores from the image while it is being fetched, verified and written (``criu restore
+      --stream``, :mod:`warmctl.checkpoint.stream`: only verified bytes reach CRIU, and a bad
+      chunk fails the restore); ``never``: the whole image is written first, then restored.
     - ``engine_env_passthrough``: variables of warmctl's environment the engine gets too
       (exact names, or prefixes ending in ``*``: ``["HTTPS_PROXY", "NCCL_*"]``), for a site's
       proxy, CA bundle or interconnect settings. The engine's environment is otherwise
@@ -205,6 +211,7 @@ class Settings(BaseModel):
     s3_outage_s: float = Field(60.0, ge=0)
     cold_start: Literal["fallback", "never"] = "fallback"
     restore_pages: Literal["auto", "lazy", "eager"] = "eager"
+    restore_stream: Literal["auto", "never"] = "auto"
     engine_env_passthrough: list[str] = []
     seal_key: Path | None = None
     image_cache_bytes: int | float | str = DEFAULT_IMAGE_CACHE

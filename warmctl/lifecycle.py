@@ -52,12 +52,13 @@ from warmctl import snapshot as snap
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import affinity, capture, criu, layout
 from warmctl.checkpoint.filedigest import DigestCache
-from warmctl.checkpoint.imagecache import CachedImage, ImageCache
+from warmctl.checkpoint.imagecache import CachedImage, ImageCache, entry_sizes
+from warmctl.checkpoint.stream import ImageStreamer, StreamError
 from warmctl.config import Settings
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
-from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
+from warmctl.errors import CheckpointError, EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.gate import LazyWatch
 from warmctl.gate import drain as drain_gate
 from warmctl.gate import gate_enforces, require_port_free, settings_args
@@ -83,7 +84,10 @@ class UpResult:
     path also lists the engine's own start-up breakdown, :func:`warmctl.engine.cold.start`,
     which ``total`` does not add again). ``reason``: why the cold path was taken.
     ``fetched``: stored bytes of the chunks this ``up`` loaded, from the ``remote`` store and
-    from the ``local`` one (:class:`warmctl.store.Fetched`).
+    from the ``local`` one (:class:`warmctl.store.Fetched`). ``streamed``: for a restore that
+    read its image while it was written (``restore_stream``): ``files`` (image files CRIU read),
+    ``bytes`` (bytes it read), ``waited_s`` (seconds CRIU's readers waited for bytes not yet
+    written, summed over files); None otherwise.
     """
 
     state: EngineState
@@ -93,6 +97,7 @@ class UpResult:
     snapshot_digest: str | None = None
     already_up: bool = False
     fetched: dict[str, int] = field(default_factory=dict)
+    streamed: dict[str, float] | None = None
 
     @property
     def outcome(self) -> str:
@@ -120,14 +125,30 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
     ``cache`` that holds the fetched chunks uncommitted (the caller commits it). ``protected``: warmctl's own directories and
     files (home, keys, config), where no bundled file may be written; ``file_digests``: the
     host's digest cache of required files (:mod:`warmctl.checkpoint.filedigest`).
-    Raises :class:`IntegrityError` (from the store) on a bad chunk or a bundled file whose
-    destination is not one where bundled files may live (:func:`capture.bundled_target_problems`;
-    checked whatever the signature flags, before anything is written), :class:`HostError` naming
-    every required file that is missing or differs (size or content digest) or when a
-    ``/dev/shm`` file of the snapshot already exists
-    (another restore of it is running on this host). On failure the ``/dev/shm`` files written
-    so far are removed.
+    Raises as :func:`_check_restorable` before anything is written, :class:`IntegrityError`
+    (from the store) on a bad chunk. On failure the ``/dev/shm`` files written so far are removed.
     """
+    _check_restorable(m, digest, protected, file_digests)
+    advance = reporter.bytes_progress("materialize", m.total_size())
+    img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
+                     also=lambda: _other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})",
+                     fill=fill)
+    _say_image(img, reporter)
+    try:
+        _link_weights(run, m, img)
+        _put_back(run, m, store, images, img, advance, cache, fetched, fill)
+    except BaseException:
+        images.release(img)
+        raise
+    return img
+
+
+def _check_restorable(m: Manifest, digest: str, protected: list[Path], file_digests: DigestCache | None) -> None:
+    """Before anything of ``m`` is written: raises :class:`HostError` naming every required file
+    that is missing or differs (size or content digest) or when a ``/dev/shm`` file of the
+    snapshot already exists (another restore of it is running on this host);
+    :class:`IntegrityError` for a bundled file whose destination is not one where bundled files
+    may live (:func:`capture.bundled_target_problems`, whatever the signature flags)."""
     problems = capture.missing_or_changed(m.restore.required_files, m.restore.required_digests,
                                           file_digests)
     if problems:
@@ -142,27 +163,42 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
     if clash:
         raise HostError(f"shared-memory files of this snapshot already exist ({', '.join(clash[:3])}): "
                         "another restore of it is running on this host; `warmctl down` it first")
-    advance = reporter.bytes_progress("materialize", m.total_size())
-    img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
-                     also=lambda: _other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})",
-                     fill=fill)
+
+
+def _say_image(img: CachedImage, reporter: Reporter) -> None:
+    """Tell the operator where the image came from (reused, room made, not kept)."""
     if not img.written:
-        reporter.info(f"image: reusing the verified image of {digest[:19]} ({img.path})")
+        reporter.info(f"image: reusing the verified image of {img.digest[:19]} ({img.path})")
     if img.evicted:
         reporter.info(f"image cache: removed {len(img.evicted)} least recently used image(s) "
                       f"({diskspace.human(sum(e.bytes for e in img.evicted))}) to make room: "
                       + ", ".join(e.digest[:19] for e in img.evicted))
     if not img.kept:
         reporter.info(f"image: not kept ({img.not_kept}); restoring from {img.path}, removed afterwards")
+
+
+def _link_weights(run: EngineRun, m: Manifest, img: CachedImage) -> None:
+    """The weights files of ``img`` linked into ``run.weights`` (loaded into the restored engine
+    after the restore, :mod:`warmctl.engine.worker_ext`)."""
+    for f in m.files:
+        if f.role == "weights":
+            run.weights.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(img.weights / Path(f.path).name, run.weights / Path(f.path).name)
+
+
+def _put_back(run: EngineRun, m: Manifest, store, images: ImageCache, source, advance, cache=None,
+              fetched: Fetched | None = None, fill: CacheFill | None = None) -> None:
+    """What CRIU needs in place before it starts, besides the image: the ``/dev/shm`` files
+    copied from ``source`` (the entry, or where to read each file of an entry being written,
+    see :meth:`ImageCache.put_back_shm`) and the bundled files written from ``store`` at their
+    absolute paths (those already there at their size skipped); the ``/dev/shm`` files recorded
+    on ``run`` with their (st_dev, st_ino); ``cache``/``fetched``/``fill`` as for :func:`_materialize`.
+    On failure the ``/dev/shm`` files written are removed."""
     written_shm: list[str] = []
     try:
-        written_shm = [str(p) for p in images.put_back_shm(img, m, capture.SHM)]
+        written_shm = [str(p) for p in images.put_back_shm(source, m, capture.SHM)]
         for f in m.files:
-            if f.role == "weights":  # loaded into the restored engine (warmctl.engine.worker_ext)
-                run.weights.mkdir(parents=True, exist_ok=True)
-                _link_or_copy(img.weights / Path(f.path).name, run.weights / Path(f.path).name)
-                continue
-            if f.role != "file":  # image and shm: from the image cache
+            if f.role != "file":  # image, weights and shm: from the image cache
                 continue
             dest = Path("/") / f.path
             if dest.is_file() and dest.stat().st_size == f.size:
@@ -177,10 +213,8 @@ def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageC
     except BaseException:
         for p in written_shm:
             Path(p).unlink(missing_ok=True)
-        images.release(img)
         raise
     run.shm_files, run.shm_inodes = written_shm, inodes
-    return img
 
 
 def _other_writes(m: Manifest, cache) -> list[diskspace.Need]:
@@ -439,12 +473,13 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
     images = ImageCache.for_settings(settings)
     img = None
     lazy = None
+    streamed = None
     served = False
     # the chunks fetched into the local store are committed after the port opened ("commit")
     fill = CacheFill(found.cache) if found.cache is not None else None
     try:
-        img, lazy = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins, pages,
-                                             fill=fill)
+        img, lazy, streamed = _materialize_and_restore(run, st, found, images, settings, reporter, plan.criu_plugins,
+                                                       pages, fill=fill)
         _check_ranks(run, m, reporter)
         run.save(phase="health")
         plan.after_restore(run, m.restore, [x["uuid"] for x in m.host.get("gpus", [])],
@@ -487,7 +522,8 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
             with reporter.phase("keep", "naming the snapshot in the local store"):
                 _keep_locally(found, reporter, settings)
             timings["keep"] = reporter.seconds("keep")
-    return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched)  # type: ignore[arg-type]
+    return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched,  # type: ignore[arg-type]
+                    streamed=streamed)
 
 
 def _commit_fetched(fill: CacheFill | None, reporter: Reporter) -> bool:
@@ -550,7 +586,8 @@ def restore_pages(settings: Settings, binary: str, plugins: tuple[str, ...], rep
 
 def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
                              settings: Settings, reporter: Reporter, plugins: tuple[str, ...] = (),
-                             pages: str = "eager", fill: CacheFill | None = None) -> tuple[CachedImage, "criu.LazyPages | None"]:
+                             pages: str = "eager", fill: CacheFill | None = None
+                             ) -> tuple[CachedImage, "criu.LazyPages | None", dict | None]:
     """The "materialize" and "restore" phases, under the host's CRIU lock: one CRIU operation
     per host from the first ``/dev/shm`` file written until CRIU has consumed its link_remap
     files (see :func:`warmctl.checkpoint.criu.host_lock`). The run is recorded before CRIU
@@ -558,11 +595,14 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
     the CRIU plugins the restore loads (the plan's ``criu_plugins``). ``pages``: ``lazy``
     starts a ``criu lazy-pages`` daemon first (recorded on the run the moment it runs) and
     returns it; ``eager`` returns None beside the image. ``fill``: where the chunks fetched into
-    the local store wait for their commit (:func:`_commit_fetched`)."""
+    the local store wait for their commit (:func:`_commit_fetched`). Third: what a streamed
+    restore read (:attr:`UpResult.streamed`; :func:`_materialize_and_restore_streamed`), else None."""
     m = found.manifest
     assert m is not None
     netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+        if _streams(settings, images, m, found.digest, pages, plugins):
+            return _materialize_and_restore_streamed(run, st, found, images, settings, reporter, plugins, netlock, fill)
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
             img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
                                fetched=found.fetched, protected=protected_paths(settings),
@@ -580,12 +620,121 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                 _rebind(run, m, reporter)
                 if lazy.oom_note:
                     reporter.info(f"[yellow]{lazy.oom_note}[/]")
-                return img, lazy
+                return img, lazy, None
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins,
                                             network_lock=netlock)[0])
             _rebind(run, m, reporter)
-    return img, None
+    return img, None, None
+
+
+def _streams(settings: Settings, images: ImageCache, m: Manifest, digest: str, pages: str,
+             plugins: tuple[str, ...]) -> bool:
+    """Whether this restore streams its image to CRIU while it is written (the
+    ``restore_stream`` setting): only when the image must be written (no intact entry on this
+    host), the pages are restored eagerly and no CRIU plugin is loaded (streamed images with
+    plugins are not verified)."""
+    return (settings.restore_stream == "auto" and pages == "eager" and not plugins
+            and images.lookup(m, digest) is None)
+
+
+class _ImageWriter:
+    """:meth:`ImageCache.get` on its own thread, feeding an :class:`ImageStreamer`: on failure
+    the streamer is told (CRIU's pipes end early) and :meth:`join` raises the write's error."""
+
+    def __init__(self, write, streamer: ImageStreamer):
+        import threading
+
+        self.img: CachedImage | None = None
+        self.error: BaseException | None = None
+        self._streamer = streamer
+        self._write = write
+        self._thread = threading.Thread(target=self._run, name="warmctl-image-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.img = self._write()
+            self._streamer.complete(self.img.path)  # an entry found whole after all: served from it
+        except BaseException as e:  # noqa: BLE001 - handed to join()
+            self.error = e
+            self._streamer.fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    def join(self) -> CachedImage:
+        """The written entry; raises the write's error."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.img is not None
+        return self.img
+
+
+def _materialize_and_restore_streamed(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
+                                      settings: Settings, reporter: Reporter, plugins: tuple[str, ...],
+                                      netlock: str | None, fill: CacheFill | None = None) -> tuple[CachedImage, None, dict]:
+    """:func:`_materialize_and_restore` for an image this host does not hold, streamed
+    (``restore_stream``, :mod:`warmctl.checkpoint.stream`): the image is written by
+    :meth:`ImageCache.get` on a thread while ``criu restore --stream`` reads each file as its
+    chunks are verified and written. "materialize" lasts until CRIU can start (the ``/dev/shm``
+    files written, the bundled files in place); "restore" until CRIU has restored the tree and
+    the image is whole. A bad chunk fails CRIU's restore (its pipe ends early) and ``up``
+    reports the chunk's error, not CRIU's; nothing is left (the entry is written or removed
+    whole, as without streaming). Returns the entry, None (no lazy-pages daemon) and what CRIU
+    read (:attr:`UpResult.streamed`)."""
+    import tempfile
+
+    m, store, digest = found.manifest, found.store, found.digest
+    assert m is not None and digest is not None
+    _check_restorable(m, digest, protected_paths(settings), DigestCache.for_settings(settings))
+    total = m.total_size()
+    progress = {"to": reporter.bytes_progress("materialize", total)}
+    shm = [r for r in entry_sizes(m) if r.startswith("shm/")]
+    sock_dir = Path(tempfile.mkdtemp(prefix="warmctl-stream-"))  # short: a socket path has 107 bytes
+    writer = None
+    try:
+        with ImageStreamer(entry_sizes(m), sock_dir) as streamer:
+            with reporter.phase("materialize", f"verifying and writing {total / 2**20:,.0f} MiB, streamed to CRIU"):
+                writer = _ImageWriter(lambda: images.get(
+                    store, m, digest, progress=lambda n: progress["to"](n), cache=found.cache, fetched=found.fetched,
+                    also=lambda: _other_writes(m, found.cache), scratch=run.unkept_image,
+                    command=f"up {m.name} ({digest[:19]})", fill=fill, watch=streamer), streamer)
+                try:
+                    sources = streamer.wait(shm)
+                except StreamError:
+                    writer.join()  # the write's own error
+                    raise
+                _put_back(run, m, store, images, lambda rel: sources[rel], progress["to"], found.cache, found.fetched, fill)
+                run.prepare()
+                run.log_path.touch()
+            run.record(st)
+            with reporter.phase("restore", "CRIU restore of the process tree, streamed as the image is written"):
+                progress["to"] = reporter.bytes_progress("restore (image written)", total)
+                try:
+                    pid = criu.restore(sock_dir, run.criu_pidfile, log_file=run.restore_log, binary=settings.criu,
+                                       work_dir=run.dir, plugins=plugins, network_lock=netlock, stream=True)[0]
+                except CheckpointError:
+                    writer.join()  # a bad chunk ended CRIU's pipes: that is the error to report
+                    raise
+                run.adopt_restored(pid)
+                img = writer.join()
+                report = streamer.close(check=False)
+                for why in report.errors:  # CRIU restored the tree; the canary judges its memory
+                    reporter.info(f"[yellow]image streamer: {why}[/]")
+                _rebind(run, m, reporter)
+    except BaseException:
+        if writer is not None:
+            try:
+                img = writer.join()
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
+            else:
+                images.release(img)
+        raise
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    _say_image(img, reporter)
+    _link_weights(run, m, img)
+    return img, None, {"files": len(report.served), "bytes": sum(report.served.values()), "waited_s": report.waited_s}
 
 
 def _rebind(run: EngineRun, m: Manifest, reporter: Reporter) -> None:

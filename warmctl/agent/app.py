@@ -559,7 +559,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
             elif not res.already_up:
                 supervisor.forget(name)
             return {"source": res.source, "already_up": res.already_up, "path": res.outcome, "reason": res.reason,
-                    "snapshot": res.snapshot_digest, "fetched": res.fetched, "timings": res.timings,
+                    "snapshot": res.snapshot_digest, "fetched": res.fetched, "streamed": res.streamed, "timings": res.timings,
                     "state": res.state.model_dump(mode="json")}
 
         def reporter(job_id: str) -> JobReporter:

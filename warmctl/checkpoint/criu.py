@@ -290,8 +290,11 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
             binary: str | None = None, work_dir: Path | None = None,
             plugins: Sequence[str] = (), lazy_pages: bool = False,
-            network_lock: str | None = "auto") -> tuple[int, float]:
+            network_lock: str | None = "auto", stream: bool = False) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
+
+    ``stream``: ``--stream``: ``images_dir`` holds only the socket of an image streamer
+    (:class:`warmctl.checkpoint.stream.ImageStreamer`) that serves every image file.
 
     ``log_file`` defaults to ``images_dir/restore.log``. ``work_dir``: where CRIU writes what
     else it writes (its ``stats-restore`` file; CRIU's default is the image directory), so a
@@ -313,7 +316,10 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
         cmd += ["-W", str(work_dir)]
     if lazy_pages:
         cmd.append("--lazy-pages")
-    secs = _run(cmd, f"criu restore{' --lazy-pages' if lazy_pages else ''} from {images_dir}", log_file, timeout_s,
+    if stream:
+        cmd.append("--stream")
+    how = " --lazy-pages" if lazy_pages else " --stream" if stream else ""
+    secs = _run(cmd, f"criu restore{how} from {images_dir}", log_file, timeout_s,
                 plugins, env=restore_env())
     return int(pidfile.read_text().strip()), secs
 

@@ -61,7 +61,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from warmctl import diskspace
 from warmctl.errors import HostError
@@ -147,6 +147,13 @@ def live_digests(run_dir: Path) -> set[str]:
     return {st.manifest_digest for st in all_states(run_dir) if st.manifest_digest and st.engine_alive()}
 
 
+def entry_sizes(m: Manifest) -> dict[str, int]:
+    """Each file an entry of ``m`` writes (not its hard links), by its name in the entry
+    (``images/pages-4.img``, ``shm/psm_1a2b``), with its size in bytes: what
+    :class:`warmctl.checkpoint.stream.ImageStreamer` serves while :meth:`ImageCache.get` writes."""
+    return {_rel(f): f.size for f in _cached_files(m) if f.hardlink_to is None}
+
+
 def _rel(f) -> str:
     sub = CACHED_ROLES[f.role]
     # weights entries are stored under their base name (warmctl.engine.sleep loads by rank file)
@@ -166,6 +173,30 @@ def _owner_only(path: Path) -> str | None:
     if st.st_mode & 0o022:
         return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
+
+
+class ImageWatch(Protocol):
+    """A reader of an entry being written (see :meth:`ImageCache.get`): ``opened(rel, tmp)``
+    once the file ``rel`` (relative to the entry, e.g. ``images/pages-4.img``) exists at its
+    full size at ``tmp`` (open it there: it is renamed later); ``written(rel, end)`` each time
+    its bytes ``[0, end)`` are verified and written."""
+
+    def opened(self, rel: str, tmp: Path) -> None: ...
+
+    def written(self, rel: str, end: int) -> None: ...
+
+
+class _RelWatch:
+    """:class:`warmctl.store.chunkio.FileWatch` by index -> :class:`ImageWatch` by entry name."""
+
+    def __init__(self, watch: ImageWatch, rels: list[str]):
+        self.watch, self.rels = watch, rels
+
+    def opened(self, index: int, tmp: Path) -> None:
+        self.watch.opened(self.rels[index], tmp)
+
+    def written(self, index: int, end: int) -> None:
+        self.watch.written(self.rels[index], end)
 
 
 class ImageCache:
@@ -247,7 +278,7 @@ class ImageCache:
     def get(self, store, m: Manifest, digest: str, progress: Callable[[int], None] | None = None,
             cache=None, fetched=None, also: "Iterable[diskspace.Need] | Callable[[], Iterable[diskspace.Need]]" = (),
             scratch: Path | None = None,
-            command: str = "", fill=None) -> CachedImage:
+            command: str = "", fill=None, watch: "ImageWatch | None" = None) -> CachedImage:
         """The entry of ``digest``: reused if intact, else written from ``store`` (every chunk
         verified; ``cache``: the local store that keeps chunks read from a remote ``store``;
         ``fetched``: counts the stored bytes loaded from each, as in ``read_file``).
@@ -264,6 +295,10 @@ class ImageCache:
         refusal. ``fill``: a :class:`warmctl.store.CacheFill` of ``cache``, in which the fetched
         chunks are left uncommitted for the caller (else they are committed before this returns).
         The caller holds the host's CRIU lock (two writers of one entry never race).
+        ``watch``: told of each file's progress while an entry is written (:class:`ImageWatch`,
+        files named as in the entry, e.g. ``images/pages-4.img``; ``/dev/shm`` files first), so
+        a reader (:class:`warmctl.checkpoint.stream.ImageStreamer`) can serve them before the
+        entry is complete; not called for a reused entry.
 
         Raises :class:`IntegrityError` on a bad chunk, :class:`HostError` when the cache root is
         unsafe or the disk cannot hold what will be written (then nothing was removed or
@@ -298,10 +333,13 @@ class ImageCache:
         try:
             for sub in set(CACHED_ROLES.values()):
                 (tmp / sub).mkdir(mode=0o700)
-            whole = [f for f in _cached_files(m) if f.hardlink_to is None]
+            # /dev/shm files first (a streamed restore puts them back before CRIU starts), then
+            # CRIU's small metadata files, then its pages files, which CRIU reads last
+            whole = sorted((f for f in _cached_files(m) if f.hardlink_to is None),
+                           key=lambda f: (f.role != "shm", Path(f.path).name.startswith("pages-")))
             # every file's chunks through one pool: no drain between the image's hundred files
             store.read_files([(f.chunks, tmp / _rel(f)) for f in whole], progress=progress, cache=cache, fetched=fetched,
-                             fill=fill)
+                             fill=fill, watch=None if watch is None else _RelWatch(watch, [_rel(f) for f in whole]))
             for f in whole:
                 os.chmod(tmp / _rel(f), f.mode & 0o555)  # read-only: CRIU and the weights loader only read
             for f in _cached_files(m):
@@ -361,12 +399,16 @@ class ImageCache:
                           + kept_note)
         return evict
 
-    def put_back_shm(self, img: CachedImage, m: Manifest, shm_dir: Path = Path("/dev/shm")) -> list[Path]:
-        """Copy the snapshot's ``/dev/shm`` files from ``img`` into ``shm_dir`` (data regions
-        only: holes stay holes; ``hardlink_to`` entries as hard links, as CRIU's link_remap
-        files must be). Returns the paths written. Raises :class:`HostError` if one exists
-        already (another restore of this snapshot is running); on any failure the files
+    def put_back_shm(self, img: "CachedImage | Callable[[str], Path]", m: Manifest,
+                     shm_dir: Path = Path("/dev/shm")) -> list[Path]:
+        """Copy the snapshot's ``/dev/shm`` files from ``img`` (an entry, or a function giving
+        where to read each file by its name in the entry, e.g. ``shm/psm_1a2b``: an entry still
+        being written, :meth:`warmctl.checkpoint.stream.ImageStreamer.wait`) into ``shm_dir``
+        (data regions only: holes stay holes; ``hardlink_to`` entries as hard links, as CRIU's
+        link_remap files must be). Returns the paths written. Raises :class:`HostError` if one
+        exists already (another restore of this snapshot is running); on any failure the files
         written so far are removed."""
+        source = (lambda rel: img.path / rel) if isinstance(img, CachedImage) else img
         written: list[Path] = []
         try:
             for f in sorted((f for f in m.files if f.role == "shm"), key=lambda f: f.hardlink_to is not None):
@@ -374,7 +416,7 @@ class ImageCache:
                 if f.hardlink_to is not None:
                     os.link(shm_dir / f.hardlink_to, dest)
                 else:
-                    _sparse_copy(img.path / _rel(f), dest, f.mode)
+                    _sparse_copy(source(_rel(f)), dest, f.mode)
                 written.append(dest)
         except FileExistsError as e:
             for p in written:

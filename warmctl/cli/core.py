@@ -208,7 +208,7 @@ def register(app: typer.Typer) -> None:
             emit_json({"name": st.name, "source": res.source, "already_up": res.already_up,
                        "path": res.outcome, "reason": res.reason,
                        "snapshot": res.snapshot_digest, "public": f"{st.public_host}:{st.public_port}",
-                       "pid": st.root_pid, "fetched": res.fetched, "timings_s": res.timings})
+                       "pid": st.root_pid, "fetched": res.fetched, "streamed": res.streamed, "timings_s": res.timings})
             return
         o = _out(highlight=False)
         if res.already_up:

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from warmctl.errors import IntegrityError
 from warmctl.manifest import ChunkRef
@@ -185,8 +185,24 @@ def read_file(backend: Backend, chunks: list[ChunkRef], dest: Path | str, worker
     read_files(backend, [(chunks, dest)], workers, progress, count)
 
 
+class FileWatch(Protocol):
+    """What :func:`read_files` tells a reader of the files it is writing (e.g. an image streamer
+    serving them to ``criu restore --stream`` while they arrive). ``index``: the file's position
+    in ``files``. Called from the thread running read_files, in order: ``opened`` once the file's
+    temporary file exists at its full size (open it there to read: it is renamed later);
+    ``written(index, end)`` each time bytes ``[0, end)`` of it are verified and written (zero
+    chunks as holes), up to its size; ``failed(error)`` once, if read_files raises."""
+
+    def opened(self, index: int, tmp: Path) -> None: ...
+
+    def written(self, index: int, end: int) -> None: ...
+
+    def failed(self, error: BaseException) -> None: ...
+
+
 def read_files(backend: Backend, files: list[tuple[list[ChunkRef], Path | str]], workers: int,
-               progress: Progress | None = None, count: Callable[[int], None] | None = None) -> None:
+               progress: Progress | None = None, count: Callable[[int], None] | None = None,
+               watch: FileWatch | None = None) -> None:
     """Write each ``(chunks, dest)`` of ``files`` as :func:`read_file` does, through one pool of
     ``workers`` threads for all of them: the chunks of every file are one ordered stream, so a
     CRIU image of a hundred small files and a few large ones keeps every worker busy across file
@@ -195,6 +211,8 @@ def read_files(backend: Backend, files: list[tuple[list[ChunkRef], Path | str]],
     chunk is written; at most about ``2 * workers`` files are open at once. Free space is checked
     once for the non-zero bytes of all of them. On error no temporary file is left; files
     already renamed stay (the caller's directory is itself temporary, or the files are whole).
+    ``watch``: told of each file's progress (:class:`FileWatch`); the files are written in the
+    order given, each chunk reported only once it is verified.
     """
     items = [(list(chunks), Path(dest)) for chunks, dest in files]
     for _, dest in items:
@@ -235,6 +253,8 @@ def read_files(backend: Backend, files: list[tuple[list[ChunkRef], Path | str]],
         tmps[fi] = tmp
         fds[fi] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fds[fi], sum(c.size for c in chunks))
+        if watch is not None:
+            watch.opened(fi, tmp)
 
     def finish(fi: int) -> None:
         os.close(fds.pop(fi))
@@ -283,17 +303,19 @@ def read_files(backend: Backend, files: list[tuple[list[ChunkRef], Path | str]],
     try:
         for i, n in enumerate(ordered_map(work, feed(), workers)):  # in task order
             fi = tasks[i][0]
+            if watch is not None:
+                watch.written(fi, tasks[i][1] + n)
             left[fi] -= 1
             if left[fi] == 0:
                 finish(fi)
             if progress:
                 progress(n)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full_error(items[0][1] if len(items) == 1 else items[0][1].parent, needed,
-                                  f"file of {sum(c.size for c in items[0][0]):,} bytes" if len(items) == 1
-                                  else f"{len(items)} files") from None
-        raise
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise disk_full_error(items[0][1] if len(items) == 1 else items[0][1].parent, needed,
+                              f"file of {sum(c.size for c in items[0][0]):,} bytes" if len(items) == 1
+                              else f"{len(items)} files") from None
     finally:
         for fd in fds.values():
             os.close(fd)

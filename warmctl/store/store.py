@@ -31,6 +31,7 @@ from warmctl.store import maintenance
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
+from warmctl.store.chunkio import FileWatch
 from warmctl.store.chunkio import read_files as _read_files
 from warmctl.store.layout import MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import DuReport, Fetched, GcReport, VerifyReport
@@ -330,11 +331,12 @@ class Store:
 
     def read_files(self, files: list[tuple[list[ChunkRef], Path | str]], progress: Progress | None = None,
                    cache: Store | None = None, fetched: Fetched | None = None,
-                   fill: "CacheFill | None" = None) -> None:
+                   fill: "CacheFill | None" = None, watch: FileWatch | None = None) -> None:
         """:meth:`read_file` for each ``(chunks, dest)`` of ``files``, through one pool of
         :attr:`workers` threads for all of them (no drain at file boundaries; see
         :func:`warmctl.store.chunkio.read_files`). Same guarantees and errors; free space is
-        checked once for all the files' non-zero bytes.
+        checked once for all the files' non-zero bytes. ``watch``: told of each file's progress
+        as its chunks are verified and written (:class:`~warmctl.store.chunkio.FileWatch`).
 
         With ``cache``, the chunks fetched are committed to it (durable and visible: one
         :class:`~warmctl.store.local.SaveBatch`) before this returns or raises; given ``fill``
@@ -352,10 +354,10 @@ class Store:
             where = "local" if backend.properties.local else "remote"
             count = lambda n: fetched.add(where, n)  # noqa: E731
         if not isinstance(backend, CachingBackend):
-            _read_files(backend, files, self.workers, progress, count)
+            _read_files(backend, files, self.workers, progress, count, watch)
             return
         try:
-            _read_files(backend, files, self.workers, progress, count)
+            _read_files(backend, files, self.workers, progress, count, watch)
         except BaseException:
             try:  # the chunks verified so far are kept for the next try
                 backend.flush()
