@@ -14,8 +14,8 @@ kills what it had restored.
 :class:`ImageStreamer` is that streamer for an image being written by
 :meth:`warmctl.checkpoint.imagecache.ImageCache.get` (it is the :class:`ImageWatch` there):
 each requested file is served from its temporary file, on its own thread, a range at a time as
-``get`` reports the range verified and written (``splice``, no copy through Python), blocking
-until the next range arrives. Only verified bytes reach CRIU. If the write fails, :meth:`fail`
+``get`` reports the range verified and written (``splice``, no copy through Python; holes, the
+snapshot's zero chunks, as zeros from memory), blocking until the next range arrives. Only verified bytes reach CRIU. If the write fails, :meth:`fail`
 closes every pipe before its end: CRIU's restore fails, and the caller reports the write's
 error. Files the manifest does not hold are answered "does not exist" (CRIU asks for optional
 images, e.g. ``memfd.img``, and treats that as none).
@@ -24,6 +24,7 @@ images, e.g. ``memfd.img``, and treats that as none).
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import os
 import socket
@@ -42,6 +43,10 @@ IMAGES = "images"
 #: Largest request CRIU sends (a file name: CRIU's PATH_MAX) and the most bytes one splice moves.
 MAX_REQUEST = 4096 + 16
 SPLICE_BYTES = 4 * 2**20
+#: Zeros written into CRIU's pipe for an image's holes (the zero chunks): read from this untouched
+#: allocation (the kernel's zero page) instead of the file, whose holes would each cost a fresh,
+#: zeroed page-cache page (measured on a fresh node's first restore, docs/benchmarks.md).
+_ZEROS = memoryview(bytes(SPLICE_BYTES))
 
 
 class StreamError(RuntimeError):
@@ -300,10 +305,14 @@ class ImageStreamer:
                     end, fd = f.end, f.fd
                 self.report.waited_s += time.monotonic() - t0
                 while off < end:
-                    n = os.splice(fd, wfd, min(end - off, SPLICE_BYTES), offset_src=off)
-                    if n == 0:
-                        raise StreamError(f"{name}: read 0 bytes at offset {off} of {f.size}")
-                    off += n
+                    data, hole = _next_data(fd, off, end)
+                    while off < data:  # a hole (zero chunks): zeros from memory, not the file's page cache
+                        off += os.write(wfd, _ZEROS[: min(data - off, len(_ZEROS))])
+                    while off < hole:
+                        n = os.splice(fd, wfd, min(hole - off, SPLICE_BYTES), offset_src=off)
+                        if n == 0:
+                            raise StreamError(f"{name}: read 0 bytes at offset {off} of {f.size}")
+                        off += n
                     f.served = off
         except BrokenPipeError:
             with self._cond:
@@ -315,6 +324,21 @@ class ImageStreamer:
             with self._cond:
                 self.report.served[name] = off
             os.close(wfd)
+
+
+def _next_data(fd: int, off: int, end: int) -> tuple[int, int]:
+    """(start, end) of the first data region of ``fd`` at or after ``off``, both clipped to
+    ``end`` (``SEEK_DATA``/``SEEK_HOLE``; the bytes before the start are a hole, zeros). A file
+    system without them reports all data."""
+    try:
+        data = os.lseek(fd, off, os.SEEK_DATA)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # only a hole is left
+            return end, end
+        return off, end
+    if data >= end:
+        return end, end
+    return data, min(os.lseek(fd, data, os.SEEK_HOLE), end)
 
 
 def _request_filename(body: bytes) -> str:
