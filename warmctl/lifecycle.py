@@ -685,7 +685,6 @@ def _materialize_and_restore_streamed(run: EngineRun, st: EngineState, found: _F
 
     m, store, digest = found.manifest, found.store, found.digest
     assert m is not None and digest is not None
-    _check_restorable(m, digest, protected_paths(settings), DigestCache.for_settings(settings))
     total = m.total_size()
     progress = {"to": reporter.bytes_progress("materialize", total)}
     shm = [r for r in entry_sizes(m) if r.startswith("shm/")]
@@ -694,6 +693,7 @@ def _materialize_and_restore_streamed(run: EngineRun, st: EngineState, found: _F
     try:
         with ImageStreamer(entry_sizes(m), sock_dir) as streamer:
             with reporter.phase("materialize", f"verifying and writing {total / 2**20:,.0f} MiB, streamed to CRIU"):
+                _check_restorable(m, digest, protected_paths(settings), DigestCache.for_settings(settings))
                 writer = _ImageWriter(lambda: images.get(
                     store, m, digest, progress=lambda n: progress["to"](n), cache=found.cache, fetched=found.fetched,
                     also=lambda: _other_writes(m, found.cache), scratch=run.unkept_image,
