@@ -98,11 +98,11 @@ def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
     assert f"push tiny:latest ({fleet['digest'][:19]})" in r.stderr
     assert list((fleet["remote"] / "catalog" / "tiny" / "latest").glob("sha256-*.json"))
 
-    r, res = _up(fleet["b"])
+    r, res = _up({**fleet["b"], "WARMCTL_RESTORE_STREAM": "auto"})
     assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
     # (a chunk that occurs twice in the snapshot is fetched once, then read from the local cache)
     assert res["fetched"]["remote"] > 100 * 2**20 and res["fetched"]["local"] < res["fetched"]["remote"] / 100, res
-    # CRIU restored while the image was fetched and written (restore_stream, the default): it read every
+    # CRIU restored while the image was fetched and written (restore_stream = auto): it read every
     # non-empty image file through warmctl's streamer
     assert res["streamed"] and res["streamed"]["files"] > 10 and res["streamed"]["bytes"] > 100 * 2**20, res
     assert _answers(fleet["gate"]).strip()

@@ -155,11 +155,16 @@ class Settings(BaseModel):
       lazy ``up`` took 2.50 s to the first correct token against eager's 2.05 s
       (``benchmarks/up_vs_raw.py``, docs/benchmarks.md). A profile whose checkpoint plan loads CRIU
       plugins (AMD) always restores eagerly: lazy pages with plugins are not verified.
-    - ``restore_stream``: ``auto`` (default): when ``up`` must write the image first (a fresh
-      node, or an image not kept on this host) and restores eagerly without CRIU plugins, CRIU
-      restores from the image while it is being fetched, verified and written (``criu restore
+    - ``restore_stream``: ``auto``: when ``up`` must write the image first (a fresh node, or an
+      image not kept on this host) and restores eagerly without CRIU plugins, CRIU restores
+      from the image while it is being fetched, verified and written (``criu restore
       --stream``, :mod:`warmctl.checkpoint.stream`: only verified bytes reach CRIU, and a bad
-      chunk fails the restore); ``never``: the whole image is written first, then restored.
+      chunk fails the restore); ``never`` (default): the whole image is written first, then
+      restored. Not the default because on the 2-vCPU development VM it was faster for a 2.7
+      GiB snapshot (fresh node from a directory remote 1.35x) but not for a 9.8 GiB one (0.90x
+      from a directory, 0.44x from an RGW on the same host under memory pressure, one run
+      each; docs/benchmarks.md): where the fetch's and CRIU's CPU share too few cores the overlap
+      gains nothing, and the restored engine's memory meets the image's dirty pages at once.
     - ``engine_env_passthrough``: variables of warmctl's environment the engine gets too
       (exact names, or prefixes ending in ``*``: ``["HTTPS_PROXY", "NCCL_*"]``), for a site's
       proxy, CA bundle or interconnect settings. The engine's environment is otherwise
@@ -211,7 +216,7 @@ class Settings(BaseModel):
     s3_outage_s: float = Field(60.0, ge=0)
     cold_start: Literal["fallback", "never"] = "fallback"
     restore_pages: Literal["auto", "lazy", "eager"] = "eager"
-    restore_stream: Literal["auto", "never"] = "auto"
+    restore_stream: Literal["auto", "never"] = "never"
     engine_env_passthrough: list[str] = []
     seal_key: Path | None = None
     image_cache_bytes: int | float | str = DEFAULT_IMAGE_CACHE
