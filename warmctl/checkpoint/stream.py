@@ -303,7 +303,7 @@ class ImageStreamer:
                     if self._failed or self._closing:
                         return
                     end, fd = f.end, f.fd
-                self.report.waited_s += time.monotonic() - t0
+                    self.report.waited_s += time.monotonic() - t0  # under the lock: one sum for every file's thread
                 while off < end:
                     data, hole = _next_data(fd, off, end)
                     while off < data:  # a hole (zero chunks): zeros from memory, not the file's page cache
