@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -643,8 +645,6 @@ class _ImageWriter:
     the streamer is told (CRIU's pipes end early) and :meth:`join` raises the write's error."""
 
     def __init__(self, write, streamer: ImageStreamer):
-        import threading
-
         self.img: CachedImage | None = None
         self.error: BaseException | None = None
         self._streamer = streamer
@@ -681,8 +681,6 @@ def _materialize_and_restore_streamed(run: EngineRun, st: EngineState, found: _F
     reports the chunk's error, not CRIU's; nothing is left (the entry is written or removed
     whole, as without streaming). Returns the entry, None (no lazy-pages daemon) and what CRIU
     read (:attr:`UpResult.streamed`)."""
-    import tempfile
-
     m, store, digest = found.manifest, found.store, found.digest
     assert m is not None and digest is not None
     total = m.total_size()
