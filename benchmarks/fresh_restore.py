@@ -56,6 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _pagecache import dontneed as drop  # noqa: E402
+from _pagecache import resident  # noqa: E402
 from up_vs_raw import first_token, kill_raw  # noqa: E402
 
 ENGINE_PORT = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT") or 18700)
@@ -134,21 +136,6 @@ def vmstats() -> dict[str, int]:
         if k in VMSTAT:
             out[k] = int(v)
     return out
-
-
-def resident(files: list[Path]) -> int:
-    """Bytes of ``files`` in the page cache (fincore)."""
-    r = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *map(str, files)], capture_output=True, text=True)
-    return sum(int(x) for x in r.stdout.split() if x.isdigit())
-
-
-def drop(files: list[Path]) -> None:
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def materialize(remote_url: str, node: Path, m, digest: str, defer: bool):

@@ -64,6 +64,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _pagecache import evict, resident  # noqa: E402
 
 GiB = 1 << 30
 CH = 4 << 20
@@ -157,31 +160,6 @@ def files_of(paths: list[Path]) -> list[Path]:
         elif p.is_file():
             out.append(p)
     return out
-
-
-def resident(files: list[Path]) -> int:
-    """Bytes of ``files`` in the page cache (``fincore``)."""
-    total = 0
-    for i in range(0, len(files), 500):
-        r = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, files[i:i + 500])],
-                           capture_output=True, text=True, check=True)
-        total += sum(int(x) for x in r.stdout.split() if x.isdigit())
-    return total
-
-
-def evict(files: list[Path]) -> None:
-    """``sync``, then drop exactly ``files`` from the page cache; fails if over 1% stays."""
-    subprocess.run(["sync"], check=True)
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    size = sum(f.stat().st_size for f in files)
-    left = resident(files)
-    if left > size // 100 + (1 << 20):
-        raise SystemExit(f"could not evict: {left >> 20} MiB of {size >> 20} MiB still cached")
 
 
 def need_free(where: Path, nbytes: int, floor_gib: float) -> None:

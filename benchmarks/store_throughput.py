@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _pagecache import dontneed, resident  # noqa: E402
 from criu_payload import build_payload, dump_sample_process, pages_from_store, pages_in  # noqa: E402
 
 from warmctl.manifest import CanaryRecord, FileEntry, Manifest  # noqa: E402
@@ -70,12 +71,10 @@ def resident_bytes(paths: list[Path]) -> int:
     files = _files(paths)
     if not files or not shutil.which("fincore"):
         return -1
-    total = 0
-    for i in range(0, len(files), 500):
-        r = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, files[i : i + 500])],
-                           capture_output=True, text=True, check=False)
-        total += sum(int(x) for x in r.stdout.split() if x.isdigit())
-    return total
+    try:
+        return resident(files)
+    except subprocess.CalledProcessError:
+        return -1
 
 
 _drop_method: list[str] = []
@@ -96,12 +95,7 @@ def drop_caches(paths: list[Path]) -> None:
         except OSError:
             _drop_method[:] = ["fadvise"]
             print("(cold cache via posix_fadvise(DONTNEED): drop_caches not allowed)")
-    for f in _files(paths):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    dontneed(_files(paths))
 
 
 def warm_up(paths: list[Path]) -> None:
