@@ -20,6 +20,7 @@ registry and through a mirror: ``tests/test_e2e_fleet.py``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -390,6 +391,25 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
             assert rep.chunks_copied == 6 and tag_of(b, "tiny") == d
             assert tok.issued >= issued + 2, tok.issued  # the first token of the pull, and at least one more
             assert any(st == 401 for m, p, st in reg.access_log() if "/blobs/" in p)  # an expired token was refused
+
+            # A token that expires between an upload's POST and its PUT: the PUT is refused (401)
+            # after its body was sent, and is sent again, whole, with a fresh token.
+            up = OCIBackend(*parse_url(url))
+            blob = os.urandom(3 * MiB)
+            calls = []
+
+            def body():
+                calls.append(len(calls))
+                if len(calls) == 1:
+                    time.sleep(tok.lifetime + 0.5)  # the token of the POST expires before the PUT is sent
+                return iter([blob[:MiB], blob[MiB:]])
+
+            digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+            up._put_blob(digest, body, len(blob), "a test blob")
+            assert len(calls) == 2, calls  # the refused PUT and its whole retry
+            puts = [st for m, p, st in reg.access_log() if m == "PUT" and "/blobs/uploads/" in p]
+            assert puts[-2:] == [401, 201], puts
+            assert up._get_blob(digest, len(blob), "a test blob") == blob
             monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "bad.json", reg.host, USER, "nope")))
             bad = RetryingBackend(OCIBackend(*parse_url(url)), 30)
             with pytest.raises(HostError, match=f"token service refused user {USER!r} from .*bad.json: HTTP 401") as ei:

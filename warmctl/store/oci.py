@@ -554,8 +554,9 @@ class OCIBackend(Backend):
         loc = urljoin(self._url("blobs/uploads/"), r.headers.get("location", ""))
         r.close()
         sep = "&" if "?" in loc else "?"
-        body = data() if callable(data) else data
-        self._send("PUT", f"{loc}{sep}digest={quote(digest)}", what, ok=(201,), content=body,
+        # ``data`` itself, not one iterator of it: a PUT refused for an expired token is sent
+        # again, and its body must be whole again (_send calls a function once per attempt).
+        self._send("PUT", f"{loc}{sep}digest={quote(digest)}", what, ok=(201,), content=data,
                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}).close()
         self._have_blobs.add(digest)
 
