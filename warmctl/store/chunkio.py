@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -102,6 +103,33 @@ def thread_buffers() -> ChunkBuffers:
     if bufs is None:
         bufs = _tls.bufs = ChunkBuffers()
     return bufs
+
+
+class Flushable(Protocol):
+    """Saves made durable and visible together (``flush``) or dropped (``discard``):
+    :class:`~warmctl.store.cache.CachingBackend`, the pull's batch in :mod:`warmctl.store.copy`."""
+
+    def flush(self) -> object: ...
+
+    def discard(self) -> None: ...
+
+
+@contextmanager
+def kept(saves: Flushable) -> Iterator[Flushable]:
+    """Around work that saves verified objects into ``saves``: on return they are flushed;
+    on any error (an interrupt included) those verified so far are flushed too, for the next
+    try, and if that flush fails they are discarded; the work's error is the one raised
+    (a flush's error is raised only when the work succeeded). Nothing half-written is left
+    visible either way."""
+    try:
+        yield saves
+    except BaseException:
+        try:
+            saves.flush()
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            saves.discard()
+        raise
+    saves.flush()
 
 
 def load_verified(

@@ -23,7 +23,7 @@ from warmctl.errors import HostError, IntegrityError
 from warmctl.manifest import ChunkRef, Manifest
 from warmctl.store import chunks as ck
 from warmctl.store.backend import ObjectNotFound, load_limited
-from warmctl.store.chunkio import Progress, load_verified, ordered_map, thread_buffers
+from warmctl.store.chunkio import Progress, kept, load_verified, ordered_map, thread_buffers
 from warmctl.store.layout import MAX_SIGNATURE_BYTES, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import CopyReport
 from warmctl.store.store import Store
@@ -147,7 +147,7 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
             raise HostError(f"{e}; about {remaining[0]:,} more bytes (uncompressed, at most) remain to copy for {what}") from None
         return size, len(blob)
 
-    try:
+    with kept(out):  # every chunk durable and visible before the manifest names them
         for size, copied in ordered_map(work, list(refs), workers or max(src.workers, dst.workers)):
             remaining[0] -= size
             if copied:
@@ -155,13 +155,6 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
                 rep.bytes_copied += copied
             if progress:
                 progress(size)
-    except BaseException:
-        try:  # the chunks verified so far are kept for the next try
-            out.flush()
-        except Exception:  # noqa: BLE001 - the first error is the one to report
-            out.discard()
-        raise
-    out.flush()  # every chunk durable and visible before the manifest names them
     # Manifest bytes are copied verbatim (same digest), after every chunk is in place.
     dst.check_lock(f"copy {what}")  # LockLost: chunks seen or committed above may be gone
     if not dst.has_manifest(digest):

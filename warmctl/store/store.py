@@ -31,7 +31,7 @@ from warmctl.store import maintenance
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
-from warmctl.store.chunkio import FileWatch
+from warmctl.store.chunkio import FileWatch, kept
 from warmctl.store.chunkio import read_files as _read_files
 from warmctl.store.layout import MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, attachment_prefixes, chunk_key, manifest_key
 from warmctl.store.reports import DuReport, Fetched, GcReport, VerifyReport
@@ -356,15 +356,8 @@ class Store:
         if not isinstance(backend, CachingBackend):
             _read_files(backend, files, self.workers, progress, count, watch)
             return
-        try:
+        with kept(backend):  # every copy durable and visible before this returns (on failure, those verified)
             _read_files(backend, files, self.workers, progress, count, watch)
-        except BaseException:
-            try:  # the chunks verified so far are kept for the next try
-                backend.flush()
-            except Exception:  # noqa: BLE001 - the first error is the one to report
-                backend.discard()
-            raise
-        backend.flush()  # every copy durable and visible before this returns
 
     def put_manifest(self, manifest: Manifest) -> str:
         """Store ``manifest``; returns its digest (``sha256:<hex>``).
