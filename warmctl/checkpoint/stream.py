@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import logging
 import os
 import socket
@@ -43,6 +44,11 @@ IMAGES = "images"
 #: Largest request CRIU sends (a file name: CRIU's PATH_MAX) and the most bytes one splice moves.
 MAX_REQUEST = 4096 + 16
 SPLICE_BYTES = 4 * 2**20
+#: Capacity asked for each pipe CRIU sends (``F_SETPIPE_SZ``; the kernel's default is 64 KiB,
+#: 16 pages, so each splice would move at most that much between two wake-ups of CRIU); None
+#: keeps the default. A refusal (``EPERM`` over ``/proc/sys/fs/pipe-max-size`` without
+#: CAP_SYS_RESOURCE, ``EBUSY``) keeps the default too.
+PIPE_BYTES: int | None = None
 #: Zeros written into CRIU's pipe for an image's holes (the zero chunks): read from this untouched
 #: allocation (the kernel's zero page) instead of the file, whose holes would each cost a fresh,
 #: zeroed page-cache page (measured on a fresh node's first restore, docs/benchmarks.md).
@@ -294,6 +300,11 @@ class ImageStreamer:
         """Splice ``f`` into CRIU's pipe ``wfd`` as its bytes are written; close the pipe at its
         end, or early when the write failed (CRIU then fails its restore)."""
         off = 0
+        if PIPE_BYTES:
+            try:
+                fcntl.fcntl(wfd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError as e:
+                log.debug("%s: pipe kept at its size (F_SETPIPE_SZ %d: %s)", name, PIPE_BYTES, e)
         try:
             while off < f.size:
                 t0 = time.monotonic()
