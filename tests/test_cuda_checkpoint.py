@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import session_tmp
 from warmctl.checkpoint import cuda, nvml, ranks
 from warmctl.checkpoint.cuda import ProcessState
 from warmctl.errors import CheckpointError
@@ -34,7 +35,7 @@ GPU1 = "GPU-11111111-2222-3333-4444-555555555501"
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
-    return harness.build(tmp_path_factory.mktemp("fake_libcuda"))
+    return harness.build(session_tmp(tmp_path_factory, "fake_libcuda"))
 
 
 @pytest.fixture
