@@ -118,6 +118,7 @@ def main() -> None:
                 pidfile.unlink(missing_ok=True)
                 if side == "files":
                     pid, secs = criu.restore(img, pidfile, log_file=work / "restore.log", work_dir=work)
+                    restored.append(pid)
                 else:
                     stream.PIPE_BYTES = _size(side.split()[1])
                     sock = work / "s"
@@ -125,9 +126,10 @@ def main() -> None:
                     with stream.ImageStreamer(sizes, sock) as st:
                         st.complete(work / "entry")
                         pid, secs = criu.restore(sock, pidfile, log_file=work / "restore.log", work_dir=work, stream=True)
+                        restored.append(pid)
                         rep = st.close()
-                    assert all(rep.served[n] == sizes[n] for n in rep.served) and pages in rep.served, rep
-                restored.append(pid)
+                    if not (all(rep.served[n] == sizes[n] for n in rep.served) and pages in rep.served):
+                        raise SystemExit(f"{side}: CRIU was not served the whole image: {rep}")
                 os.kill(pid, signal.SIGUSR1)
                 lines = _wait_line(log, "ok ", 1, 120)
                 if lines[-1] != f"ok {digest}":

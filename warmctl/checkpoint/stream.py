@@ -47,8 +47,11 @@ SPLICE_BYTES = 4 * 2**20
 #: Capacity asked for each pipe CRIU sends (``F_SETPIPE_SZ``; the kernel's default is 64 KiB,
 #: 16 pages, so each splice would move at most that much between two wake-ups of CRIU); None
 #: keeps the default. A refusal (``EPERM`` over ``/proc/sys/fs/pipe-max-size`` without
-#: CAP_SYS_RESOURCE, ``EBUSY``) keeps the default too.
-PIPE_BYTES: int | None = None
+#: CAP_SYS_RESOURCE, ``EBUSY``) keeps the default too. 1 MiB (the default ``pipe-max-size``):
+#: a 2 GiB streamed restore took 1.23x a plain ``criu restore`` of the same files, against
+#: 2.05x with 64 KiB pipes, and 1.80x / 2.31x with 2 / 4 MiB (``benchmarks/stream_pipe.py``,
+#: docs/benchmarks.md).
+PIPE_BYTES: int | None = 2**20
 #: Zeros written into CRIU's pipe for an image's holes (the zero chunks): read from this untouched
 #: allocation (the kernel's zero page) instead of the file, whose holes would each cost a fresh,
 #: zeroed page-cache page (measured on a fresh node's first restore, docs/benchmarks.md).
