@@ -39,7 +39,10 @@ also gets ``criu-xtile-perm.so`` in ``LD_PRELOAD``, which its ``criu restore`` i
 Usage::
 
     python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--no-oci] [--keep-home DIR] [--old DIR]
-        [--profile-env NAME=VALUE]
+        [--profile-env NAME=VALUE] [--restore-stream auto|never]
+
+``--restore-stream``: the fresh nodes' ``restore_stream`` (``WARMCTL_RESTORE_STREAM``), for both
+checkouts (e.g. ``auto`` with ``--old`` at an earlier streamer: streamed against streamed).
 
 Cleans up: every engine down, every node home and the RGW removed (``--keep-home`` keeps node
 A's home and its snapshot for the next run).
@@ -82,6 +85,7 @@ def wc(env, *args, check=True):
 
 
 PROFILE_ENV: dict[str, str] = {}  # --profile-env, added to every node's tiny profile
+RESTORE_STREAM: list[str] = []  # --restore-stream: WARMCTL_RESTORE_STREAM of every fresh node (both checkouts)
 
 
 def home_env(root: Path) -> dict[str, str]:
@@ -104,6 +108,8 @@ def node_env(root: Path, a_pub: Path, checkout: Path | None = None, **extra: str
     shutil.copy(a_pub, root / "keys" / "node-a.pub")
     env.update(extra)
     env["PYTHONPATH"] = str(checkout or REPO)
+    if RESTORE_STREAM:
+        env["WARMCTL_RESTORE_STREAM"] = RESTORE_STREAM[0]
     lib = Path("/usr/local/lib/warmctl/criu-xtile-perm.so")
     if checkout is not None and lib.is_file():  # an --old warmctl without the AMX fix: its criu inherits it
         env["LD_PRELOAD"] = ":".join(x for x in (str(lib), env.get("LD_PRELOAD", "")) if x)
@@ -165,8 +171,11 @@ def main() -> None:
     ap.add_argument("--old", type=Path, default=None, help="another warmctl checkout whose up runs beside this one's")
     ap.add_argument("--profile-env", action="append", default=[], metavar="NAME=VALUE",
                     help="added to every node's tiny profile [engine.env]")
+    ap.add_argument("--restore-stream", choices=("auto", "never"), default=None,
+                    help="every fresh node's restore_stream (both checkouts; default: the setting's own default)")
     a = ap.parse_args()
     PROFILE_ENV.update(x.split("=", 1) for x in a.profile_env)
+    RESTORE_STREAM.extend([a.restore_stream] if a.restore_stream else [])
 
     root_a = a.keep_home or Path(tempfile.mkdtemp(prefix="warmctl-fleet-a-"))
     work = Path(tempfile.mkdtemp(prefix="warmctl-fleet-"))
