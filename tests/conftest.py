@@ -226,8 +226,8 @@ def _module_tmp_freed(tmp_path_factory):
     """Once a test module is done, remove what its tests and fixtures put under pytest's base
     temporary directory (``tmp_path``, ``tmp_path_factory.mktemp``), except the session
     fixtures' directories. pytest itself keeps every one of them until the session ends: a
-    full run reached 17 GiB by its 38th percent (test_e2e_fleet's homes alone 14 GiB), and the
-    suite must not need the disk of all its modules at once. ``WARMCTL_TEST_KEEP_TMP=1`` keeps
+    full run reached about 38 GiB by its 85th percent (test_e2e_fleet's homes alone 14 GiB);
+    removed per module, the peak was 15 GiB (inside test_e2e_fleet). ``WARMCTL_TEST_KEEP_TMP=1`` keeps
     everything (to look at a failure's files)."""
     base = tmp_path_factory.getbasetemp()
     before = set(os.listdir(base))

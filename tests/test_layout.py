@@ -383,6 +383,9 @@ def test_a_rank_killed_by_the_hook_while_criu_dumps_fails_the_dump_and_is_named(
         except CheckpointError as err:
             e = err
             break
+        except BaseException:
+            kill_tree(ProcessId.of(root))
+            raise
         assert killed == [], "a rank killed and yet the dump succeeded"
         launcher.wait(10)
     else:
