@@ -23,6 +23,7 @@ from warmctl.agent import create_app, read_token, sd_notify
 from warmctl.agent.jobs import JobManager
 from warmctl.client import AgentClient, AgentError
 from warmctl.config import Settings
+from warmctl.contract import UpRequest
 from warmctl.errors import HostError, SnapshotNotFound
 from warmctl.proc import ProcessId
 from warmctl.state import EngineState, save as save_state
@@ -157,7 +158,7 @@ def test_409_names_the_holder_job(live):
 
 def test_the_same_up_while_one_is_under_way_answers_that_job(live):
     """Two schedulers asking for the same up at once get one job (idempotent), not a 409."""
-    from warmctl.agent.app import UpRequest
+    from warmctl.contract import UpOptions
 
     release = threading.Event()
 
@@ -165,7 +166,7 @@ def test_the_same_up_while_one_is_under_way_answers_that_job(live):
         release.wait(20)
         return {"ok": True}
 
-    params = UpRequest(tag="latest").model_dump()
+    params = UpOptions(tag="latest").model_dump()
     holder = live.agent.jobs.submit("up", "tiny", ["engine:tiny"], blocking, params)
     try:
         r = live.http.post("/v1/engines/tiny/up", json={})
@@ -182,7 +183,7 @@ def test_the_same_up_while_one_is_under_way_answers_that_job(live):
 def test_up_without_snapshot_or_profile_fails_with_the_reason(live):
     c = AgentClient(live.url, TOKEN)
     with pytest.raises(SnapshotNotFound, match="no snapshot nosuch:latest"):
-        c.up("nosuch")
+        c.up(UpRequest(name="nosuch"))
     j = live.http.get("/v1/jobs", params={"state": "failed"}).json()[0]
     assert j["error"]["type"] == "SnapshotNotFound" and j["error"]["exit_code"] == 4
     m = live.http.get("/metrics").text

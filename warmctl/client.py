@@ -2,7 +2,7 @@
 ``agent_url`` is configured so that ``warmctl up/down/status`` behave the same either way.
 
 ``AgentClient(url, token)`` returns the same types as :mod:`warmctl.lifecycle`
-(:class:`~warmctl.lifecycle.UpResult`, :class:`~warmctl.state.EngineState`,
+(:class:`~warmctl.contract.UpResult`, :class:`~warmctl.state.EngineState`,
 :class:`~warmctl.lifecycle.EngineStatus`) and feeds a job's phases and log lines into a
 :class:`~warmctl.progress.Reporter` while following its server-sent events. A failed job
 raises the same :class:`~warmctl.errors.WarmctlError` subclass (and exit code) the local
@@ -23,6 +23,7 @@ import httpx
 
 from warmctl import errors
 from warmctl.config import Settings
+from warmctl.contract import Failure, UpRequest, UpResult
 from warmctl.errors import HostError, WarmctlError
 from warmctl.manifest import Phase
 from warmctl.progress import Reporter
@@ -48,6 +49,11 @@ class JobFailed(WarmctlError):
         self.type = type_
         if exit_code is not None:
             self.exit_code = exit_code
+
+    @property
+    def failure(self) -> Failure:
+        """The job's failure as the agent reported it (its type, not this class's name)."""
+        return Failure(type=self.type, message=str(self), exit_code=self.exit_code)
 
 
 def _error_for(err: dict[str, Any]) -> WarmctlError:
@@ -196,20 +202,21 @@ class AgentClient:
 
     # ------------------------------------------------------------------ operations
 
-    def up(self, name: str, reporter: Reporter | None = None, *, tag: str = "latest", digest: str | None = None,
-           public_port: int | None = None, public_host: str | None = None, snapshot_after: bool = False,
-           insecure: bool = False, cold_start: str | None = None):
-        """Like :func:`warmctl.lifecycle.up` through the agent. Returns an ``UpResult``."""
-        from warmctl.lifecycle import UpResult
-
-        job = self.request("POST", f"/v1/engines/{name}/up",
-                           json={"tag": tag, "digest": digest, "port": public_port, "host": public_host,
-                                 "snapshot_after": snapshot_after, "insecure": insecure, "cold_start": cold_start})
-        res = self.follow(job["id"], reporter)
-        st = EngineState.model_validate(res["state"])
-        return UpResult(st, res.get("source", st.source), res.get("timings") or {}, res.get("reason") or "",
-                        res.get("snapshot"), already_up=res.get("already_up", res.get("path") == "already-up"),
-                        fetched=res.get("fetched") or {})
+    def up(self, request: UpRequest, reporter: Reporter | None = None, *, check: bool = True) -> UpResult:
+        """Like :func:`warmctl.lifecycle.up` through the agent: the job's result parsed back into
+        the same :class:`~warmctl.contract.UpResult` (:meth:`~warmctl.contract.UpResult.from_json`).
+        A failed job raises its error (see the module doc); with ``check=False`` it is returned
+        instead, as an ``UpResult`` whose ``failure`` says why (type, message, exit code)."""
+        job = self.request("POST", f"/v1/engines/{request.name}/up",
+                           json=request.options().model_dump(mode="json", exclude_defaults=True))
+        try:
+            res = self.follow(job["id"], reporter)
+        except WarmctlError as e:
+            if check:
+                raise
+            failure = e.failure if isinstance(e, JobFailed) else Failure.of(e)
+            return UpResult.failed(request.name, failure)
+        return UpResult.from_json(res)
 
     def down(self, name: str, now: bool = False) -> EngineState | None:
         """Like :func:`warmctl.lifecycle.down` through the agent: the stopped state, or
@@ -225,7 +232,7 @@ class AgentClient:
 
         rows = self.request("GET", "/v1/engines")
         return [EngineStatus(EngineState.model_validate(r["state"]), r["engine_alive"], r["gate_alive"], r["healthy"],
-                             r.get("shm_count", 0), r.get("shm_bytes", 0))
+                             r.get("shm_count", 0), r.get("shm_bytes", 0), r.get("lazy_copy"), r.get("failure") or "")
                 for r in rows if r.get("state") and (name is None or r["name"] == name)]
 
     def snapshot(self, profile: str, reporter: Reporter | None = None, *, tag: str = "latest") -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``up``, ``down`` and ``status``: bring a snapshot (or a cold engine) to the public port.
 
-``up(name)`` reads top-down as its phases, one short function each (timed phases in quotes):
+``up(request)`` reads top-down as its phases, one short function each (timed phases in quotes):
 
 1. :func:`_adopt_or_clear`: an engine already up is left alone (``up`` changes nothing); what a
    crash or a dead engine left is torn down first;
@@ -57,6 +57,7 @@ from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache, entry_sizes
 from warmctl.checkpoint.stream import ImageStreamer, StreamError
 from warmctl.config import Settings
+from warmctl.contract import UpRequest, UpResult
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
@@ -77,35 +78,19 @@ from warmctl.store.chunks import is_zero_chunk
 
 
 @dataclass
-class UpResult:
-    """Outcome of :func:`up`.
+class _Up:
+    """One ``up``: what was asked (:class:`~warmctl.contract.UpRequest`), the settings it runs
+    under (``cold_start`` as the request asks), where it reports, and the profile to cold-start
+    from and check the snapshot against (None: no profile of that name)."""
 
-    ``source``: how the engine came up, ``"restore"`` (from a snapshot) or ``"cold"`` (started
-    from its profile) -- the same as ``state.source``; ``already_up``: ``up`` found it serving and
-    changed nothing. ``timings``: seconds by phase of this ``up``, ``total`` their sum (a cold
-    path also lists the engine's own start-up breakdown, :func:`warmctl.engine.cold.start`,
-    which ``total`` does not add again). ``reason``: why the cold path was taken.
-    ``fetched``: stored bytes of the chunks this ``up`` loaded, from the ``remote`` store and
-    from the ``local`` one (:class:`warmctl.store.Fetched`). ``streamed``: for a restore that
-    read its image while it was written (``restore_stream``): ``files`` (image files CRIU read),
-    ``bytes`` (bytes it read), ``waited_s`` (seconds CRIU's readers waited for bytes not yet
-    written, summed over files); None otherwise.
-    """
-
-    state: EngineState
-    source: EngineSource
-    timings: dict[str, float] = field(default_factory=dict)
-    reason: str = ""
-    snapshot_digest: str | None = None
-    already_up: bool = False
-    fetched: dict[str, int] = field(default_factory=dict)
-    streamed: dict[str, float] | None = None
+    request: UpRequest
+    settings: Settings
+    reporter: Reporter
+    profile: Profile | None
 
     @property
-    def outcome(self) -> str:
-        """``"already-up"``, else ``source``: the ``path`` field of the JSON outputs of ``up``
-        (CLI ``--json``, the agent's job result), kept for clients written against it."""
-        return "already-up" if self.already_up else self.source
+    def name(self) -> str:
+        return self.request.name
 
 
 def _public(profile: Profile, settings: Settings, port: int | None, host: str | None) -> tuple[str, int]:
@@ -271,11 +256,12 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
-def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest", digest: str | None = None,
-       profile: Profile | None = None, public_port: int | None = None, public_host: str | None = None,
-       snapshot_after: bool = False, insecure: bool = False, allow_rollback: bool = False) -> UpResult:
-    """Bring ``name`` up on its public port (see module doc). Idempotent: an engine already up
-    (serving, ``/health`` answering) is left alone and reported (``already_up``).
+def up(request: UpRequest, settings: Settings, reporter: Reporter, *, profile: Profile | None = None) -> UpResult:
+    """Bring ``request.name`` up on its public port (see module doc and
+    :class:`~warmctl.contract.UpOptions` for what the request says). Idempotent: an engine
+    already up (serving, ``/health`` answering) is left alone and reported (``already_up``).
+    Returns an :class:`~warmctl.contract.UpResult` (``failure`` None); raises on failure
+    (:meth:`UpResult.failed` turns the error into a result).
 
     One ``up``/``down`` of ``name`` at a time on this host (:mod:`warmctl.enginelock`): a second
     ``up`` started meanwhile waits for the first, then reports ``already_up`` when the first
@@ -283,48 +269,67 @@ def up(name: str, settings: Settings, reporter: Reporter, *, tag: str = "latest"
     that was killed is cleaned up after and tried again. Different names do not wait.
 
     The snapshot is chosen by the catalog's rules for this host's fingerprint (or pinned by
-    ``digest``) and its signature verified before anything is written
+    ``request.digest``) and its signature verified before anything is written
     (:meth:`warmctl.catalog.Catalog.resolve`);
     ``insecure`` turns an unsigned or untrusted snapshot into a loud warning instead of an error.
     A snapshot older than the newest this node accepted for ``name:tag`` on this kind of host is
     refused (a rollback) unless ``allow_rollback`` or pinned by ``digest``; an unusable newer
     entry is passed over with a line saying why; the digest and age of what is restored are said.
+    ``request.cold_start``, when set, replaces the ``cold_start`` setting for this ``up``.
     ``profile`` is needed for the cold path (no snapshot) and to check that a snapshot was made
-    from the same profile; without it, the snapshot's embedded profile is used.
+    from the same profile (default: the profile ``name`` in ``settings.profile_dirs``, if there
+    is one); without one, the snapshot's embedded profile is used.
+    ``request.restart``/``restart_limit`` are the agent's, not read here.
     Raises :class:`HostError` (pre-flight), :class:`SnapshotNotFound` (no snapshot, and no
-    profile or ``settings.cold_start == "never"`` or a pinned ``digest``), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
+    profile or ``cold_start == "never"`` or a pinned ``digest``), :class:`warmctl.trust.TrustError`, :class:`IntegrityError`,
     :class:`CheckpointError`, :class:`CanaryMismatch`.
     """
+    name = request.name
     check_name("engine name", name, CatalogError)  # before the name becomes a lock file's name
+    if request.cold_start is not None and request.cold_start != settings.cold_start:
+        settings = settings.model_copy(update={"cold_start": request.cold_start,
+                                               "sources": {**settings.sources, "cold_start": "request"}})
+    if profile is None:
+        profile = find_profile(name, settings)
     with enginelock.hold(settings.run_dir, name, "up", on_wait=lambda o: reporter.info(
             f"waiting for the {o.op if o else 'other'} of {name} already running"
             + (f" (pid {o.pid})" if o else "") + " on this host")) as held:
         if held.waited and held.previous is not None and held.previous.op == "up" and held.previous.ok is False:
             raise held.previous.error(name)
-        already = _adopt_or_clear(name, settings, digest)
+        already = _adopt_or_clear(name, settings, request.digest)
         if already is not None:
             return already
-        return _up(name, settings, reporter, tag, digest, profile, public_port, public_host, snapshot_after, insecure,
-                   allow_rollback)
+        return _up(_Up(request, settings, reporter, profile))
 
 
-def _up(name: str, settings: Settings, reporter: Reporter, tag: str, digest: str | None, profile: Profile | None,
-        public_port: int | None, public_host: str | None, snapshot_after: bool, insecure: bool,
-        allow_rollback: bool = False) -> UpResult:
-    """:func:`up` once no engine ``name`` is serving (under its lock)."""
-    with reporter.phase("catalog", "choosing the snapshot, checking its signature"):
-        found = _find_snapshot(name, settings, reporter, tag, digest, profile, insecure, allow_rollback)
+def find_profile(name: str, settings: Settings) -> Profile | None:
+    """The profile ``name`` in ``settings.profile_dirs`` (what ``up`` cold-starts from), or
+    None when there is none (or it does not load)."""
+    from warmctl.profile import ProfileError, load_profile
+
+    try:
+        return load_profile(name, settings.profile_dirs)
+    except ProfileError:
+        return None
+
+
+def _up(u: _Up) -> UpResult:
+    """:func:`up` once no engine ``u.name`` is serving (under its lock)."""
+    req, settings, name = u.request, u.settings, u.name
+    with u.reporter.phase("catalog", "choosing the snapshot, checking its signature"):
+        found = _find_snapshot(name, settings, u.reporter, req.tag, req.digest, u.profile, req.insecure,
+                               req.allow_rollback)
     try:
         if found.manifest is None:
-            if profile is None:
+            if u.profile is None:
                 raise SnapshotNotFound(f"{found.reason}; and no profile named {name} to cold-start from")
-            if digest is not None:
-                raise SnapshotNotFound(f"{found.reason}; a pinned snapshot ({name}@{digest[:19]}) is never replaced by a cold start")
+            if req.digest is not None:
+                raise SnapshotNotFound(f"{found.reason}; a pinned snapshot ({name}@{req.digest[:19]}) is never replaced by a cold start")
             if settings.cold_start == "never":
                 raise SnapshotNotFound(f"{found.reason}\nnot cold-starting {name}: cold_start is 'never' "
                                        f"({settings.sources.get('cold_start', 'flag')})")
-            return _cold_up(profile, settings, reporter, public_port, public_host, found.reason, snapshot_after, tag)
-        return _restore_up(found, settings, reporter, public_port, public_host)
+            return _cold_up(u, found.reason)
+        return _restore_up(u, found)
     finally:
         found.close()
 
@@ -347,7 +352,8 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
         if digest is not None and st.manifest_digest != digest:
             raise HostError(f"{name} is up from {st.manifest_digest or 'a cold start'}, not {digest}; "
                             f"`warmctl down {name}` first")
-        return UpResult(st, st.source, snapshot_digest=st.manifest_digest, already_up=True)
+        return UpResult(name=name, state=st, source=st.source, snapshot_digest=st.manifest_digest, already_up=True,
+                        lazy_copy=_lazy_copy(st))
     existing.teardown(strays=True)  # under the name's lock its owner is gone; strays: a root known
     return None                     # only by engine.pid / restore.pid (identity-checked)
 
@@ -438,9 +444,9 @@ def restoring_line(ref: str, res) -> str:
     return f"snapshot {ref} = {res.digest}, created {created.isoformat(timespec='seconds')} ({ago} ago), {who}"
 
 
-def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_port: int | None,
-                public_host: str | None) -> UpResult:
+def _restore_up(u: _Up, found: _Found) -> UpResult:
     """The restore path of :func:`up` (see module doc, 3-6)."""
+    settings, reporter = u.settings, u.reporter
     m, digest = found.manifest, found.digest
     assert m is not None and digest is not None
     try:
@@ -449,7 +455,7 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
         why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
         raise IntegrityError(f"snapshot {m.name} ({digest[:19]}): the profile it records does not validate: {why}") from None
     plan = CheckpointPlan.of(prof)
-    host_, port = _public(prof, settings, public_port, public_host)
+    host_, port = _public(prof, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
@@ -524,8 +530,15 @@ def _restore_up(found: _Found, settings: Settings, reporter: Reporter, public_po
             with reporter.phase("keep", "naming the snapshot in the local store"):
                 _keep_locally(found, reporter, settings)
             timings["keep"] = reporter.seconds("keep")
-    return UpResult(run.state, "restore", timings, snapshot_digest=digest, fetched=fetched,  # type: ignore[arg-type]
-                    streamed=streamed)
+    return UpResult(name=found.name, state=run.state, source="restore", timings=timings, snapshot_digest=digest,
+                    fetched=fetched, streamed=streamed, lazy_copy=_lazy_copy(run.state))
+
+
+def _lazy_copy(st: EngineState | None) -> str | None:
+    """``"running"`` while the lazy-pages daemon of ``st`` still copies pages, ``"done"`` once
+    it exited; None for an eager restore or a cold start (:attr:`UpResult.lazy_copy`)."""
+    lazy = None if st is None else st.lazy
+    return None if lazy is None else ("running" if lazy.alive() else "done")
 
 
 def _commit_fetched(fill: CacheFill | None, reporter: Reporter) -> bool:
@@ -781,12 +794,14 @@ def _serving(run: EngineRun, timings: dict[str, float]) -> None:
     run.save(phase="serving")
 
 
-def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_port: int | None,
-             public_host: str | None, reason: str, snapshot_after: bool, tag: str) -> UpResult:
+def _cold_up(u: _Up, reason: str) -> UpResult:
     """The cold path of :func:`up`: start the profile's engine (:mod:`warmctl.engine.cold`),
     warm it up and record its canary, optionally snapshot it and leave it running
     (``snapshot_after``), then open the gate."""
-    host_, port = _public(profile, settings, public_port, public_host)
+    profile, settings, reporter = u.profile, u.settings, u.reporter
+    snapshot_after, tag = u.request.snapshot_after, u.request.tag
+    assert profile is not None
+    host_, port = _public(profile, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the start
     cold.preflight(profile, settings.run_dir)
@@ -818,7 +833,8 @@ def _cold_up(profile: Profile, settings: Settings, reporter: Reporter, public_po
         raise
     timings = {**startup, **_timings(reporter)}
     _serving(run, timings)
-    return UpResult(run.state, "cold", timings, reason=reason, snapshot_digest=digest)  # type: ignore[arg-type]
+    return UpResult(name=u.name, state=run.state, source="cold", timings=timings, reason=reason,
+                    snapshot_digest=digest)
 
 
 def down(name: str, settings: Settings, now: bool = False) -> EngineState | None:
@@ -882,8 +898,7 @@ def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = 
             except httpx.HTTPError:
                 pass
         shm = capture.shm_of(st.root_pid if alive else None, st.shm_inodes, [] if st.shm_inodes else st.shm_files)
-        lazy = st.lazy
-        lazy_copy = None if lazy is None else ("running" if lazy.alive() else "done")
+        lazy_copy = _lazy_copy(st)
         try:
             failure = (settings.run_dir / st.name / LAZY_FAILED).read_text().strip()
         except OSError:

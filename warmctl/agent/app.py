@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field, StrictBool
 import warmctl
 from warmctl import lifecycle
 from warmctl.config import Settings
+from warmctl.contract import UpOptions, UpRequest, UpResult
 from warmctl import names
 from warmctl.errors import WarmctlError
 from warmctl.state import EngineState
@@ -76,34 +77,9 @@ class ErrorBody(BaseModel):
     holder: str | None = None
 
 
-class UpRequest(BaseModel):
-    """Bring engine NAME up from snapshot ``NAME:tag`` (or ``NAME@digest``), or cold from the
-    profile NAME. ``port``/``host``: public address (default: settings, then the profile's);
-    ``snapshot_after``: on the cold path, snapshot the warmed engine; ``insecure``: accept an
-    unsigned or untrusted snapshot (a snapshot is executable state: only for tests);
-    ``cold_start``: ``fallback`` or ``never`` when no snapshot fits (default: the agent's
-    ``cold_start`` setting); with ``never`` the job fails naming every rejected candidate.
-    Strict types: ``"true"`` is not a boolean, ``"8080"`` not a port (422)."""
-
-    model_config = {"extra": "forbid", "strict": True}
-    tag: str = Field("latest", pattern=TAG_PATTERN)
-    digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
-    cold_start: Literal["fallback", "never"] | None = None
-    port: int | None = Field(None, ge=1, le=65535)
-    host: str | None = Field(None, max_length=255, pattern=r"^[A-Za-z0-9.:-]+$")
-    snapshot_after: StrictBool = False
-    #: INSECURE: restore an unsigned or untrusted snapshot (logged as a loud warning); only a
-    #: JSON ``true`` turns it on
-    insecure: StrictBool = False
-    #: ``on-failure``: when the engine dies later, the agent brings it up again the same way,
-    #: with backoff, at most ``restart_limit`` times in 10 minutes (:mod:`warmctl.agent.supervise`)
-    restart: Literal["no", "on-failure"] = "no"
-    restart_limit: int | None = Field(None, ge=1, le=100)
-
-
 class SnapshotRequest(BaseModel):
     """Snapshot profile ``profile`` (a profile NAME the agent can find) as ``profile:tag``.
-    Strict types, as :class:`UpRequest`."""
+    Strict types, as :class:`~warmctl.contract.UpOptions`."""
 
     model_config = {"extra": "forbid", "strict": True}
     profile: str = Field(..., pattern=NAME_PATTERN)
@@ -134,6 +110,10 @@ class EngineView(BaseModel):
     #: ``/dev/shm`` files the engine holds and the bytes of memory they take
     shm_count: int = 0
     shm_bytes: int = 0
+    #: a lazy restore's background copy of pages: ``running``, ``done``, or null (eager, cold)
+    lazy_copy: Literal["running", "done"] | None = None
+    #: why the gate took the engine down (its lazy-pages daemon died before the copy ended)
+    failure: str | None = None
 
 
 class SnapshotView(BaseModel):
@@ -333,7 +313,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         return run is None or not (run.alive() and run.gate is not None and run.gate.alive())
 
     def _restart(name: str, params: dict) -> str:
-        resp = _start_up(name, UpRequest.model_validate(params))
+        resp = _start_up(name, UpOptions.model_validate(params))
         agent.forget_status()
         return json.loads(resp.body)["id"]
 
@@ -380,6 +360,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     )
     app.guard_token, app.guard_open_paths = token, OPEN_PATHS
     app.state.agent = agent
+    _document_up_result(app)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -456,6 +437,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         if st is not None:
             v.state, v.engine_alive, v.gate_alive, v.healthy = st.state, st.engine_alive, st.gate_alive, st.healthy
             v.shm_count, v.shm_bytes = st.shm_count, st.shm_bytes
+            v.lazy_copy, v.failure = st.lazy_copy, st.failure or None
             v.phase = st.state.phase
             if st.state.phase == "serving" and not (st.engine_alive and st.gate_alive):
                 v.phase = "dead"
@@ -528,39 +510,32 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
 
     @app.post("/v1/engines/{name}/up", status_code=202, response_model=Job, tags=["engines"],
               responses={**ERRORS, **CONFLICT}, dependencies=[Depends(auth)])
-    def engine_up(req: UpRequest, name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
+    def engine_up(req: UpOptions, name: str = Path(..., pattern=NAME_PATTERN)) -> Any:
         """Start a job that brings ``name`` up: restore ``name:tag`` behind the canary, or
         cold-start the profile ``name`` when no snapshot fits (the job's result says which
         and why). The same request while its job is under way answers that job (202: follow it
         for the outcome); 409 when another job works on this engine or its ports, naming it. An
         ``up`` of the same name started outside the agent (``warmctl up``, the boot unit) is
         waited for, then reported as already up or as its failure (:mod:`warmctl.enginelock`).
-        With ``restart: on-failure`` the agent brings the engine up again when it dies."""
+        With ``restart: on-failure`` the agent brings the engine up again when it dies. The job's
+        ``result`` is ``up``'s JSON document (:meth:`warmctl.contract.UpResult.to_json`, the
+        ``UpResult`` schema below; the same as ``warmctl up --json``); a failed job's ``error``
+        is a ``Failure``."""
         return _start_up(name, req)
 
-    def _start_up(name: str, req: UpRequest) -> JSONResponse:
+    def _start_up(name: str, req: UpOptions) -> JSONResponse:
         public, internal = _ports_for(name, req.tag, req.port)
         _port_conflict(name, public)
         resources = [f"engine:{name}"] + ([f"port:{public}"] if public else []) + (
             [f"port:{internal}"] if internal and internal != public else [])
 
         def run(rep: JobReporter, job: Job) -> dict:
-            from warmctl.profile import ProfileError, load_profile
-
-            try:
-                prof = load_profile(name, s.profile_dirs)
-            except ProfileError:
-                prof = None
-            settings = s.model_copy(update={"cold_start": req.cold_start}) if req.cold_start else s
-            res = lifecycle.up(name, settings, rep, tag=req.tag, digest=req.digest, profile=prof, public_port=req.port,
-                               public_host=req.host, snapshot_after=req.snapshot_after, insecure=req.insecure)
+            res = lifecycle.up(UpRequest.of(name, req), s, rep)
             if req.restart == "on-failure":
                 supervisor.watch(name, req.model_dump(), req.restart_limit)
             elif not res.already_up:
                 supervisor.forget(name)
-            return {"source": res.source, "already_up": res.already_up, "path": res.outcome, "reason": res.reason,
-                    "snapshot": res.snapshot_digest, "fetched": res.fetched, "streamed": res.streamed, "timings": res.timings,
-                    "state": res.state.model_dump(mode="json")}
+            return res.to_json()
 
         def reporter(job_id: str) -> JobReporter:
             def on_phase(phase: str, secs: float, ok: bool) -> None:
@@ -742,6 +717,26 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+def _document_up_result(app: FastAPI) -> None:
+    """Add ``UpResult`` (an ``up`` job's ``result``, :class:`warmctl.contract.UpResult` as
+    :meth:`~warmctl.contract.UpResult.to_json` writes it) and the models it refers to to the
+    OpenAPI document's schemas: a job's ``result`` is typed by its kind, so no route names it."""
+    from pydantic.json_schema import models_json_schema
+
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = generate()
+            _, defs = models_json_schema([(UpResult, "serialization")], ref_template="#/components/schemas/{model}")
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for k, v in defs.get("$defs", {}).items():
+                schemas.setdefault(k, v)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _sse(e: Event) -> bytes:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
+from warmctl.contract import Failure
 from warmctl.errors import WarmctlError
 from warmctl.private import private_dir, trusted, untrusted
 from warmctl.progress import Reporter
@@ -62,13 +63,9 @@ class Progress(BaseModel):
     bytes_total: int = 0
 
 
-class JobError(BaseModel):
-    """Why a job failed: the exception class name (``HostError``, ``CanaryMismatch``, ...) and
-    its operator-facing message. ``exit_code`` is what the CLI exits with for it."""
-
-    type: str
-    message: str
-    exit_code: int = 1
+#: Why a job failed (``{type, message, exit_code}``): the same :class:`~warmctl.contract.Failure`
+#: a failed ``up`` reports everywhere else (``warmctl up --json``, the client).
+JobError = Failure
 
 
 #: Job ids: ``j-`` and 12 lower-case hex digits (:func:`new_id`); the file name is ``ID.json``.
@@ -365,9 +362,9 @@ class JobManager:
         try:
             result = fn(reporter, self._slots[job_id].job)
         except WarmctlError as e:
-            error = JobError(type=type(e).__name__, message=str(e), exit_code=e.exit_code)
+            error = Failure.of(e)
         except BaseException as e:  # noqa: BLE001 - a job must always end with an outcome
-            error = JobError(type="InternalError", message=f"{type(e).__name__}: {e}")
+            error = Failure.of(e)  # InternalError
             tb = traceback.format_exc()
 
         def end(job: Job) -> None:

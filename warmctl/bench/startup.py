@@ -24,6 +24,7 @@ import httpx
 
 from warmctl import lifecycle
 from warmctl.config import Settings
+from warmctl.contract import UpRequest
 from warmctl.engine.vllm import PHASE_NAMES
 from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.profile import Profile
@@ -106,7 +107,7 @@ def _first_request(url: str, model: str) -> tuple[float, int]:
 def _one(name: str, settings: Settings, profile: Profile, tag: str, reporter: Reporter) -> StartupRun:
     t0 = time.perf_counter()
     try:
-        res = lifecycle.up(name, settings, reporter, tag=tag, profile=profile)
+        res = lifecycle.up(UpRequest(name=name, tag=tag), settings, reporter, profile=profile)
     except WarmctlError as e:
         return StartupRun("failed", {p.name: p.seconds for p in reporter.phases}, time.perf_counter() - t0,
                           None, None, None, error=str(e))

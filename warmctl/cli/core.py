@@ -141,9 +141,8 @@ def register(app: typer.Typer) -> None:
         Example: `warmctl up tiny && curl localhost:8000/v1/models`
         """
         from warmctl.catalog import Ref
-        from warmctl.lifecycle import up as run_up
         from warmctl.config import load_settings
-        from warmctl.profile import ProfileError, load_profile
+        from warmctl.contract import UpRequest, UpResult
         from warmctl.progress import ConsoleReporter
 
         overrides = {}
@@ -170,45 +169,52 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("with an agent, the gate's key and TLS files are the agent's settings "
                                      "(gate_api_key_file, gate_tls_cert, gate_tls_key in its config)")
         r = Ref.parse(name)
-        ref, tag = r.name, r.tag
         try:
-            prof = load_profile(ref, settings.profile_dirs)
-        except ProfileError:
-            prof = None
+            req = UpRequest(name=r.name, tag=r.tag, digest=r.digest, port=port, host=host, snapshot_after=snapshot_after,
+                            insecure=insecure, allow_rollback=allow_rollback, cold_start=overrides.get("cold_start"))
+        except ValueError as e:  # pydantic's ValidationError: a port or host out of range
+            raise typer.BadParameter("; ".join(f"{x['loc'][0]}: {x['msg']}" for x in e.errors()))  # type: ignore[attr-defined]
         if foreground:
             from warmctl import foreground as fg
+            from warmctl.lifecycle import up as run_up
 
             def show(res) -> None:
                 _show_up(res, json_out, quiet)
                 sys.stdout.flush()  # a pipe (the journal) is block-buffered, and this process stays
 
-            code = fg.run(ref, settings, fg.NotifyingReporter(quiet=json_out or quiet),
-                          lambda rep: run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port,
-                                             public_host=host, snapshot_after=snapshot_after, insecure=insecure,
-                                             allow_rollback=allow_rollback),
-                          show, lambda line: _err().print(line, markup=False, highlight=False))
+            code = fg.run(req.name, settings, fg.NotifyingReporter(quiet=json_out or quiet),
+                          lambda rep: run_up(req, settings, rep), show,
+                          lambda line: _err().print(line, markup=False, highlight=False))
             raise typer.Exit(code)
         rep = ConsoleReporter(quiet=json_out or quiet)
         if settings.agent_url:  # a configured agent does the work (issue 5); same output
             from warmctl.client import AgentClient
-            res = AgentClient.from_settings(settings).up(ref, rep, tag=tag, digest=r.digest, public_port=port, public_host=host,
-                                                         snapshot_after=snapshot_after, insecure=insecure,
-                                                         cold_start=overrides.get("cold_start"))
-        else:
-            res = run_up(ref, settings, rep, tag=tag, digest=r.digest, profile=prof, public_port=port, public_host=host,
-                         snapshot_after=snapshot_after, insecure=insecure, allow_rollback=allow_rollback)
+            res = AgentClient.from_settings(settings).up(req, rep, check=False)
+            _show_up(res, json_out, quiet)
+            if res.failure is not None:
+                raise res.error()  # type: ignore[misc]
+            return
+        from warmctl.lifecycle import up as run_up
+
+        try:
+            res = run_up(req, settings, rep)
+        except WarmctlError as e:
+            if json_out:
+                _show_up(UpResult.failed(req.name, e), json_out, quiet)
+            raise
         _show_up(res, json_out, quiet)
 
     def _show_up(res, json_out: bool, quiet: bool = False) -> None:
-        """``up``'s result on stdout: the JSON object (docs/cli-json.md), or the phase table and
-        the serving line (``quiet``: the serving line only, as ``snapshot -q`` prints only its
-        result)."""
-        st = res.state
+        """``up``'s result (:class:`warmctl.contract.UpResult`) on stdout: its JSON document
+        (:meth:`~warmctl.contract.UpResult.to_json`, docs/cli-json.md; also for a failed ``up``),
+        or the phase table and the serving line (``quiet``: the serving line only, as
+        ``snapshot -q`` prints only its result; a failed ``up``: nothing, its error goes to
+        stderr)."""
         if json_out:
-            emit_json({"name": st.name, "source": res.source, "already_up": res.already_up,
-                       "path": res.outcome, "reason": res.reason,
-                       "snapshot": res.snapshot_digest, "public": f"{st.public_host}:{st.public_port}",
-                       "pid": st.root_pid, "fetched": res.fetched, "streamed": res.streamed, "timings_s": res.timings})
+            emit_json(res.to_json())
+            return
+        st = res.state
+        if st is None:
             return
         o = _out(highlight=False)
         if res.already_up:
