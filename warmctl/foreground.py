@@ -76,7 +76,7 @@ def _healthy(port: int) -> bool:
 
 def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[NotifyingReporter], object],
         show: Callable[[object], None], say: Callable[[str], None]) -> int:
-    """Bring ``name`` up with ``up(reporter)`` (a :class:`warmctl.lifecycle.UpResult`), print it
+    """Bring ``name`` up with ``up(reporter)`` (a :class:`warmctl.contract.UpResult`), print it
     with ``show``, then supervise it (module doc). ``say`` prints one line to the log. Returns
     the exit status: 0 after a stop signal, :data:`ENGINE_DIED_EXIT` when the engine died,
     128+signal when stopped during ``up``."""
