@@ -135,7 +135,7 @@ def test_up_checks_free_space_for_chunks_from_a_remote_before_writing(tmp_path, 
     """``up``'s materialize from a remote store: the chunks the local store lacks (12 MiB) are
     counted against the local store's filesystem (6 MiB) before any byte is written; the
     message names that store and the numbers; the local store and the image cache stay empty."""
-    from warmctl.lifecycle import _materialize
+    from warmctl.materialize import materialize as _materialize
 
     remote = open_store(tmp_path / "remote")
     m = make_manifest(remote, "tiny", {"pages-1.img": write_payload(tmp_path / "p.img", [("random", 12 * MiB)])})

@@ -12,7 +12,8 @@
 3. :func:`_restore_up`: pre-flight (public and internal ports free, CRIU usable; on AMD
    profiles the plan's "vram_preflight": free VRAM per GPU) before
    anything is written, and the gate's process started (it listens only at step 6); then,
-   under the host's CRIU lock, "materialize" (the verified image this host keeps for the
+   under the host's CRIU lock, "materialize" (:mod:`warmctl.materialize`; streamed to CRIU
+   as it is written with ``restore_stream``, :mod:`warmctl.restore_stream`: the verified image this host keeps for the
    snapshot's digest reused, :mod:`warmctl.checkpoint.imagecache`; or else every chunk fetched
    and verified against its digest -- a corrupt chunk stops ``up`` here, naming the chunk; from
    a remote store each chunk streams into the local store, its cache (uncommitted until step 6),
@@ -32,6 +33,10 @@
    timed after the port opened, so not in ``total``, so the next ``up`` finds it without the
    remote. A restore that fails commits what it fetched before it raises (kept for the next try).
 
+What is asked and what comes of it are :class:`warmctl.contract.UpRequest` and
+:class:`warmctl.contract.UpResult`, the same for the CLI, the agent and its client; one ``up``
+is one :class:`_Up` (the request, the settings, the reporter, the profile) handed down the phases.
+
 Every engine is held as an :class:`~warmctl.engine.run.EngineRun` (paths resolved once, PIDs
 with identity, ``/dev/shm`` files), recorded in ``<home>/run/NAME/state.json`` before anything
 can leave a process or a file behind; any failure ends in its one ``teardown()``.
@@ -40,28 +45,23 @@ can leave a process or a file behind; any failure ends in its one ``teardown()``
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from pydantic import ValidationError
 
-from warmctl import diskspace, enginelock, faults, fleet
+from warmctl import enginelock, faults, fleet
 from warmctl import snapshot as snap
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
-from warmctl.checkpoint import affinity, capture, criu, layout
+from warmctl.checkpoint import capture, criu, layout
 from warmctl.checkpoint.filedigest import DigestCache
-from warmctl.checkpoint.imagecache import CachedImage, ImageCache, entry_sizes
-from warmctl.checkpoint.stream import ImageStreamer, StreamError
+from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.contract import UpRequest, UpResult
 from warmctl.engine import canary, cold, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
-from warmctl.errors import CheckpointError, EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
+from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.gate import LazyWatch
 from warmctl.gate import drain as drain_gate
 from warmctl.gate import gate_enforces, require_port_free, settings_args
@@ -69,12 +69,13 @@ from warmctl.gate import prestart as prestart_gate
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
+from warmctl.materialize import materialize, protected_paths, rebind
 from warmctl.names import check_name
 from warmctl.profile import Profile
 from warmctl.progress import Reporter
-from warmctl.state import EngineSource, EngineState, all_states
+from warmctl.restore_stream import materialize_and_restore_streamed, streams
+from warmctl.state import EngineState, all_states
 from warmctl.store import CacheFill, Fetched, open_store
-from warmctl.store.chunks import is_zero_chunk
 
 
 @dataclass
@@ -96,164 +97,6 @@ class _Up:
 def _public(profile: Profile, settings: Settings, port: int | None, host: str | None) -> tuple[str, int]:
     return (host or settings.gate_host or profile.gate.host,
             port or settings.gate_port or profile.gate.port)
-
-
-def _materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCache, reporter: Reporter,
-                 cache=None, fetched: Fetched | None = None, protected: list[Path] = (),
-                 file_digests: DigestCache | None = None, fill: CacheFill | None = None) -> CachedImage:
-    """Write the manifest's files back: the CRIU image through the image cache (reused when
-    this host already holds the verified image of ``digest``, :mod:`warmctl.checkpoint.imagecache`),
-    weights linked from it into ``run.weights``, ``/dev/shm`` files copied from it (recorded on
-    the run with their (st_dev, st_ino), so a teardown removes exactly them) and bundled files
-    from the store at their absolute paths. Returns the cached image to restore from.
-
-    ``cache``: a local store that keeps chunks read from a remote ``store``; ``fetched``:
-    counts the stored bytes loaded from each; ``fill``: a :class:`~warmctl.store.CacheFill` of
-    ``cache`` that holds the fetched chunks uncommitted (the caller commits it). ``protected``: warmctl's own directories and
-    files (home, keys, config), where no bundled file may be written; ``file_digests``: the
-    host's digest cache of required files (:mod:`warmctl.checkpoint.filedigest`).
-    Raises as :func:`_check_restorable` before anything is written, :class:`IntegrityError`
-    (from the store) on a bad chunk. On failure the ``/dev/shm`` files written so far are removed.
-    """
-    _check_restorable(m, digest, protected, file_digests)
-    advance = reporter.bytes_progress("materialize", m.total_size())
-    img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
-                     also=lambda: _other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})",
-                     fill=fill)
-    _say_image(img, reporter)
-    try:
-        _link_weights(run, m, img)
-        _put_back(run, m, store, images, img, advance, cache, fetched, fill)
-    except BaseException:
-        images.release(img)
-        raise
-    return img
-
-
-def _check_restorable(m: Manifest, digest: str, protected: list[Path], file_digests: DigestCache | None) -> None:
-    """Before anything of ``m`` is written: raises :class:`HostError` naming every required file
-    that is missing or differs (size or content digest) or when a ``/dev/shm`` file of the
-    snapshot already exists (another restore of it is running on this host);
-    :class:`IntegrityError` for a bundled file whose destination is not one where bundled files
-    may live (:func:`capture.bundled_target_problems`, whatever the signature flags)."""
-    problems = capture.missing_or_changed(m.restore.required_files, m.restore.required_digests,
-                                          file_digests)
-    if problems:
-        raise HostError(f"{len(problems)} file(s) the snapshot's processes map are missing or differ on this host "
-                        "(install the same engine environment at the same path):\n  " + "\n  ".join(problems))
-    unsafe = capture.bundled_target_problems(["/" + f.path for f in m.files if f.role == "file"], protected)
-    if unsafe:
-        raise IntegrityError(f"snapshot {m.name} ({digest[:19]}) would write bundled files where they may not "
-                             "live; refusing to restore it (nothing written):\n  " + "\n  ".join(unsafe[:10]))
-    shm_targets = [capture.SHM / f.path for f in m.files if f.role == "shm"]
-    clash = [str(p) for p in shm_targets if p.exists()]
-    if clash:
-        raise HostError(f"shared-memory files of this snapshot already exist ({', '.join(clash[:3])}): "
-                        "another restore of it is running on this host; `warmctl down` it first")
-
-
-def _say_image(img: CachedImage, reporter: Reporter) -> None:
-    """Tell the operator where the image came from (reused, room made, not kept)."""
-    if not img.written:
-        reporter.info(f"image: reusing the verified image of {img.digest[:19]} ({img.path})")
-    if img.evicted:
-        reporter.info(f"image cache: removed {len(img.evicted)} least recently used image(s) "
-                      f"({diskspace.human(sum(e.bytes for e in img.evicted))}) to make room: "
-                      + ", ".join(e.digest[:19] for e in img.evicted))
-    if not img.kept:
-        reporter.info(f"image: not kept ({img.not_kept}); restoring from {img.path}, removed afterwards")
-
-
-def _link_weights(run: EngineRun, m: Manifest, img: CachedImage) -> None:
-    """The weights files of ``img`` linked into ``run.weights`` (loaded into the restored engine
-    after the restore, :mod:`warmctl.engine.worker_ext`)."""
-    for f in m.files:
-        if f.role == "weights":
-            run.weights.mkdir(parents=True, exist_ok=True)
-            _link_or_copy(img.weights / Path(f.path).name, run.weights / Path(f.path).name)
-
-
-def _put_back(run: EngineRun, m: Manifest, store, images: ImageCache, source, advance, cache=None,
-              fetched: Fetched | None = None, fill: CacheFill | None = None) -> None:
-    """What CRIU needs in place before it starts, besides the image: the ``/dev/shm`` files
-    copied from ``source`` (the entry, or where to read each file of an entry being written,
-    see :meth:`ImageCache.put_back_shm`) and the bundled files written from ``store`` at their
-    absolute paths (those already there at their size skipped); the ``/dev/shm`` files recorded
-    on ``run`` with their (st_dev, st_ino); ``cache``/``fetched``/``fill`` as for :func:`_materialize`.
-    On failure the ``/dev/shm`` files written are removed."""
-    written_shm: list[str] = []
-    try:
-        written_shm = [str(p) for p in images.put_back_shm(source, m, capture.SHM)]
-        for f in m.files:
-            if f.role != "file":  # image, weights and shm: from the image cache
-                continue
-            dest = Path("/") / f.path
-            if dest.is_file() and dest.stat().st_size == f.size:
-                advance(f.size)
-                continue
-            if f.hardlink_to is not None:
-                os.link(dest.parent / f.hardlink_to, dest)
-                continue
-            store.read_file(f.chunks, dest, progress=advance, cache=cache, fetched=fetched, fill=fill)
-            os.chmod(dest, f.mode)
-        inodes = [(x.st_dev, x.st_ino) for x in map(os.stat, written_shm)]
-    except BaseException:
-        for p in written_shm:
-            Path(p).unlink(missing_ok=True)
-        raise
-    run.shm_files, run.shm_inodes = written_shm, inodes
-
-
-def _other_writes(m: Manifest, cache) -> list[diskspace.Need]:
-    """What materializing ``m`` writes besides its image (checked with it before anything is
-    written, :mod:`warmctl.diskspace`): the non-zero bytes of its ``/dev/shm`` files, of the
-    bundled files missing or changed at their paths, and, restoring from a remote store
-    (``cache``: the local store that keeps what is fetched), the chunks the local store lacks,
-    at their uncompressed size (an upper bound: the manifest records no compressed sizes)."""
-    def nonzero(f) -> int:
-        return sum(c.size for c in f.chunks if not is_zero_chunk(c.digest, c.size))
-
-    needs = [diskspace.Need(capture.SHM, sum(nonzero(f) for f in m.files if f.role == "shm" and f.hardlink_to is None),
-                            "shared-memory files")]
-    for f in m.files:
-        dest = Path("/") / f.path
-        if f.role == "file" and f.hardlink_to is None and not (dest.is_file() and dest.stat().st_size == f.size):
-            needs.append(diskspace.Need(dest.parent, nonzero(f), f"bundled file {dest}"))
-    if cache is not None:
-        missing: dict[str, int] = {}
-        for f in m.files:
-            for c in f.chunks:
-                if c.digest not in missing and not cache.has_chunk(c.digest, c.size):
-                    missing[c.digest] = c.size
-        needs.append(diskspace.Need(Path(cache.location), sum(missing.values()),
-                                    f"{len(missing)} chunk(s) to fetch into the local store, at their uncompressed size (an upper bound)"))
-    return needs
-
-
-def protected_paths(settings: Settings) -> list[Path]:
-    """warmctl's own files and directories, where a snapshot's bundled files are never written:
-    under its home the store, the run records (``state.json``, pid files) and the caches; the
-    trusted keys, signing key, token and TLS files, the config file and /etc/warmctl. (The rest
-    of the home, e.g. ``models/``, is not warmctl's state: a cache an engine keeps there may be
-    bundled.)"""
-    from warmctl.config import DEFAULT_CONFIG_FILE
-
-    out = [settings.store_dir, settings.run_dir, settings.cache_dir, settings.keys_dir, DEFAULT_CONFIG_FILE.parent]
-    out += [p for p in (settings.signing_key, settings.agent_token_file, settings.gate_api_key_file,
-                        settings.gate_tls_cert, settings.gate_tls_key) if p is not None]
-    if os.environ.get("WARMCTL_CONFIG"):
-        out.append(Path(os.environ["WARMCTL_CONFIG"]))
-    return out
-
-
-def _link_or_copy(src: Path, dest: Path) -> None:
-    """``dest`` as a hard link of ``src`` (a copy across file systems): the run's scratch
-    directory is removed after ``up``, the cached file stays."""
-    dest.unlink(missing_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
 
 
 def up(request: UpRequest, settings: Settings, reporter: Reporter, *, profile: Profile | None = None) -> UpResult:
@@ -611,15 +454,15 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
     starts a ``criu lazy-pages`` daemon first (recorded on the run the moment it runs) and
     returns it; ``eager`` returns None beside the image. ``fill``: where the chunks fetched into
     the local store wait for their commit (:func:`_commit_fetched`). Third: what a streamed
-    restore read (:attr:`UpResult.streamed`; :func:`_materialize_and_restore_streamed`), else None."""
+    restore read (:attr:`UpResult.streamed`; :func:`warmctl.restore_stream.materialize_and_restore_streamed`), else None."""
     m = found.manifest
     assert m is not None
     netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
     with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
-        if _streams(settings, images, m, found.digest, pages, plugins):
-            return _materialize_and_restore_streamed(run, st, found, images, settings, reporter, plugins, netlock, fill)
+        if streams(settings, images, m, found.digest, pages, plugins):
+            return materialize_and_restore_streamed(run, st, found, images, settings, reporter, plugins, netlock, fill)
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
-            img = _materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
+            img = materialize(found.store, m, found.digest, run, images, reporter, cache=found.cache,
                                fetched=found.fetched, protected=protected_paths(settings),
                                file_digests=DigestCache.for_settings(settings), fill=fill)
             run.prepare()
@@ -632,128 +475,15 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                                                  daemon_log=run.lazy_log, binary=settings.criu,
                                                  on_daemon=lambda lp: run.set_lazy(lp.ident), network_lock=netlock)
                 run.adopt_restored(pid)
-                _rebind(run, m, reporter)
+                rebind(run, m, reporter)
                 if lazy.oom_note:
                     reporter.info(f"[yellow]{lazy.oom_note}[/]")
                 return img, lazy, None
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins,
                                             network_lock=netlock)[0])
-            _rebind(run, m, reporter)
+            rebind(run, m, reporter)
     return img, None, None
-
-
-def _streams(settings: Settings, images: ImageCache, m: Manifest, digest: str, pages: str,
-             plugins: tuple[str, ...]) -> bool:
-    """Whether this restore streams its image to CRIU while it is written (the
-    ``restore_stream`` setting): only when the image must be written (no intact entry on this
-    host), the pages are restored eagerly and no CRIU plugin is loaded (streamed images with
-    plugins are not verified)."""
-    return (settings.restore_stream == "auto" and pages == "eager" and not plugins
-            and images.lookup(m, digest) is None)
-
-
-class _ImageWriter:
-    """:meth:`ImageCache.get` on its own thread, feeding an :class:`ImageStreamer`: on failure
-    the streamer is told (CRIU's pipes end early) and :meth:`join` raises the write's error."""
-
-    def __init__(self, write, streamer: ImageStreamer):
-        self.img: CachedImage | None = None
-        self.error: BaseException | None = None
-        self._streamer = streamer
-        self._write = write
-        self._thread = threading.Thread(target=self._run, name="warmctl-image-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.img = self._write()
-            self._streamer.complete(self.img.path)  # an entry found whole after all: served from it
-        except BaseException as e:  # noqa: BLE001 - handed to join()
-            self.error = e
-            self._streamer.fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-
-    def join(self) -> CachedImage:
-        """The written entry; raises the write's error."""
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.img is not None
-        return self.img
-
-
-def _materialize_and_restore_streamed(run: EngineRun, st: EngineState, found: _Found, images: ImageCache,
-                                      settings: Settings, reporter: Reporter, plugins: tuple[str, ...],
-                                      netlock: str | None, fill: CacheFill | None = None) -> tuple[CachedImage, None, dict]:
-    """:func:`_materialize_and_restore` for an image this host does not hold, streamed
-    (``restore_stream``, :mod:`warmctl.checkpoint.stream`): the image is written by
-    :meth:`ImageCache.get` on a thread while ``criu restore --stream`` reads each file as its
-    chunks are verified and written. "materialize" lasts until CRIU can start (the ``/dev/shm``
-    files written, the bundled files in place); "restore" until CRIU has restored the tree and
-    the image is whole. A bad chunk fails CRIU's restore (its pipe ends early) and ``up``
-    reports the chunk's error, not CRIU's; nothing is left (the entry is written or removed
-    whole, as without streaming). Returns the entry, None (no lazy-pages daemon) and what CRIU
-    read (:attr:`UpResult.streamed`)."""
-    m, store, digest = found.manifest, found.store, found.digest
-    assert m is not None and digest is not None
-    total = m.total_size()
-    progress = {"to": reporter.bytes_progress("materialize", total)}
-    shm = [r for r in entry_sizes(m) if r.startswith("shm/")]
-    sock_dir = Path(tempfile.mkdtemp(prefix="warmctl-stream-"))  # short: a socket path has 107 bytes
-    writer = None
-    try:
-        with ImageStreamer(entry_sizes(m), sock_dir) as streamer:
-            with reporter.phase("materialize", f"verifying and writing {total / 2**20:,.0f} MiB, streamed to CRIU"):
-                _check_restorable(m, digest, protected_paths(settings), DigestCache.for_settings(settings))
-                writer = _ImageWriter(lambda: images.get(
-                    store, m, digest, progress=lambda n: progress["to"](n), cache=found.cache, fetched=found.fetched,
-                    also=lambda: _other_writes(m, found.cache), scratch=run.unkept_image,
-                    command=f"up {m.name} ({digest[:19]})", fill=fill, watch=streamer), streamer)
-                try:
-                    sources = streamer.wait(shm)
-                except StreamError:
-                    writer.join()  # the write's own error
-                    raise
-                _put_back(run, m, store, images, lambda rel: sources[rel], progress["to"], found.cache, found.fetched, fill)
-                run.prepare()
-                run.log_path.touch()
-            run.record(st)
-            with reporter.phase("restore", "CRIU restore of the process tree, streamed as the image is written"):
-                progress["to"] = reporter.bytes_progress("restore (image written)", total)
-                try:
-                    pid = criu.restore(sock_dir, run.criu_pidfile, log_file=run.restore_log, binary=settings.criu,
-                                       work_dir=run.dir, plugins=plugins, network_lock=netlock, stream=True)[0]
-                except CheckpointError:
-                    writer.join()  # a bad chunk ended CRIU's pipes: that is the error to report
-                    raise
-                run.adopt_restored(pid)
-                img = writer.join()
-                report = streamer.close(check=False)
-                for why in report.errors:  # CRIU restored the tree; the canary judges its memory
-                    reporter.info(f"[yellow]image streamer: {why}[/]")
-                _rebind(run, m, reporter)
-    except BaseException:
-        if writer is not None:
-            try:
-                img = writer.join()
-            except BaseException:  # noqa: BLE001 - the first error is the one to report
-                pass
-            else:
-                images.release(img)
-        raise
-    finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
-    _say_image(img, reporter)
-    _link_weights(run, m, img)
-    return img, None, {"files": len(report.served), "bytes": sum(report.served.values()), "waited_s": report.waited_s}
-
-
-def _rebind(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
-    """Put the threads bound at snapshot time back on their CPUs (CRIU restores no affinity;
-    :mod:`warmctl.checkpoint.affinity`); say what could not be."""
-    done = affinity.apply(run.root_pid, m.restore.cpu_affinity)
-    if note := done.note():
-        reporter.info(f"[yellow]CPU binding: {note}[/]")
 
 
 def _check_ranks(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
