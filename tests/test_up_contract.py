@@ -201,3 +201,21 @@ def test_a_real_failed_up_of_the_local_cli_prints_its_failure(tmp_path, engine_p
     assert doc["failure"]["type"] == "SnapshotNotFound" and doc["failure"]["exit_code"] == 4
     assert "not cold-starting tiny: cold_start is 'never' (flag)" in doc["failure"]["message"]
     assert doc["failure"]["message"].splitlines()[0] in r.stderr
+
+
+def test_status_through_the_agent_keeps_lazy_copy_and_failure(live):
+    """``status`` through the agent (its engine view, the client) gives the rows the library
+    gives, ``lazy_copy`` and ``failure`` included (a lazy restore whose daemon is gone, and why
+    the gate took the engine down)."""
+    from warmctl.engine.run import LAZY_FAILED
+    from warmctl.lifecycle import status
+    from warmctl.state import save as save_state
+
+    save_state(live.settings.run_dir, EngineState(
+        name="ghost", phase="serving", source="restore", root_pid=2**22 + 7, internal_port=1, public_host="127.0.0.1",
+        public_port=2, served_model_name="x", log_path="/dev/null", restore_pages="lazy", lazy_pid=2**22 + 8,
+        lazy_ctime=1.0))
+    (live.settings.run_dir / "ghost" / LAZY_FAILED).write_text("the lazy-pages daemon exited before its copy ended\n")
+    local = status(live.settings)
+    assert [(r.lazy_copy, r.failure) for r in local] == [("done", "the lazy-pages daemon exited before its copy ended")]
+    assert AgentClient(live.url, TOKEN).status() == local
