@@ -51,14 +51,13 @@ from datetime import datetime, timezone
 from pydantic import ValidationError
 
 from warmctl import enginelock, faults, fleet
-from warmctl import snapshot as snap
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import capture, criu, layout
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.contract import UpRequest, UpResult
-from warmctl.engine import canary, cold, vllm
+from warmctl.engine import canary, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
 from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
@@ -528,6 +527,10 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
     """The cold path of :func:`up`: start the profile's engine (:mod:`warmctl.engine.cold`),
     warm it up and record its canary, optionally snapshot it and leave it running
     (``snapshot_after``), then open the gate."""
+    # imported here, not at the top: a restore never needs them (what `up` imports, docs/benchmarks.md)
+    from warmctl import snapshot as snap
+    from warmctl.engine import cold
+
     profile, settings, reporter = u.profile, u.settings, u.reporter
     snapshot_after, tag = u.request.snapshot_after, u.request.tag
     assert profile is not None

@@ -23,17 +23,20 @@ import logging
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import Manifest
 from warmctl.store.backend import ObjectNotFound, load_limited
 from warmctl.store.layout import MAX_SIGNATURE_BYTES
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+# cryptography is imported by the functions that use a key: an `up` of an unsigned snapshot with
+# no trusted keys never loads it (tests/test_startup_imports.py)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,8 @@ class Verification(BaseModel):
 
 def key_id(public_key: Ed25519PublicKey) -> str:
     """First 32 hex digits of sha256 over the raw 32-byte public key."""
+    from cryptography.hazmat.primitives import serialization
+
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:32]
 
@@ -112,6 +117,9 @@ def generate_keypair(directory: str | Path, name: str = "warmctl", *, overwrite:
     the ``.key`` on the publishing host. Raises :class:`TrustError` if either file exists and
     ``overwrite`` is false, or ``name`` contains a path separator.
     """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     if not name or "/" in name or name.startswith("."):
         raise TrustError(f"key name {name!r}: want a plain file name (no '/', not starting with '.')")
     d = Path(directory)
@@ -143,6 +151,10 @@ def load_private_key(path: str | Path) -> Ed25519PrivateKey:
     Raises :class:`TrustError` naming the file when it is missing, readable by group or others
     (like ssh, warmctl refuses such a key), not a key, or not ed25519.
     """
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     p = Path(path)
     try:
         mode = p.stat().st_mode & 0o777
@@ -166,6 +178,10 @@ def load_private_key(path: str | Path) -> Ed25519PrivateKey:
 def load_public_key(path: str | Path) -> Ed25519PublicKey:
     """Load an ed25519 public key (PEM SubjectPublicKeyInfo or one OpenSSH ``ssh-ed25519`` line).
     Raises :class:`TrustError` naming the file otherwise."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -221,6 +237,8 @@ def sign_manifest(store: Any, digest: str, key: str | Path | Ed25519PrivateKey) 
     signature of the same manifest). Returns the stored document. Raises :class:`TrustError` for
     an unusable key file; backend errors pass through.
     """
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     k = key if isinstance(key, Ed25519PrivateKey) else load_private_key(key)
     kid = key_id(k.public_key())
     doc = SignatureDoc(
@@ -256,6 +274,8 @@ def _verify_by(trusted: dict[str, tuple[Path, Ed25519PublicKey]], kid: str, algo
                message: bytes, among: str) -> str | None:
     """None when the ed25519 ``signature`` (base64) of ``message`` by key ``kid`` is one a key in
     ``trusted`` makes; else the problem, in words (``among``: where trusted keys are)."""
+    from cryptography.exceptions import InvalidSignature
+
     if algorithm != "ed25519":
         return f"signature by key {kid}: algorithm {algorithm!r} is not ed25519"
     if kid not in trusted:
@@ -415,6 +435,8 @@ def entry_message(entry: Any) -> bytes:
 def sign_entry(entry: Any, key: str | Path | Ed25519PrivateKey) -> EntrySignature:
     """Sign catalog entry ``entry`` with ``key`` (a private key or its file). Raises
     :class:`TrustError` for an unusable key file."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     k = key if isinstance(key, Ed25519PrivateKey) else load_private_key(key)
     return EntrySignature(key_id=key_id(k.public_key()), signed=datetime.now(timezone.utc),
                           signature=base64.b64encode(k.sign(entry_message(entry))).decode())
@@ -454,6 +476,8 @@ def install_public_key(public: str | Path, keys_dir: str | Path, stem: str) -> t
     if ``<stem>-<key id>.pub`` exists with another key in it, raises :class:`TrustError` naming
     it. ``stem`` must be a plain file name part.
     """
+    from cryptography.hazmat.primitives import serialization
+
     if not stem or "/" in stem or stem.startswith("."):
         raise TrustError(f"key file stem {stem!r}: want a plain file name (no '/', not starting with '.')")
     key = load_public_key(public)

@@ -38,7 +38,6 @@ from warmctl.store.layout import chunk_key, manifest_key
 from warmctl.store.local import LocalBackend
 from warmctl.store.lock import LockLost, StoreLocked
 from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
-from warmctl.store.s3 import S3Backend
 from warmctl.store.sealed import SEALED, SealedBackend, SealKeyError, load_key, read_seal
 from warmctl.store.store import CacheFill, Store
 
@@ -81,6 +80,16 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str):
+    # S3Backend is imported when asked for (and by an s3:// URL): a local store's users (`warmctl
+    # up` from the local store) never load http.client and ssl for it
+    if name == "S3Backend":
+        from warmctl.store.s3 import S3Backend
+
+        return S3Backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None, unseal: bool = True) -> Backend:
     """The backend for ``url``: a directory path or ``file:///path`` (local), or
     ``s3://bucket[/prefix]`` (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``,
@@ -120,6 +129,8 @@ def _open_plain(url: str | Path, retry: bool, outage_window: float | None) -> Ba
     if u.scheme == "s3":
         if not u.netloc:
             raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
+        from warmctl.store.s3 import S3Backend
+
         return _retrying(S3Backend(u.netloc, u.path.lstrip("/")), retry, outage_window)
     if u.scheme == "file":
         return LocalBackend(Path(u.path))

@@ -34,12 +34,16 @@ import json
 import os
 import secrets
 from pathlib import Path
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from typing import TYPE_CHECKING
 
 from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.store.backend import Backend, ForwardingBackend, ObjectNotFound
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+# cryptography is imported where an object is sealed or opened: opening a store that is not
+# sealed (what `warmctl up` from a local store does) never loads it
 
 #: The object that marks a store as sealed (plaintext JSON: format, cipher, wrapped data key).
 SEALED = "sealed.json"
@@ -88,11 +92,15 @@ def load_key(path: Path) -> bytes:
 
 
 def _wrap(fleet: bytes, data_key: bytes, dk_id: str) -> str:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     nonce = os.urandom(NONCE)
     return base64.b64encode(nonce + AESGCM(fleet).encrypt(nonce, data_key, b"warmctl-seal-dek\0" + dk_id.encode())).decode()
 
 
 def _unwrap(fleet: bytes, wrapped: str, dk_id: str) -> bytes:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     raw = base64.b64decode(wrapped)
     return AESGCM(fleet).decrypt(raw[:NONCE], raw[NONCE:], b"warmctl-seal-dek\0" + dk_id.encode())
 
@@ -167,6 +175,8 @@ class SealedBackend(ForwardingBackend):
         mine = f"this host's seal_key{f' {self._key_file}' if self._key_file else ''} is {kid}"
         if wrapped is None:
             raise SealKeyError(f"{where}; {mine}")
+        from cryptography.exceptions import InvalidTag
+
         try:
             return _unwrap(self._key, wrapped, self.data_key_id)
         except (InvalidTag, ValueError):
@@ -175,6 +185,8 @@ class SealedBackend(ForwardingBackend):
 
     def _cipher(self) -> AESGCM:
         if self._aead is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
             self._aead = AESGCM(self.data_key)
         return self._aead
 
@@ -196,6 +208,8 @@ class SealedBackend(ForwardingBackend):
         if not raw.startswith(MAGIC) or len(raw) < OVERHEAD:
             raise IntegrityError(f"sealed object {self.inner.location(key)}: not sealed (no {MAGIC.decode()} header); "
                                  "written in the clear into a sealed store, or damaged")
+        from cryptography.exceptions import InvalidTag
+
         try:
             return self._cipher().decrypt(raw[len(MAGIC):len(MAGIC) + NONCE], raw[len(MAGIC) + NONCE:], key.encode())
         except InvalidTag:
