@@ -5,18 +5,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import os
 import sys
+import time
 from pathlib import Path
 
 from warmctl.gate.files import GateConfigError, read_keys
 from warmctl.gate.lazy import LazyWatch
 from warmctl.gate.routes import DEFAULT_ALLOW_PATHS, DEFAULT_PUBLIC_PATHS, Policy, Routes
 from warmctl.gate.server import Gate, Limits, serve
+from warmctl.proc import start_ticks
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvicorn[standard] ships it
+    uvloop = None
 
 
 def _hostport(s: str) -> tuple[str, int]:
     host, _, port = s.rpartition(":")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _since_start() -> float:
+    """Seconds since this process started (its start in ``/proc/self/stat``, 10 ms steps)."""
+    ticks = start_ticks(os.getpid())
+    if ticks is None:  # pragma: no cover - /proc is there
+        return 0.0
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     engine_pid = a.engine_pid
     lazy = None
+    # where an `up`'s "gate" phase goes: this process's start-up (imports, configuration) runs
+    # beside the restore; from "opened" to "listening" is what the phase waits on
+    print(f"gate: started in {_since_start():.2f} s" + ("; waiting to be opened" if a.wait_open else ""), flush=True)
     if a.wait_open:
         line = sys.stdin.readline().split(maxsplit=2)
         if len(line) < 2 or line[0] != "open":  # the caller gave up (EOF): never listen
@@ -71,13 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         engine_pid = int(line[1])
         if len(line) == 3:
             lazy = LazyWatch.from_json(line[2])
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvicorn[standard] ships it
-        uvloop = None
+        print(f"gate: opened for engine pid {engine_pid} at {_since_start():.3f} s", flush=True)
     run = uvloop.run if uvloop is not None else asyncio.run
     try:
-        run(serve(_hostport(a.listen), g, engine_pid, a.ready_fd, a.drain_s, lazy))
+        run(serve(_hostport(a.listen), g, engine_pid, a.ready_fd, a.drain_s, lazy, since_start=_since_start))
     except OSError as e:
         print(f"gate: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr, flush=True)
         sys.exit(2 if e.errno == errno.EADDRINUSE else 1)

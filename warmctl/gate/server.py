@@ -31,6 +31,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,10 +302,12 @@ async def _report_routes(gate: Gate) -> None:
 
 
 async def serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, ready_fd: int | None = None,
-                drain_s: float = 30.0, lazy: LazyWatch | None = None) -> None:
+                drain_s: float = 30.0, lazy: LazyWatch | None = None,
+                since_start: Callable[[], float] | None = None) -> None:
     """Listen on ``listen`` for ``gate`` until SIGTERM/SIGINT (then drain for up to ``drain_s``),
     until ``engine_pid`` is gone, or until ``lazy``'s daemon exits before its copy ended. Says
-    ``ready`` on stdout (and ``ready_fd``) once listening."""
+    ``ready`` on stdout (and ``ready_fd``) once listening; with ``since_start`` (seconds since
+    the process started) it logs when that was, after telling ``ready_fd``."""
     from warmctl.gate.drain import drain_connections
     from warmctl.proc import start_ticks
 
@@ -329,6 +332,8 @@ async def serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, rea
     if ready_fd is not None:  # the parent waits on this pipe (no polling of the log)
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
+    if since_start is not None:
+        print(f"gate: listening on {listen[0]}:{listen[1]} at {since_start():.3f} s", flush=True)
     report = asyncio.create_task(_report_routes(gate))
     stop = asyncio.Event()
     now = asyncio.Event()
