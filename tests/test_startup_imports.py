@@ -1,6 +1,7 @@
-"""What `warmctl` imports before it does anything (issue 12: Python start-up and imports were
-0.5-0.7 s of every `up`). Each check runs a fresh interpreter and reads its ``sys.modules``;
-nothing is timed (the times are measured in benchmarks/up_vs_raw.py and docs/benchmarks.md).
+"""What `warmctl` imports before it does anything (Python start-up and imports were 0.5-0.7 s of
+every `up`). Each check runs a fresh interpreter and reads its ``sys.modules``; the last one
+also times it (the figures: benchmarks/up_imports.py, benchmarks/up_vs_raw.py and
+docs/benchmarks.md).
 
 - Registering every command and building the click command tree (what ``--help`` and every
   command pay) imports none of the library: no pydantic models, rich, httpx, cryptography,
@@ -9,11 +10,19 @@ nothing is timed (the times are measured in benchmarks/up_vs_raw.py and docs/ben
   stops after the catalog lookup with exit 4, having imported :mod:`warmctl.lifecycle` and
   everything it imports) never imports the agent's server (fastapi, uvicorn, starlette), boto3 or
   botocore (only an S3 store needs them), httpx (health and canary use ``http.client``) or rich
-  (``--json`` prints no progress).
+  (``--json`` prints no progress), cryptography (only a signed snapshot or a sealed store needs
+  it, once ``up`` runs), the S3 and OCI backends, nor the cold-start and snapshot paths.
+- The time: the up path (``python -m warmctl up``, from the interpreter's start to the call of
+  ``lifecycle.up``: the CLI, typer/click, the settings and the profile, and what
+  :mod:`warmctl.lifecycle` imports) uses at most :data:`BUDGET_S` of CPU time over a bare
+  interpreter, best of up to :data:`BUDGET_RUNS` runs (measured as ``benchmarks/up_imports.py``
+  measures it; CPU time, not wall time: the shared development hosts' load stretches the
+  latter several times, hardly the former).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,8 +31,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+_spec = importlib.util.spec_from_file_location("up_imports", REPO / "benchmarks" / "up_imports.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
 #: never imported by the `up` path (nor by --help)
-NOT_ON_UP_PATH = ("fastapi", "uvicorn", "starlette", "boto3", "botocore", "httpx", "rich")
+NOT_ON_UP_PATH = bench.NOT_ON_UP_PATH
+
+#: CPU seconds the up path may use over a bare interpreter (best run). Measured on the 2-vCPU
+#: development VMs: 0.19 s before its imports were trimmed, 0.16 s after (docs/benchmarks.md);
+#: the 0.15 s aimed at is not reached (what is left: typer/click, pydantic, the modules `up` runs)
+BUDGET_S = 0.175
+#: at most this many runs; the test stops at the first under budget (a loaded host slows some)
+BUDGET_RUNS = 15
 
 #: not imported by registering the commands and building the CLI (the commands import them)
 NOT_AT_REGISTRATION = NOT_ON_UP_PATH + ("pydantic", "cryptography", "psutil", "asyncio", "zstandard",
@@ -77,3 +97,37 @@ def test_up_imports_no_server_s3_httpx_or_rich(tmp_path):
     present = json.loads(dump.read_text())
     assert {"warmctl.lifecycle", "warmctl.engine.canary", "warmctl.gate", "pydantic"} <= set(present)
     assert _loaded(present, NOT_ON_UP_PATH) == []
+
+
+def test_up_path_imports_no_heavy_module_when_it_calls_lifecycle_up(tmp_path):
+    present = bench.up_modules(bench.make_env(tmp_path), tmp_path)
+    assert {"warmctl.lifecycle", "warmctl.config", "warmctl.profile", "typer", "pydantic"} <= set(present)
+    assert bench.loaded(present) == []
+
+
+def test_up_path_import_time_within_budget(tmp_path):
+    env = bench.make_env(tmp_path)
+    for code in (bench.SIDES["bare"], bench.UP_CODE):  # writes the bytecode, as an install has it
+        bench.run_once(code, env, tmp_path)
+    bare, up = [], []
+    for _ in range(BUDGET_RUNS):
+        bare.append(bench.run_once(bench.SIDES["bare"], env, tmp_path)[1])
+        up.append(bench.run_once(bench.UP_CODE, env, tmp_path)[1])
+        if min(up) - min(bare) <= BUDGET_S:
+            break
+    extra = min(up) - min(bare)
+    assert extra <= BUDGET_S, (f"the up path used {extra * 1000:.0f} ms of CPU over a bare interpreter (best of "
+                               f"{len(up)}; budget {BUDGET_S * 1000:.0f} ms): python benchmarks/up_imports.py shows "
+                               f"its slowest imports")
+
+
+def test_a_top_level_command_builds_only_itself_and_a_group_the_whole_tree(tmp_path):
+    code = ("import json, warmctl.cli as c; c._register()\n"
+            "print(json.dumps({k: sorted(c._click_command(k.split()).commands) "
+            "for k in ('up tiny', 'profile ls', 'bogus', '')}))")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    built = json.loads(r.stdout)
+    assert built["up tiny"] == ["up"]  # still a group: `warmctl up NAME` as ever
+    assert {"up", "down", "status", "push", "profile", "keys"} <= set(built["profile ls"])
+    assert built["bogus"] == built[""] == built["profile ls"]  # click names what does not exist, and suggests

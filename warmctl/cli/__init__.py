@@ -10,6 +10,7 @@ to stderr and exit non-zero; nothing else is caught. How output looks on termina
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -43,7 +44,7 @@ def main() -> None:
     _register()
     plain_usage_errors()
     try:
-        app()
+        _click_command(sys.argv[1:])()
     except WarmctlError as e:
         from rich.markup import escape
 
@@ -53,6 +54,28 @@ def main() -> None:
     except SystemExit as e:  # how click ends every command, successful or not
         _exit(e.code)
     _exit(0)
+
+
+def _click_command(argv: list[str]):
+    """The click command that runs ``warmctl ARGV``: the whole command tree, or, when ``ARGV``
+    starts with the name of a top-level command (``up``, ``down``, ``status``, ...; not a
+    group such as ``store``), a root group holding that command alone. Building every
+    command's click object took ~15 ms of each ``warmctl up`` on the 2-vCPU development hosts
+    (``benchmarks/up_imports.py``); the command's options, help and errors are the same either
+    way. Shell completion (``_WARMCTL_COMPLETE`` set) always gets the whole tree."""
+    import typer.main
+
+    name = argv[0] if argv else ""
+    matches = [c for c in app.registered_commands
+               if (c.name or typer.main.get_command_name(c.callback.__name__)) == name]  # type: ignore[union-attr]
+    if len(matches) != 1 or "_WARMCTL_COMPLETE" in os.environ:
+        return typer.main.get_command(app)
+    commands, groups = app.registered_commands, app.registered_groups
+    app.registered_commands, app.registered_groups = matches, []
+    try:
+        return typer.main.get_group(app)  # a group even with one command: `warmctl up NAME` as ever
+    finally:
+        app.registered_commands, app.registered_groups = commands, groups
 
 
 def _exit(code: int | str | None) -> None:
