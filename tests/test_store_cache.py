@@ -31,6 +31,9 @@ from warmctl.store import (
     chunk_key,
     open_store,
 )
+from warmctl.store.backend import ForwardingBackend
+from warmctl.store.chunkio import ChunkBuffers, load_verified
+from warmctl.store.chunks import frame_bound
 
 CH = 256 * 1024  # small chunks: many objects, fast tests
 
@@ -194,6 +197,92 @@ def test_corrupt_remote_chunk_never_lands_in_the_cache(tmp_path, remote):
     with pytest.raises(IntegrityError, match=str(where)):
         src.read_file(refs, tmp_path / "b.img", cache=open_store(tmp_path / "cache"))
     assert not (tmp_path / "cache" / chunk_key(victim)).exists()
+
+
+class _Counted(ForwardingBackend):
+    """``inner``, counting the loads of each key; past ``cap`` loads of one key it raises
+    AssertionError (not an IntegrityError: it ends a reader that would retry forever)."""
+
+    def __init__(self, inner, cap: int = 20):
+        super().__init__(inner)
+        self.loads: dict[str, int] = {}
+        self.cap = cap
+
+    def load_into(self, key, buf, limit=None):
+        self.loads[key] = self.loads.get(key, 0) + 1
+        assert self.loads[key] <= self.cap, f"{key} loaded {self.loads[key]} times: the reader never gives up"
+        return self.inner.load_into(key, buf, limit)
+
+
+def _grow(where: Path, ref) -> None:
+    """Make the stored object at ``where`` larger than any frame of ``ref`` may be: refused
+    unread (IntegrityError from the backend's load itself, as a sealed object failing
+    authentication is)."""
+    where.write_bytes(where.read_bytes() + b"\0" * (frame_bound(ref.size) + 1))
+
+
+def test_a_remote_object_refused_unread_behind_a_cache_fails_in_a_bounded_number_of_loads(tmp_path, remote):
+    """The remote's own load raises IntegrityError (an object too large for its frame): the
+    cache had no copy, so ``forget`` is not a dropped copy; the read fails naming the chunk
+    after two loads of the remote, and nothing lands in the cache."""
+    src, refs, _ = remote
+    ref = refs[0]
+    where = tmp_path / "remote" / chunk_key(ref.digest)
+    _grow(where, ref)
+    counted = _Counted(src.backend)
+    cache = open_store(tmp_path / "cache")
+    cb = CachingBackend(counted, cache.backend)
+    cb.load_into(chunk_key(refs[1].digest), bytearray(16))  # any key: forget answers for this thread's last load only
+    with pytest.raises(ChunkCorrupt) as ei:
+        load_verified(cb, ref, ChunkBuffers(CH), context="a.img")
+    assert ref.digest in str(ei.value) and str(where) in str(ei.value) and "a.img" in str(ei.value)
+    assert counted.loads[chunk_key(ref.digest)] == 2
+    assert not (tmp_path / "cache" / chunk_key(ref.digest)).exists()
+    # the same through Store.read_file (up's materialize): ends, names the chunk, leaves no file
+    with pytest.raises(IntegrityError, match=ref.digest):
+        src.read_file(refs, tmp_path / "out" / "b.img", cache=open_store(tmp_path / "cache"))
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_forget_is_true_only_for_a_copy_the_cache_served(tmp_path, remote):
+    src, refs, _ = remote
+    cache = open_store(tmp_path / "cache")
+    cb = CachingBackend(src.backend, cache.backend)
+    k, limit = chunk_key(refs[0].digest), frame_bound(refs[0].size)
+    cb.load_into(k, bytearray(16), limit)  # from the remote: not the cache's to drop
+    assert cb.forget(k) is False
+    _grow(tmp_path / "remote" / k, refs[0])
+    with pytest.raises(IntegrityError):
+        cb.load_into(k, bytearray(16), limit)  # the remote refused it unread
+    assert cb.forget(k) is False
+    (tmp_path / "cache" / k).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / k).write_bytes(b"a damaged cached copy")
+    cb.load_into(k, bytearray(64), limit)  # served by the cache
+    assert cb.forget(k) is True and not (tmp_path / "cache" / k).exists()
+    assert cb.forget(k) is False  # nothing loaded since: nothing more to drop
+
+
+class _AlwaysForgets(ForwardingBackend):
+    """A caching wrapper that claims to drop a copy on every ``forget`` (a broken one)."""
+
+    def forget(self, key):
+        return True
+
+
+def test_load_verified_bounds_its_retries_whatever_forget_answers(tmp_path, remote):
+    src, refs, _ = remote
+    ref = refs[0]
+    where = tmp_path / "remote" / chunk_key(ref.digest)
+    blob = bytearray(where.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    where.write_bytes(bytes(blob))
+    for damage in ("flip", "grow"):
+        if damage == "grow":
+            _grow(where, ref)
+        counted = _Counted(src.backend)
+        with pytest.raises(ChunkCorrupt, match=ref.digest):
+            load_verified(_AlwaysForgets(counted), ref, ChunkBuffers(CH))
+        assert counted.loads[chunk_key(ref.digest)] == 3, damage  # one free retry after a drop, then two tries
 
 
 def test_backend_properties_are_declared_and_passed_through(tmp_path):

@@ -65,29 +65,31 @@ class CachingBackend(Backend):
     def endpoint(self) -> str:
         return self.remote.endpoint()
 
-    def _tried(self) -> tuple[set[str], set[str]]:
-        """This thread's keys last loaded from the remote, and keys whose cached copy it dropped."""
+    def _tried(self) -> tuple[dict[str, str], set[str]]:
+        """This thread's last load of each key: ``"cache"`` or ``"remote"``, noted before the
+        load is tried (so a load that raised is known by where it was tried), and the keys whose
+        cached copy it dropped (their next load goes to the remote)."""
         t = self._tls
-        if not hasattr(t, "fetched"):
-            t.fetched, t.dropped = set(), set()
-        return t.fetched, t.dropped
+        if not hasattr(t, "source"):
+            t.source, t.dropped = {}, set()
+        return t.source, t.dropped
 
     def _from_cache(self, key: str, load: Callable[[Backend], object]):
         """``load(cache)`` for a cached key not just dropped by this thread, else
-        ``load(remote)``, noting which one answered (for keep/forget)."""
-        fetched, dropped = self._tried()
+        ``load(remote)``, noting which one was tried last (for keep/forget)."""
+        source, dropped = self._tried()
         if key in dropped:  # its cached copy failed verification: go to the remote
             dropped.discard(key)
         else:
+            source[key] = "cache"  # a copy that cannot be read (IntegrityError) is the cache's too
             try:
                 out = load(self.cache)
-                fetched.discard(key)
                 self._count("local", out)
                 return out
             except ObjectNotFound:
                 pass
+        source[key] = "remote"
         out = load(self.remote)
-        fetched.add(key)
         self._count("remote", out)
         return out
 
@@ -106,10 +108,9 @@ class CachingBackend(Backend):
         return self.remote.load_into(key, buf, limit)
 
     def keep(self, key: str, data: bytes | memoryview) -> None:
-        fetched, _ = self._tried()
-        if key not in fetched:  # a cache hit, or not a cached key: nothing to write
+        source, _ = self._tried()
+        if source.pop(key, None) != "remote":  # a cache hit, or not a cached key: nothing to write
             return
-        fetched.discard(key)
         if self.before_fill is not None:
             self.before_fill()
         if self._batch is not None:
@@ -132,9 +133,12 @@ class CachingBackend(Backend):
             self._batch.abort()
 
     def forget(self, key: str) -> bool:
-        fetched, dropped = self._tried()
-        if key in fetched or not self._cached(key):  # the remote's own bytes failed
-            fetched.discard(key)
+        """True only when this thread's last load of ``key`` was served (or tried) from the
+        cache: that copy is removed and the next load reads the remote. When the bytes came
+        from the remote (or the key is not cached here), the remote's own answer: nothing of
+        the cache's was involved, so a retry would read the same bytes again."""
+        source, dropped = self._tried()
+        if source.pop(key, None) != "cache":  # the remote's own bytes failed
             return self.remote.forget(key)
         self.cache.remove(key)
         dropped.add(key)  # this thread's next load reads the remote even if removal failed

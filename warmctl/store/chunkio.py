@@ -141,7 +141,9 @@ def load_verified(
 
     A damaged object is fetched once more before giving up; a damaged copy that ``backend``
     can drop (``Backend.forget``: a cache) is dropped and the source read, without counting as
-    that second try. Once verified, ``Backend.keep`` is told (a cache writes its copy then).
+    that second try -- once: a second drop counts as a failure, so at most three loads are
+    made whatever ``backend`` answers. Once verified, ``Backend.keep`` is told (a cache writes
+    its copy then).
 
     ``sink(offset, piece)``: called with each :data:`PIECE` of the chunk right after that piece
     is hashed, while it is still in the CPU cache (read_file writes it to the destination
@@ -156,6 +158,7 @@ def load_verified(
     ctx = f" (needed for {context})" if context else ""
     reason = first_reason = ""
     failures = 0
+    dropped = False  # a cached copy was dropped: the one free retry is spent
     while failures < 2:
         try:
             blob = backend.load_into(key, bufs.blob, ck.frame_bound(ref.size))
@@ -164,7 +167,8 @@ def load_verified(
             raise ChunkMissing(f"chunk {ref.digest} is missing: not found at {where}{ctx}", ref.digest, where) from None
         except IntegrityError as e:  # too large to be its frame, or not a regular file: never read
             reason = str(e)
-            if backend.forget(key):
+            if backend.forget(key) and not dropped:
+                dropped = True
                 continue
             failures += 1
             first_reason = first_reason or reason
@@ -195,7 +199,8 @@ def load_verified(
                 return blob, data
             reason = f"content does not match its digest (got {got})"
         cache = getattr(backend, "cache", None)
-        if backend.forget(key):
+        if backend.forget(key) and not dropped:
+            dropped = True
             log.warning("chunk %s: the copy in the cache %s is bad (%s); dropped it, reading %s instead",
                         ref.digest, cache.location(key) if cache is not None else "", reason, backend.location(key))
         else:
