@@ -41,6 +41,8 @@ def _full() -> UpResult:
     return UpResult(name="tiny", source="restore", already_up=True, reason="snapshot made from another profile",
                     snapshot_digest=DIGEST, fetched={"remote": 123, "local": 456},
                     streamed={"files": 7, "bytes": 8_000_000, "waited_s": 0.25}, lazy_copy="running",
+                    snapshot_error="the snapshot of tiny:latest failed, nothing of it is named in the catalog; "
+                                   "tiny keeps serving from its cold start: FileExistsError: [Errno 17] File exists",
                     timings={"materialize": 1.25, "restore": 0.5, "total": 1.75}, state=_state(),
                     failure=Failure(type="HostError", message="something on this host", exit_code=10))
 

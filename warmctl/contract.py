@@ -117,7 +117,9 @@ class UpResult(BaseModel):
     store and from the ``local`` one. ``streamed``: :class:`Streamed`, for a restore that read
     its image while it was written; None otherwise. ``lazy_copy``: for a lazy restore,
     ``"running"`` when ``up`` returned while the lazy-pages daemon still copied pages,
-    ``"done"`` when it had finished (None: eager or cold). ``failure``: why ``up`` failed
+    ``"done"`` when it had finished (None: eager or cold). ``snapshot_error``: why the snapshot
+    ``snapshot_after`` asked for was not made while the engine kept serving (one line; nothing
+    of it is named in the catalog; ``up`` succeeded), else None. ``failure``: why ``up`` failed
     (:class:`Failure`); None when it succeeded.
     """
 
@@ -130,6 +132,7 @@ class UpResult(BaseModel):
     fetched: dict[str, int] = {}
     streamed: Streamed | None = None
     lazy_copy: Literal["running", "done"] | None = None
+    snapshot_error: str | None = None
     timings: dict[str, float] = Field({}, alias="timings_s")
     state: EngineState | None = None
     failure: Failure | None = None

@@ -546,7 +546,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
     startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter,
                          settings.engine_env_passthrough)
-    digest = None
+    digest = snapshot_error = None
     try:
         run.record(EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(),
                                started_at=run.started_at, internal_port=profile.engine.port, public_host=host_,
@@ -557,8 +557,13 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
         run.state.layout = layout.profile_sizes(profile).describe()  # type: ignore[union-attr]
         run.state.ranks = {r: x.pid for r, x in layout.live_ranks(run.root_pid).items()}  # type: ignore[union-attr]
         if snapshot_after:
-            digest = snap.snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag, leave_running=True).digest
-            reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
+            try:
+                digest = snap.snapshot_engine(run, profile, settings, record, startup, reporter, tag=tag,
+                                              leave_running=True).digest
+                reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
+            except Exception as e:  # noqa: BLE001 - the engine keeps serving when it still can
+                snapshot_error = _snapshot_failed(run, profile, record, tag, e)
+                run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  (shown by `up` and `status`)
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
         _open_gate(run, profile, host_, port, reporter, gate_args)
     except BaseException:
@@ -567,7 +572,26 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
     timings = {**startup, **_timings(reporter)}
     _serving(run, timings)
     return UpResult(name=u.name, state=run.state, source="cold", timings=timings, reason=reason,
-                    snapshot_digest=digest)
+                    snapshot_digest=digest, snapshot_error=snapshot_error)
+
+
+def _snapshot_failed(run: EngineRun, profile: Profile, record, tag: str, error: Exception) -> str:
+    """After ``up --snapshot-after``'s snapshot of the running cold-started engine ``run``
+    failed with ``error``: the one-line message saying so, once the engine is known to still
+    serve as it did (alive, ``/health`` answering within 30 s, the canary ``record`` replayed
+    bit for bit). Raises ``error`` itself when it does not (a dump that stopped or damaged the
+    engine): the cold path then fails as a whole, as before."""
+    what = str(error) if isinstance(error, WarmctlError) else f"{type(error).__name__}: {error}"
+    if not run.alive():
+        raise error
+    try:
+        vllm.wait_healthy(run, 30)
+        canary.verify(record, run.base_url, profile.canary, profile.engine.served_model_name)
+    except Exception as check:  # noqa: BLE001 - the snapshot's error is the one to report
+        raise error from check
+    why = "; ".join(ln.strip() for ln in what.splitlines() if ln.strip()) or type(error).__name__  # one line
+    return (f"the snapshot of {profile.name}:{tag} failed, nothing of it is named in the catalog; "
+            f"{profile.name} keeps serving from its cold start: {why}")
 
 
 def down(name: str, settings: Settings, now: bool = False) -> EngineState | None:

@@ -88,6 +88,9 @@ class EngineState(BaseModel):
     #: or ``EngineCore`` for one rank; :mod:`warmctl.checkpoint.layout`). Empty when not known.
     layout: str | None = None
     ranks: dict[str, int] = {}
+    #: Why the snapshot ``up --snapshot-after`` asked for was not made while this (cold-started)
+    #: engine kept serving (one line); None otherwise.
+    snapshot_error: str | None = None
 
     def set_root(self, ident: ProcessId | None) -> None:
         """Record the engine tree's root process (PID, start time, executable, argv)."""

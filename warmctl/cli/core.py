@@ -103,7 +103,7 @@ def register(app: typer.Typer) -> None:
         name: str = typer.Argument(..., help="NAME[:TAG] or NAME@sha256:DIGEST of a snapshot (NAME is also the profile to cold-start from)."),
         port: Optional[int] = typer.Option(None, help="Public port (default: the profile's, 8000)."),
         host: Optional[str] = typer.Option(None, help="Public address to listen on (default: the profile's)."),
-        snapshot_after: bool = typer.Option(False, "--snapshot-after", help="On the cold path, snapshot the warmed engine (it keeps serving)."),
+        snapshot_after: bool = typer.Option(False, "--snapshot-after", help="On the cold path, snapshot the warmed engine (it keeps serving; a snapshot that fails is reported as an error, the engine still serves and up exits 0)."),
         json_out: bool = JsonOpt,
         insecure: bool = typer.Option(False, "--insecure-skip-signature-check",
                                       help="INSECURE: restore an unsigned or untrusted snapshot (a snapshot is executable state)."),
@@ -209,7 +209,10 @@ def register(app: typer.Typer) -> None:
         (:meth:`~warmctl.contract.UpResult.to_json`, docs/cli-json.md; also for a failed ``up``),
         or the phase table and the serving line (``quiet``: the serving line only, as
         ``snapshot -q`` prints only its result; a failed ``up``: nothing, its error goes to
-        stderr)."""
+        stderr). A snapshot ``--snapshot-after`` could not make while the engine kept serving
+        (``snapshot_error``) is one ``error: ...`` line on stderr, with ``--json`` too."""
+        if res.snapshot_error:
+            typer.echo(f"error: {res.snapshot_error}", err=True)
         if json_out:
             emit_json(res.to_json())
             return
@@ -318,6 +321,8 @@ def register(app: typer.Typer) -> None:
             s = r.state
             if r.failure:
                 typer.echo(f"engine {s.name} failed: {r.failure}", err=True)
+            if s.snapshot_error:
+                typer.echo(f"engine {s.name}: {s.snapshot_error}", err=True)
             note = d.message(f"engine {s.name} ({'snapshot ' + s.manifest_digest[:19] if s.manifest_digest else s.source})")
             if note:
                 typer.echo(note, err=True)
