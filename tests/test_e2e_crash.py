@@ -121,10 +121,15 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
 
     # gc of the remote once the name is gone: killed after its first manifest and first chunk
     warmctl("rm", "tiny:crash", env={**wc_env, "WARMCTL_REMOTE_STORE": str(remote)})  # local and remote names
+    # (the remote holds one manifest, tiny:crash's, and its chunks: each kill point is reached)
+    chunks = lambda: {p for p in (remote / "chunks").rglob("*") if p.is_file()}  # noqa: E731
+    before = chunks()
     for phase in ("gc_manifests", "gc_chunks"):
         r = warmctl("gc", "--grace", "0", "--store", str(remote), env={**wc_env, KILL: phase}, check=False)
-        assert r.returncode in (-9, 0), r.stdout + r.stderr  # 0: nothing of that kind left to remove
+        assert r.returncode == -9, f"gc not killed at {phase}: exit {r.returncode}\n{r.stdout}{r.stderr}"
         _verify(wc_env, "--store", str(remote))
+        assert not [p for p in (remote / "manifests").rglob("*") if p.is_file()]  # the manifest went first
+        assert len(before - chunks()) == (0 if phase == "gc_manifests" else 1), phase
     warmctl("gc", "--grace", "0", "--store", str(remote), env=wc_env)
     _verify(wc_env, "--store", str(remote))
 

@@ -146,6 +146,43 @@ def test_gc_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
         assert len(s.list_manifests()) == 1
 
 
+def _chunk_objects(root: Path) -> set[str]:
+    return {p.name for p in (root / "chunks").rglob("*") if p.is_file()}
+
+
+def test_gc_killed_at_its_phases_dies_there_and_the_next_gc_finishes(tmp_path):
+    """``WARMCTL_TEST_KILL_AT_PHASE`` (:mod:`warmctl.faults`) at ``gc_manifests`` and
+    ``gc_chunks`` on a store where ``tiny``'s name is gone (its manifest and its unshared chunks
+    are garbage): each run is killed there (never exit 0: the point is reached), having removed
+    exactly one thing of that kind; the store verifies after each; the next gc removes the rest
+    and keeps what ``old`` references."""
+    work = tmp_path / "work"
+    subprocess.run(["cp", "-a", str(_source(tmp_path)), str(work)], check=True)
+    with open_store(work) as s:
+        cat = Catalog(s)
+        old = cat.entries("old")[0].manifest
+        keep = {c.digest.split(":")[1] for f in s.get_manifest(old).files for c in f.chunks}
+        cat.remove_tag("tiny", "latest")
+    chunks0 = _chunk_objects(work)
+    assert chunks0 - keep, "tiny must have chunks of its own for gc_chunks to be reached"
+    env = _env(tmp_path, WARMCTL_TEST_KILL_AT_PHASE="gc_manifests")
+    r = _warmctl(["gc", "--grace", "0", "--store", str(work)], env)
+    assert r.returncode == -signal.SIGKILL, f"gc was not killed at gc_manifests: exit {r.returncode}\n{r.stderr}"
+    with open_store(work) as s:
+        assert s.list_manifests() == [old]  # tiny's manifest went, then the kill
+    assert _chunk_objects(work) == chunks0  # no chunk yet: manifests go first
+    assert_consistent(work)
+    r = _warmctl(["gc", "--grace", "0", "--store", str(work)], _env(tmp_path, WARMCTL_TEST_KILL_AT_PHASE="gc_chunks"))
+    assert r.returncode == -signal.SIGKILL, f"gc was not killed at gc_chunks: exit {r.returncode}\n{r.stderr}"
+    gone = chunks0 - _chunk_objects(work)
+    assert len(gone) == 1 and not gone & keep, gone  # one chunk of tiny's own, then the kill
+    assert_consistent(work)
+    r = _warmctl(["gc", "--grace", "0", "--store", str(work)], _env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert _chunk_objects(work) == chunks0 & keep
+    assert_consistent(work)
+
+
 def test_every_rename_removal_and_new_directory_is_made_durable(tmp_path, monkeypatch):
     """fsync of the directory after each rename into it, each removal from it and each directory
     created in it (recorded by inode, so the check names the directory)."""
