@@ -5,7 +5,9 @@ reads with llhttp) and records every request head and every whole request.
 Property, for every connection: each request the engine side sees was allowed (its path, read as
 uvicorn reads it, is in the allow list and holds no control character) and authorized (a public
 path, or ``Bearer KEY``); the whole requests it sees are, in order, requests the client sent,
-with the same method, path and body; and h11 never fails to parse the gate's output.
+with the same method, path and body; every request that breaks no rule (``Sent.clean``), up to
+the first that does, reaches it as sent (a gate refusing everything fails); and h11 never fails
+to parse the gate's output.
 
 The streams mix valid requests with the probes of issue 30: header case and whitespace,
 percent-encodings (``%0A`` and other control characters, ``%2F``, dot segments, case),
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -67,6 +70,9 @@ class Sent:
     path: str
     body: bytes
     raw: bytes
+    #: breaks no rule (an allowed path, written literally, authorized; plain HTTP/1.1 framing and
+    #: headers): the gate must pass it to the engine as sent
+    clean: bool = False
 
 
 SAFE = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~/"
@@ -75,22 +81,27 @@ BASE_PATHS = [p for p in DEFAULT_ALLOW_PATHS if "{" not in p] + [
     "/metrics", "/ping", "/docs", "/", "*"]
 
 
-def pick(draw, valid: list, hostile: list):
-    """One of ``valid``, or (one time in six) one of ``hostile``: most requests then break one
-    rule at most, and a fair share break none and reach the engine."""
-    return draw(st.sampled_from(hostile)) if draw(st.integers(0, 5)) == 0 else draw(st.sampled_from(valid))
+def pick(draw, valid: list, hostile: list, bad: bool = True):
+    """One of ``valid``, or (one time in six, when ``bad``) one of ``hostile``: most requests
+    then break one rule at most, and a fair share break none and reach the engine."""
+    return draw(st.sampled_from(hostile)) if bad and draw(st.integers(0, 5)) == 0 else draw(st.sampled_from(valid))
+
+
+def odds(draw, n: int, bad: bool = True) -> bool:
+    """True one time in ``n + 1`` when ``bad`` (a hostile variant), else never."""
+    return bad and draw(st.integers(0, n)) == 0
 
 
 ALLOWED_BASES = [p for p in DEFAULT_ALLOW_PATHS if "{" not in p] + ["/v1/responses/resp_1", "/v1/responses/resp_1/cancel"]
 
 
 @st.composite
-def paths(draw) -> str:
-    """A decoded path: a base path, maybe changed the way attackers change them."""
-    p = pick(draw, ALLOWED_BASES, BASE_PATHS)
+def paths(draw, bad: bool = True) -> str:
+    """A decoded path: a base path, maybe (``bad``) changed the way attackers change them."""
+    p = pick(draw, ALLOWED_BASES, BASE_PATHS, bad)
     if p == "*":
         return p
-    tweak = pick(draw, ["none"], ["suffix", "prefix", "case", "dots", "segment"])
+    tweak = pick(draw, ["none"], ["suffix", "prefix", "case", "dots", "segment"], bad)
     if tweak == "suffix":
         p += draw(st.sampled_from(["\n", "\r", "\r\n", "\x00", "\t", "\x7f", "/", "//", "/.", " ", ";x", "\x0b", "é"]))
     elif tweak == "prefix":
@@ -105,24 +116,25 @@ def paths(draw) -> str:
 
 
 @st.composite
-def targets(draw, path: str) -> bytes:
+def targets(draw, path: str, bad: bool = True) -> bytes:
     """The request target for ``path``: each character literal where it may be, else (or at
-    random) percent-encoded; maybe absolute-form, maybe a query."""
+    random) percent-encoded (``/`` only when ``bad``); maybe (``bad``) absolute-form, maybe a
+    query (a plain one unless ``bad``)."""
     if path == "*":
         return b"*"
     out = []
     for ch in path:
-        if ch in SAFE and not draw(st.integers(0, 9)) == 0:
+        if ch in SAFE and (not draw(st.integers(0, 9)) == 0 or (ch == "/" and not bad)):
             out.append(ch)
         elif ch in SAFE:
             out.append(f"%{ord(ch):02X}" if draw(st.booleans()) else f"%{ord(ch):02x}")
         else:
             out.append("".join(f"%{b:02X}" for b in ch.encode()))
     t = "".join(out)
-    if draw(st.integers(0, 5)) == 0:
+    if odds(draw, 5, bad):
         t = draw(st.sampled_from(["http://127.0.0.1", "http://h:80", "HTTP://x", "https://[::1]:1"])) + t
     if draw(st.integers(0, 4)) == 0:
-        t += "?" + draw(st.sampled_from(["a=1", "x=%0A", "", "q=/sleep"]))
+        t += "?" + draw(st.sampled_from(["a=1", "x=%0A", "", "q=/sleep"] if bad else ["a=1", ""]))
     return t.encode()
 
 
@@ -132,25 +144,35 @@ EXTRA = [b"X-A: 1", b"x-request-id: abc", b"User-Agent: fuzz/1", b"Accept: */*",
          b"Connection: close, te", b"TE: trailers", b"Keep-Alive: timeout=5", b"X-Tab:\tv", b"Proxy-Connection: x"]
 
 
+VALID_METHODS = ["GET", "POST", "POST", "POST", "DELETE", "HEAD", "OPTIONS", "PUT", "PATCH"]
+
+
 @st.composite
-def requests(draw) -> Sent:
-    method = pick(draw, ["GET", "POST", "POST", "POST", "DELETE", "HEAD", "OPTIONS", "PUT", "PATCH"],
-                  ["CONNECT", "TRACE", "get", "PRI"])
-    path = draw(paths())
-    target = draw(targets(path))
-    version = pick(draw, [b"HTTP/1.1"] * 6 + [b"HTTP/1.0"], [b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9"])
+def requests(draw, bad: bool = True) -> Sent:
+    """A request; without ``bad``, one that breaks no rule (``Sent.clean``)."""
+    method = pick(draw, VALID_METHODS, ["CONNECT", "TRACE", "get", "PRI"], bad)
+    path = draw(paths(bad))
+    target = draw(targets(path, bad))
+    # (HTTP/1.0 is valid, but its connection ends after it: no request behind it is read)
+    version = pick(draw, [b"HTTP/1.1"] * 6 + [b"HTTP/1.0"] * bad, [b"HTTP/2.0", b"HTTP/1.2", b"HTTP/0.9"], bad)
     lines = [method.encode() + b" " + target + b" " + version, b"Host: x"]
-    auth = pick(draw, AUTHS[1:4], AUTHS)
+    auth = pick(draw, AUTHS[1:4], AUTHS, bad)
+    twice = odd = False
     if auth is not None:
         name = draw(st.sampled_from([b"Authorization", b"authorization", b"AUTHORIZATION"]))
         lines.append(name + b":" + draw(st.sampled_from([b" ", b"", b"  ", b"\t"])) + auth.encode())
-        if draw(st.integers(0, 9)) == 0:
+        if twice := odds(draw, 9, bad):
             lines.append(b"Authorization: " + auth.encode())  # twice
     lines += draw(st.lists(st.sampled_from(EXTRA[:5]), max_size=2))
-    if draw(st.integers(0, 5)) == 0:
+    if odd := odds(draw, 5, bad):
         lines.append(draw(st.sampled_from(EXTRA[5:])))
+    headers = [(ln.split(b":", 1)[0].decode().lower(), ln.split(b":", 1)[1].decode()) for ln in lines[1:]]
+    clean = (method in VALID_METHODS and version == b"HTTP/1.1" and not twice and not odd
+             and unquote(target.partition(b"?")[0].decode()) == path and b"%2F" not in target.upper()
+             and target.partition(b"?")[2] in (b"", b"a=1")
+             and oracle_allowed(path) and oracle_authorized(path, headers))
     body = draw(st.sampled_from([b"", b"", b'{"prompt": "hi"}', b"x" * 300, b"GET /sleep HTTP/1.1\r\n\r\n"]))
-    framing = pick(draw, ["cl", "cl", "chunked", "none"], ["cl+te", "te-odd", "cl-twice", "cl-short"])
+    framing = pick(draw, ["cl", "cl", "chunked", "none"], ["cl+te", "te-odd", "cl-twice", "cl-short"], bad)
     payload = b""
     if framing == "none":
         body = b""
@@ -172,19 +194,20 @@ def requests(draw) -> Sent:
             ext = draw(st.sampled_from([b"", b"", b";x=1", b";a"]))
             payload += b"%x%s\r\n%s\r\n" % (len(piece), ext, piece)
         payload += b"0\r\n" + draw(st.sampled_from([b"", b"", b"X-Trailer: 1\r\n"])) + b"\r\n"
-    eol = b"\r\n" if draw(st.integers(0, 14)) else b"\n"
+    eol = b"\n" if odds(draw, 14, bad) else b"\r\n"
     raw = eol.join(lines) + eol + eol + payload
-    return Sent(method, path, body, raw)
+    return Sent(method, path, body, raw, clean and framing in ("cl", "chunked", "none") and eol == b"\r\n")
 
 
 @st.composite
-def connections(draw) -> tuple[list[Sent], list[bytes]]:
-    """1-4 requests and a sentinel (``/health``, ``Connection: close``), in writes cut at random."""
-    reqs = draw(st.lists(requests(), min_size=1, max_size=4))
+def connections(draw, bad: bool = True) -> tuple[list[Sent], list[bytes]]:
+    """1-4 requests (without ``bad``: clean ones) and a sentinel (``/health``,
+    ``Connection: close``), in writes cut at random."""
+    reqs = draw(st.lists(requests(bad), min_size=1, max_size=4))
     stream = b"".join(r.raw for r in reqs) + b"GET /health?sentinel=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     cuts = sorted(set(draw(st.lists(st.integers(1, len(stream) - 1), max_size=4))))
     writes = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
-    return reqs + [Sent("GET", "/health", b"", b"")], writes
+    return reqs + [Sent("GET", "/health", b"", b"", clean=True)], writes
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +252,15 @@ def _check(up: RecordingUpstream, sent: list[Sent]) -> None:
             i += 1
         assert i < len(sent), f"the engine saw {seen.method} {seen.path!r} {seen.body!r}, which the client never sent"
         i += 1
+    # and the other way: every clean request before the first that breaks a rule (after which
+    # the gate may close the connection) reached the engine, in order, as sent
+    must = []
+    for r in sent:
+        if not r.clean:
+            break
+        must.append((r.method, r.path, r.body))
+    got = [(x.method, x.path, x.body) for x in up.seen()][:len(must)]
+    assert got == must, f"allowed, authorized requests did not reach the engine as sent: {must[len(got):] or must}"
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
@@ -240,6 +272,23 @@ def test_only_allowed_authorized_requests_reach_the_engine_as_sent(setup, conn):
     up.clear()
     _run(port, writes)
     _check(up, sent)
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(conn=connections(bad=False))
+def test_every_allowed_authorized_request_reaches_the_engine_as_sent(setup, conn):
+    """The converse: requests that break no rule (allowed paths, some with harmless
+    percent-encodings, authorized; every valid method; Content-Length, chunked with extensions
+    and trailers, or no body; pipelined, split across writes) all reach the engine, in order,
+    with the method, path and body sent. A gate refusing everything fails here."""
+    up, port, log = setup
+    sent, writes = conn
+    assert all(r.clean for r in sent)
+    up.clear()
+    _run(port, writes)
+    _check(up, sent)
+    assert [(x.method, x.path, x.body) for x in up.seen()] == [(r.method, r.path, r.body) for r in sent]
 
 
 def test_the_probes_of_issue_30_as_one_stream_each(setup):
