@@ -5,11 +5,20 @@ A snapshot is the engine's whole memory, copied to every node of a fleet and to 
 bucket; whatever secret the engine holds is published with it. Three lines of defence:
 
 1. the engine's environment is declared, not inherited (:func:`warmctl.engine.vllm.engine_environment`);
-2. a profile cannot carry a credential (:func:`profile_problems`, run by profile validation);
+2. a profile cannot carry a credential (:func:`profile_problems`, run by profile validation):
+   neither by name (the name rule below) nor inside a value (the shape rules, :func:`shape_rules`);
 3. before ``snapshot`` stores anything, every byte it would store is scanned for every secret
    value warmctl can know here (:func:`known_secrets`, :func:`scan_files`,
-   :func:`refuse_if_found`); a match refuses to publish, naming where the secret came from and
-   the file it was found in, never the value.
+   :func:`refuse_if_found`), all of them in one pass (Hyperscan); a match refuses to publish,
+   naming where the secret came from and the file it was found in, never the value.
+
+**The shape rules** (:func:`shape_rules`, :func:`find_shapes`). A value looks like it holds a
+credential when it matches one: a URL's ``user:password@`` in any scheme, a PEM private key,
+cloud, hub and registry tokens (the expressions of Yelp's detect-secrets plugins, listed in
+:data:`_DETECT_SECRETS_RULES`), and warmctl's own for what those lack (Hugging Face, Docker
+Hub and GitHub fine-grained tokens, Google API keys, ``Authorization``/``Bearer`` values and
+``Basic`` strings that decode to ``user:password``). What the scan searches for is the secret
+*part* (the URL's password, the token), never the whole value.
 
 **The name rule** (:func:`credential_name`). A variable or flag name is split into words at
 ``_`` and ``-`` (case ignored). It looks like a credential when a word is one of
@@ -70,6 +79,151 @@ def credential_name(name: str) -> bool:
     return False
 
 
+# --- what a value looks like ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShapeRule:
+    """A rule that recognises a credential by the shape of a value (not by its variable's
+    name): ``name`` (``url-userinfo``), ``what`` it finds (for messages; never the value),
+    ``origin`` (the detect-secrets plugin whose expressions it uses, or ``warmctl``),
+    ``patterns`` (compiled expressions) and ``parts``, how the secret part of a match is taken
+    (:func:`find_shapes`): ``match`` (the groups of at least :data:`MIN_SECRET_BYTES` bytes,
+    else the whole match), ``userinfo`` (the password, and ``user:password``), ``pem`` (the
+    key's body, :func:`pem_key_values`), ``basic`` (a base64 ``user:password``, and it
+    decoded)."""
+
+    name: str
+    what: str
+    origin: str
+    patterns: tuple[re.Pattern, ...] = field(repr=False)
+    parts: str = "match"
+
+
+#: The detect-secrets plugins whose expressions are shape rules: (rule name, what it finds,
+#: module, class, how its secret part is taken). Plugins left out: the keyword and entropy
+#: heuristics and the public-IP rule (they fire on model revisions, digests and addresses),
+#: and the Artifactory, Twilio, Mailchimp, IBM and Softlayer rules (short prefixes of plain
+#: words or lower-case hex that model paths and revisions share).
+_DETECT_SECRETS_RULES = (
+    ("url-userinfo", "a password in a URL (scheme://user:password@host)", "basic_auth", "BasicAuthDetector", "userinfo"),
+    ("private-key", "a PEM private key block", "private_key", "PrivateKeyDetector", "pem"),
+    ("aws-access-key", "an AWS access key", "aws", "AWSKeyDetector", "match"),
+    ("azure-storage-key", "an Azure storage account key", "azure_storage_key", "AzureStorageKeyDetector", "match"),
+    ("github-token", "a GitHub token", "github_token", "GitHubTokenDetector", "match"),
+    ("gitlab-token", "a GitLab token (also its registry and deploy tokens)", "gitlab_token", "GitLabTokenDetector",
+     "match"),
+    ("jwt", "a JSON Web Token", "jwt", "JwtTokenDetector", "match"),
+    ("npm-token", "an npm token", "npm", "NpmDetector", "match"),
+    ("pypi-token", "a PyPI token", "pypi_token", "PypiTokenDetector", "match"),
+    ("openai-key", "an OpenAI API key", "openai", "OpenAIDetector", "match"),
+    ("slack-token", "a Slack token or webhook", "slack", "SlackDetector", "match"),
+    ("stripe-key", "a Stripe key", "stripe", "StripeDetector", "match"),
+    ("sendgrid-key", "a SendGrid API key", "sendgrid", "SendGridDetector", "match"),
+    ("discord-token", "a Discord bot token", "discord", "DiscordBotTokenDetector", "match"),
+    ("telegram-token", "a Telegram bot token", "telegram_token", "TelegramBotTokenDetector", "match"),
+    ("square-oauth", "a Square OAuth secret", "square_oauth", "SquareOAuthDetector", "match"),
+)
+#: warmctl's own shape rules, for what detect-secrets 1.5 has no plugin for:
+#: (name, what, expressions, how the secret part is taken).
+_WARMCTL_RULES = (
+    ("huggingface-token", "a Hugging Face token",
+     (r"\b(hf_[A-Za-z0-9]{30,})\b", r"\b(api_org_[A-Za-z0-9]{30,})\b"), "match"),
+    ("registry-token", "a container registry token (Docker Hub, GitHub fine-grained)",
+     (r"\b(dckr_(?:pat|oat)_[A-Za-z0-9_\-]{20,})", r"\b(github_pat_[A-Za-z0-9_]{22,})"), "match"),
+    ("google-api-key", "a Google API key", (r"\b(AIza[0-9A-Za-z_\-]{35})",), "match"),
+    ("authorization", "an Authorization header value or Bearer token",
+     (r"(?i)\bauthorization\s*[:=]\s*[\"']?(?:(?:bearer|basic|token|digest|negotiate)\s+)?([A-Za-z0-9\-._~+/]{8,}=*)",
+      r"(?i)\bbearer\s+([A-Za-z0-9\-._~+/]{8,}=*)"), "match"),
+    ("basic-auth", "an HTTP basic-auth string (Basic base64 of user:password)",
+     (r"(?i)\bbasic\s+([A-Za-z0-9+/]{8,}={0,2})",), "basic"),
+)
+
+#: Expressions warmctl adds to a detect-secrets rule: a URL whose userinfo is ``:password``
+#: (no user name; redis and some registries), which BasicAuthDetector's expression needs a user for.
+_EXTRA_PATTERNS = {"url-userinfo": (r"://:([^:/?#\[\]@!$&'()*+,;=\s]+)@",)}
+
+_RULES: list[ShapeRule] | None = None
+
+
+def shape_rules() -> list[ShapeRule]:
+    """Every shape rule, in the order they are tried (detect-secrets' first). The
+    detect-secrets plugins are imported on the first call (about 80 ms)."""
+    global _RULES
+    if _RULES is None:
+        import importlib
+
+        rules = []
+        for name, what, module, cls, parts in _DETECT_SECRETS_RULES:
+            plugin = getattr(importlib.import_module(f"detect_secrets.plugins.{module}"), cls)
+            extra = tuple(re.compile(e) for e in _EXTRA_PATTERNS.get(name, ()))
+            origin = f"detect-secrets {cls}" + (" and warmctl" if extra else "")
+            rules.append(ShapeRule(name, what, origin, tuple(plugin.denylist) + extra, parts))
+        for name, what, exprs, parts in _WARMCTL_RULES:
+            rules.append(ShapeRule(name, what, "warmctl", tuple(re.compile(e) for e in exprs), parts))
+        _RULES = rules
+    return _RULES
+
+
+@dataclass(frozen=True)
+class ShapeHit:
+    """A value matched ``rule``; ``parts`` are its secret parts (what ``snapshot`` scans for;
+    never printed). A match can have no part long enough to scan for (a PEM header alone)."""
+
+    rule: ShapeRule
+    parts: tuple[str, ...] = field(repr=False, default=())
+
+
+_PEM_BLOCK = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY[A-Z ]*-----(.*?)-----END", re.S)
+
+
+def _parts(rule: ShapeRule, m: re.Match, text: str) -> list[str]:
+    if rule.parts == "userinfo":  # "://user:password@": the password, and user:password
+        return [m.group(1), m.group(0)[3:-1]]
+    if rule.parts == "pem":
+        out: list[str] = []
+        for block in _PEM_BLOCK.findall(text.replace("\\n", "\n")):
+            out += [v.decode("latin-1") for v in pem_key_values(block)]
+        return out
+    if rule.parts == "basic":
+        try:
+            decoded = base64.b64decode(m.group(1), validate=True).decode()
+        except (ValueError, UnicodeDecodeError):
+            return []
+        return [m.group(1), decoded] if ":" in decoded and decoded.isprintable() else []
+    groups = [g for g in m.groups() if g and len(g) >= MIN_SECRET_BYTES]
+    return groups or [m.group(0)]
+
+
+def find_shapes(text: str) -> list[ShapeHit]:
+    """Every :func:`shape_rules` rule ``text`` matches, each once, with the secret parts of all
+    its matches (each at most once). An HTTP ``Basic`` string counts only when it decodes to
+    ``user:password``."""
+    out = []
+    if not text:
+        return out
+    for rule in shape_rules():
+        parts: list[str] = []
+        hit = False
+        for pat in rule.patterns:
+            for m in pat.finditer(text):
+                p = _parts(rule, m, text)
+                if rule.parts == "basic" and not p:
+                    continue
+                hit = True
+                parts += [x for x in p if x and x not in parts]
+        if hit:
+            out.append(ShapeHit(rule, tuple(parts)))
+    return out
+
+
+def describe_rules() -> list[str]:
+    """One line per credential rule (``name: what (origin)``), the name rule first: what
+    ``warmctl profile check`` says it applies."""
+    return (["names: a variable or flag whose name says token, key, secret, password, credential or auth"]
+            + [f"{r.name}: {r.what} ({r.origin})" for r in shape_rules()])
+
+
 # --- what a profile may not carry -----------------------------------------------------------
 
 _GATE_KEYS = ("the public port's API keys belong to the gate: gate_api_key_file in the config "
@@ -84,25 +238,58 @@ _FLAG_HOME = {"--api-key": _GATE_KEYS, "--ssl-keyfile": _GATE_TLS, "--ssl-certfi
 _ENV_HOME = {"VLLM_API_KEY": _GATE_KEYS}
 
 
+_VALUE_HOME = ("a profile is published with every snapshot (its manifest, the catalog's profile record of every "
+               "store it reaches) and the engine's memory holds its values: keep the credential out of the profile. "
+               "Where it belongs: in a file the engine reads at run time, named by a *_FILE variable (mode 0600, never "
+               "in a store), or in warmctl's environment, passed by name with engine_env_passthrough in the node's "
+               "config (docs/operations.md, \"Credentials and snapshots\"); `snapshot` still refuses an image that "
+               "holds it")
+_URL_HOME = "write the URL without user:password@ here; "
+
+
+def value_problem(field_: str, value: str) -> tuple[str, str] | None:
+    """``(field, message)`` when ``value`` matches a shape rule (:func:`find_shapes`): the
+    field, the rules it matched and where the credential belongs. Never the value."""
+    hits = find_shapes(value)
+    if not hits:
+        return None
+    rules = ", ".join(f"{h.rule.what} (rule {h.rule.name})" for h in hits)
+    url = _URL_HOME if any(h.rule.name == "url-userinfo" for h in hits) else ""
+    return field_, f"holds {rules}; {url}{_VALUE_HOME}"
+
+
 def profile_problems(args: Iterable[str], env: Mapping[str, str]) -> list[tuple[str, str]]:
     """``(field, message)`` for every credential a profile's ``engine.args`` / ``engine.env``
     carries: a credential-looking flag (``--api-key``, ``--hf-token``, ``--ssl-keyfile``, also
     as ``--flag=value``) and a credential-looking variable name (``HF_TOKEN``,
-    ``AWS_SECRET_ACCESS_KEY``, ``VLLM_API_KEY``). ``field`` is the dotted profile field
-    (``engine.args.3``, ``engine.env.HF_TOKEN``); each message says where the thing belongs
+    ``AWS_SECRET_ACCESS_KEY``, ``VLLM_API_KEY``), then any other argument or variable whose
+    value has the shape of a credential (:func:`find_shapes`: a URL's ``user:password@``, an
+    ``Authorization``/``Bearer``/basic-auth string, a PEM private key, a cloud, hub or
+    registry token). ``field`` is the dotted profile field (``engine.args.3``,
+    ``engine.env.HF_TOKEN``); each message says which rule matched and where the thing belongs
     instead. Never the value."""
     out: list[tuple[str, str]] = []
+    args = list(args)
     for i, a in enumerate(args):
         if not a.startswith("--"):
+            if i and args[i - 1].startswith("--") and "=" not in args[i - 1] and any(
+                    f == f"engine.args.{i - 1}" for f, _ in out):
+                continue  # the value of a credential flag already refused
+            if p := value_problem(f"engine.args.{i}", a):
+                out.append(p)
             continue
         flag = a.split("=", 1)[0]
         if flag in _FLAG_HOME or credential_name(flag):
             out.append((f"engine.args.{i}", f"{flag} carries a credential; a profile is published with every "
                         f"snapshot: {_FLAG_HOME.get(flag, _RUNTIME)}"))
-    for k in env:
+        elif "=" in a and (p := value_problem(f"engine.args.{i}", a.split("=", 1)[1])):
+            out.append((p[0], f"the value of {flag} {p[1]}"))
+    for k, v in env.items():
         if k in _ENV_HOME or credential_name(k):
             out.append((f"engine.env.{k}", f"{k} names a credential; a profile is published with every snapshot: "
                         f"{_ENV_HOME.get(k, _RUNTIME)}"))
+        elif p := value_problem(f"engine.env.{k}", v):
+            out.append(p)
     return out
 
 
@@ -210,13 +397,33 @@ def s3_credentials(urls: Iterable[str]) -> list[tuple[str, str]]:
                          ("session token", frozen.token)) if v]
 
 
+def _file_variable(name: str, value: str) -> bool:
+    """Whether the variable ``name`` = ``value`` names a file (``..._FILE``, ``..._PATH``, with
+    an absolute, ``~`` or ``.`` path)."""
+    return bool(re.search(r"(?:_FILE|_PATH|_FILES|_PATHS)$", name.upper())) and value.startswith(("/", "~", "."))
+
+
+def add_shapes(out: "KnownSecrets", where: str, text: str) -> None:
+    """The secret parts of every shape rule ``text`` matches (:func:`find_shapes`) added to
+    ``out``, each with the source ``<what> (rule <name>) in <where>``."""
+    for h in find_shapes(text):
+        for part in h.parts:
+            out.add(f"{h.rule.what} (rule {h.rule.name}) in {where}", part)
+
+
 def known_secrets(settings: "Settings", environ: Mapping[str, str] | None = None,
-                  store_urls: Iterable[str] = ()) -> KnownSecrets:
+                  store_urls: Iterable[str] = (), profile_env: Mapping[str, str] | None = None) -> KnownSecrets:
     """Every secret value warmctl can know on this host (see :class:`KnownSecrets`):
 
     - credential-looking variables (:func:`credential_name`) of ``environ`` (default: this
       process's environment): their values; a ``..._FILE`` / ``..._PATH`` one naming a small
       file: that file's :func:`token_file_values` instead;
+    - the secret part of every value of ``environ`` that has a credential's shape
+      (:func:`find_shapes`: a URL's password, a bearer token, a cloud, hub or registry token),
+      whatever the variable's name (so a variable passed through to the engine with
+      ``engine_env_passthrough`` is covered), and of the text of each small file (at most
+      :data:`MAX_TOKEN_FILE_BYTES`) that a ``..._FILE`` / ``..._PATH`` variable of ``environ``
+      or of ``profile_env`` (the profile's ``[engine.env]``) names;
     - the S3 credentials boto3 resolves, when the local store, ``remote_store``, the catalog or
       one of ``store_urls`` (a push target) is ``s3://`` (:func:`s3_credentials`);
     - the gate's API keys (``gate_api_key_file``, one per line) and TLS key (``gate_tls_key``,
@@ -229,16 +436,24 @@ def known_secrets(settings: "Settings", environ: Mapping[str, str] | None = None
     env = os.environ if environ is None else environ
     out = KnownSecrets()
     for k in sorted(env):
+        v = env[k]
+        add_shapes(out, f"environment variable {k}", v)
+        if _file_variable(k, v) and (text := _read_small(Path(v).expanduser())) is not None:
+            add_shapes(out, f"the file {v} named by environment variable {k}", text)
         if not credential_name(k) or k == "HF_TOKEN_PATH":  # that file is the Hugging Face token file, below
             continue
         out.consulted.append(f"${k}")
         v = env[k]
-        if re.search(r"(?:_FILE|_PATH|_FILES|_PATHS)$", k.upper()) and v.startswith(("/", "~", ".")):
+        if _file_variable(k, v):
             text = _read_small(Path(v).expanduser())
             for line in token_file_values(text) if text is not None else []:
                 out.add(f"the file {v} named by environment variable {k}", line)
             continue
         out.add(f"environment variable {k}", v)
+    for k, v in sorted((profile_env or {}).items()):
+        if _file_variable(k, v) and (text := _read_small(Path(v).expanduser())) is not None:
+            out.consulted.append(v)
+            add_shapes(out, f"the file {v} named by the profile's engine.env.{k}", text)
     urls = [str(settings.store_dir), settings.remote_store or "", settings.catalog_url, *store_urls]
     for label, v in s3_credentials(urls):
         out.consulted.append(label)
@@ -278,7 +493,7 @@ class Finding:
     offset: int
 
 
-#: Bytes of a file searched at once (a window; windows overlap by the longest secret).
+#: Bytes of a file searched at once (a window; see :func:`scan_file`).
 WINDOW = 64 << 20
 #: Bytes of a file one worker process scans (:func:`scan_files`), in windows of :data:`WINDOW`.
 PART = 512 << 20
@@ -294,13 +509,36 @@ def scan_bytes(data, secrets: list[Secret], where: str) -> list[Finding]:
     return out
 
 
+def scan_engine() -> str:
+    """The matcher :func:`scan_file` uses: ``hyperscan`` (one pass over the bytes for all the
+    secrets, Intel's multi-literal matcher; x86-64), else ``bytes.find`` (one pass per secret,
+    where the ``hyperscan`` package is not installed)."""
+    try:
+        import hyperscan  # noqa: F401
+    except ImportError:
+        return "bytes.find"
+    return "hyperscan"
+
+
+def _hyperscan_db(secrets: list[Secret]):
+    import hyperscan
+
+    db = hyperscan.Database(mode=hyperscan.HS_MODE_STREAM)
+    db.compile(expressions=[s.value for s in secrets], ids=list(range(len(secrets))), elements=len(secrets),
+               flags=[hyperscan.HS_FLAG_SINGLEMATCH] * len(secrets), literal=True)
+    return db
+
+
 def scan_file(path: Path, secrets: list[Secret], label: str | None = None, start: int = 0,
               end: int | None = None) -> list[Finding]:
     """Every secret of ``secrets`` that starts in bytes ``[start, end)`` of the file ``path``
     (default: the whole file; its first occurrence each), read through a memory map in windows
-    of :data:`WINDOW` bytes that overlap by the longest secret, each window searched for every
-    secret (``bytes.find``: a two-way search, memchr fast) while it is hot in the cache.
-    ``label`` names the file in findings (default: the path)."""
+    of :data:`WINDOW` bytes. With :func:`scan_engine` ``hyperscan``: one pass for all the
+    secrets, the windows fed to one stream (a secret split across two windows is matched by
+    the stream's state), up to ``end`` plus the longest secret less one byte (a secret that
+    starts before ``end`` and ends after it); otherwise each window, extended by the longest
+    secret, is searched for each secret in turn (``bytes.find``). ``label`` names the file in
+    findings (default: the path)."""
     if not secrets:
         return []
     where = label or str(path)
@@ -315,17 +553,39 @@ def scan_file(path: Path, secrets: list[Secret], label: str | None = None, start
             except (AttributeError, OSError):
                 pass
             longest = max(len(s.value) for s in secrets)
+            stop = min(size, end + longest - 1)
+            if scan_engine() == "hyperscan":
+                return _scan_hyperscan(mm, secrets, where, start, end, stop)
             found: dict[bytes, Finding] = {}
             pos = start
             while pos < end:
-                stop = min(size, min(end, pos + WINDOW) + longest - 1)
+                wstop = min(size, min(end, pos + WINDOW) + longest - 1)
                 for s in secrets:
-                    if s.value not in found and (i := mm.find(s.value, pos, stop)) >= 0:
+                    if s.value not in found and (i := mm.find(s.value, pos, wstop)) >= 0:
                         found[s.value] = Finding(s, where, i)
                 if len(found) == len(secrets):
                     break
                 pos += WINDOW
             return list(found.values())
+
+
+def _scan_hyperscan(mm: mmap.mmap, secrets: list[Secret], where: str, start: int, end: int,
+                    stop: int) -> list[Finding]:
+    found: dict[int, Finding] = {}
+
+    def on_match(i: int, _from: int, to: int, _flags: int, _ctx: object) -> None:
+        at = start + to - len(secrets[i].value)
+        if at < end and i not in found:
+            found[i] = Finding(secrets[i], where, at)
+
+    db = _hyperscan_db(secrets)  # held while its stream is open (the stream does not keep it alive)
+    with memoryview(mm) as view, db.stream(match_event_handler=on_match) as stream:
+        pos = start
+        while pos < stop and len(found) < len(secrets):
+            with view[pos:min(stop, pos + WINDOW)] as window:
+                stream.scan(window)
+            pos += WINDOW
+    return list(found.values())
 
 
 def _scan_part(task: tuple[str, str, int, int, list[Secret]]) -> list[Finding]:
@@ -349,8 +609,8 @@ def scan_workers() -> int:
 def scan_files(files: Iterable[tuple[Path, str]], secrets: list[Secret],
                workers: int | None = None) -> tuple[list[Finding], int]:
     """:func:`scan_file` over ``files`` (``(path on disk, name in findings)``); returns the
-    findings (the first occurrence of each secret per file) and the bytes scanned. Each secret
-    costs one pass over the bytes, so the files are cut into parts of :data:`PART` bytes
+    findings (the first occurrence of each secret per file) and the bytes scanned. The files
+    are cut into parts of :data:`PART` bytes
     scanned by ``workers`` processes (default :func:`scan_workers`; started with ``spawn``,
     they import only this module) when there is more than one part and more than one worker."""
     files = [(Path(p), label) for p, label in files]

@@ -328,10 +328,13 @@ def _refuse_secrets(profile: Profile, settings: Settings, dumped: _Dumped, draft
     """The ``secret_scan`` phase, before anything is stored: every file to store (CRIU images,
     ``/dev/shm`` captures, bundled files, weights) and the manifest as it will be written
     (profile, host, canary and restore records) searched for every secret value warmctl can
-    know on this host (:func:`warmctl.credentials.known_secrets`). Raises
+    know on this host (:func:`warmctl.credentials.known_secrets`: also the secret part of every
+    value of warmctl's environment, a passed-through variable's included, that has a
+    credential's shape), all of them in one pass (:func:`warmctl.credentials.scan_files`). Raises
     :class:`warmctl.credentials.SecretInSnapshot` naming each secret's source and the file it
     is in, never the value; the caller's teardown then removes the images and ``/dev/shm`` files."""
-    known = credentials.known_secrets(settings, store_urls=[push_to] if push_to else [])
+    known = credentials.known_secrets(settings, store_urls=[push_to] if push_to else [],
+                                      profile_env=profile.engine.env)
     files = [(src, _label(role, rel)) for src, role, rel in dumped.items]
     with reporter.phase("secret_scan", f"scanning {len(files)} files and the manifest for {len(known.secrets)} "
                                        f"secret values this host knows"):

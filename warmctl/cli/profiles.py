@@ -1,5 +1,5 @@
 """CLI commands: ``warmctl profile ls | show | check | command | diff`` (look at a profile
-without running it).
+without running it) and ``warmctl profile scan`` (credentials in the profiles stores hold).
 
 Lines are printed whole (never wrapped), so paths, digests and command lines survive pipes and
 the journal; ``--json`` prints one JSON document instead (docs/cli-json.md).
@@ -63,9 +63,66 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
             "argv": wrapped_command(inner)}
 
 
+def stored_profile_problems(url: str) -> list[dict]:
+    """Credentials (:func:`warmctl.credentials.profile_problems`: by name and by shape) in the
+    profiles the store at ``url`` holds: each catalog profile record
+    (``catalog/NAME/profile.json``) and the profile each manifest records. One dict per
+    problem: ``{"store", "object" (the object's location), "kind" ("profile record" |
+    "manifest"), "name", "refs" (the NAME:TAG entries naming that manifest), "field",
+    "problem"}``; never a value. An object that cannot be read is reported with ``field``
+    null and ``problem`` saying why."""
+    from warmctl.catalog import CATALOG_PREFIX, Catalog
+    from warmctl.credentials import profile_problems
+    from warmctl.errors import WarmctlError
+    from warmctl.store import open_store
+    from warmctl.store.layout import manifest_key
+
+    store = open_store(url)
+    cat = Catalog(store)
+    out: list[dict] = []
+
+    def check(kind: str, where: str, name: str, prof: object, refs: list[str]) -> None:
+        eng = prof.get("engine") if isinstance(prof, dict) else None
+        eng = eng if isinstance(eng, dict) else {}
+        args = [str(a) for a in eng.get("args") or [] if isinstance(a, (str, int, float))]
+        env = {str(k): str(v) for k, v in (eng.get("env") or {}).items()} if isinstance(eng.get("env"), dict) else {}
+        for f, msg in profile_problems(args, env):
+            out.append({"store": url, "object": where, "kind": kind, "name": name, "refs": refs, "field": f,
+                        "problem": msg.split(";", 1)[0]})
+
+    try:
+        refs: dict[str, list[str]] = {}
+        for e in cat.all_entries():
+            refs.setdefault(e.manifest, []).append(f"{e.name}:{e.tag}")
+        names = cat.names()
+    except WarmctlError as e:
+        return [{"store": url, "object": store.location(), "kind": "catalog", "name": None, "refs": [], "field": None,
+                 "problem": f"unreadable: {e}"}]
+    for name in names:
+        where = store.backend.location(f"{CATALOG_PREFIX}{name}/profile.json")
+        try:
+            rec = cat.profile(name)
+        except WarmctlError as e:
+            out.append({"store": url, "object": where, "kind": "profile record", "name": name, "refs": [],
+                        "field": None, "problem": f"unreadable: {e}"})
+            continue
+        if rec is not None:
+            check("profile record", where, name, rec["profile"], [])
+    for digest in store.list_manifests():
+        where = store.backend.location(manifest_key(digest))
+        try:
+            m = store.get_manifest(digest)
+        except WarmctlError as e:
+            out.append({"store": url, "object": where, "kind": "manifest", "name": None, "refs": refs.get(digest, []),
+                        "field": None, "problem": f"unreadable: {e}"})
+            continue
+        check("manifest", where, m.name, m.profile, refs.get(digest, []))
+    return out
+
+
 def register(app: typer.Typer) -> None:
     """Add ``warmctl profile ...`` to ``app``."""
-    papp = typer.Typer(help="Look at profiles without running them: ls, show, check, command, diff.",
+    papp = typer.Typer(help="Look at profiles without running them: ls, show, check, command, diff; scan stored ones for credentials.",
                        no_args_is_help=True)
     app.add_typer(papp, name="profile")
 
@@ -117,6 +174,11 @@ def register(app: typer.Typer) -> None:
         --pipeline-parallel-size x --data-parallel-size) on the CPU build the CPU binding of each
         rank on this host (VLLM_CPU_OMP_THREADS_BIND: the profile's, or warmctl's default); on
         the CPU build --enable-expert-parallel is refused (its ranks crash at the first request).
+        A credential is refused in [engine.env] and engine.args by its name (HF_TOKEN,
+        --api-key) and by the shape of a value (a URL's user:password@, an Authorization or
+        Bearer value, a PEM private key, cloud, hub and registry tokens: the last line names
+        every rule; docs/operations.md, "Credentials and snapshots"), naming the field and the
+        rule, never the value.
         Prints `FILE: ok` (and the ranks' layout) or one line per problem; exits 1 if any fails."""
         from warmctl.checkpoint.layout import cpu_binding, profile_sizes
         from warmctl.config import load_settings
@@ -157,7 +219,41 @@ def register(app: typer.Typer) -> None:
                 else:
                     for line in r["errors"]:
                         typer.echo(line, err=True)
+            from warmctl.credentials import shape_rules
+
+            _echo("credential rules: names, " + ", ".join(r.name for r in shape_rules()))
         if not all(r["ok"] for r in results):
+            raise typer.Exit(1)
+
+    @papp.command("scan")
+    def scan(stores: Optional[list[str]] = typer.Option(None, "--store", metavar="URL",
+                                                        help="A store to scan (repeatable; default: the local store, "
+                                                             "remote_store and the catalog)."),
+             json_out: bool = JsonOpt) -> None:
+        """Find credentials in the profiles stores already hold, as `profile check` would
+        refuse them now (by name and by the shape of a value; older versions published some):
+        every catalog profile record (catalog/NAME/profile.json) and the profile every manifest
+        records. One line per problem: the object, the snapshot NAME and the NAME:TAG entries
+        naming it, the field and the rule, never the value. Exits 0 when none holds one, 1
+        otherwise. To remove what it finds: `warmctl rm NAME:TAG` for each entry named, then
+        `warmctl gc` (with --store URL for a remote); publishing a clean profile under NAME
+        replaces its profile record."""
+        from warmctl.config import load_settings
+
+        settings = load_settings()
+        urls = list(dict.fromkeys(stores or [u for u in (str(settings.store_dir), settings.remote_store,
+                                                         settings.catalog_url) if u]))
+        found = [p for u in urls for p in stored_profile_problems(u)]
+        if json_out:
+            _json({"stores": urls, "problems": found})
+        else:
+            for p in found:
+                refs = f" ({', '.join(p['refs'])})" if p["refs"] else ""
+                what = f"{p['kind']} of {p['name']}{refs}" if p["name"] else p["kind"]
+                _echo(f"{p['object']}: {what}: " + (f"{p['field']}: " if p["field"] else "") + p["problem"])
+            _echo(f"scanned {len(urls)} store(s): {', '.join(urls)}; "
+                  + (f"{len(found)} problem(s)" if found else "no stored profile holds a credential"))
+        if found:
             raise typer.Exit(1)
 
     @papp.command("command")
