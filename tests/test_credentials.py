@@ -6,6 +6,7 @@ test_e2e_main.py."""
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import time
@@ -183,3 +184,94 @@ def test_parallel_scan_finds_secrets_across_part_edges(tmp_path, monkeypatch):
     assert sorted((x.where, x.secret.source, x.offset) for x in found) == [
         ("image file pages-1.img", "A", (1 << 20) - 7), ("image file pages-1.img", "B", (2 << 20) + 5),
         ("image file pages-2.img", "A", 100)]
+
+
+# --- credentials inside values: the shape rules ------------------------------------------------
+
+_B64_USERPASS = base64.b64encode(b"ci-bot:s3cretPassw0rd").decode()
+_PEM = ("-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgq0vJ3cF1g0m8dV2d\n"
+        "hR6c2a0s9bX0Yq4a3uE2sLk7PfWhRANCAAQm9z1Q0y2VQ0m2m4N7bqJXWk1nqU0g\n-----END PRIVATE KEY-----\n")
+
+
+@pytest.mark.parametrize(("value", "rule", "part"), [
+    ("https://ci-bot:s3cretPassw0rd@hf-mirror.internal", "url-userinfo", "s3cretPassw0rd"),
+    ("s3://ci-bot:s3cretPassw0rd@bucket/models", "url-userinfo", "ci-bot:s3cretPassw0rd"),
+    ("redis://:s3cretPassw0rd@cache:6379/0", "url-userinfo", "s3cretPassw0rd"),
+    ("Authorization: Bearer eyJraWQiOiJhYmMiLCJhbGciOiJIUzI1NiJ9xyz", "authorization", None),
+    ("--header=Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0", "authorization", "9f8e7d6c5b4a39281706f5e4d3c2b1a0"),
+    (f"Basic {_B64_USERPASS}", "basic-auth", "ci-bot:s3cretPassw0rd"),
+    (_PEM, "private-key", None),
+    (_PEM.replace("\n", "\\n"), "private-key", None),  # as a JSON string holds it
+    ("AKIAZ7Q3XUPW4JH2KD6F", "aws-access-key", "AKIAZ7Q3XUPW4JH2KD6F"),
+    ("hf_" + "kQzTbWnPxRyLmVcJdHsGfAeUoIi" + "qwertyu", "huggingface-token", None),
+    ("ghp_" + "Ab3De6Gh9Jk2Mn5Pq8St1Vw4Yz7Bc0Ef3Hi6", "github-token", None),
+    ("glpat-" + "x3Yz9Qw2Er5Ty8Ui1Op4", "gitlab-token", None),
+    ("dckr_pat_" + "Zq8Wx7Ec6Rv5Tb4Yn3Um2Ik1Ol0P", "registry-token", None),
+])
+def test_a_credential_inside_a_value_is_recognised_by_its_shape(value, rule, part):
+    hits = {h.rule.name: h for h in credentials.find_shapes(value)}
+    assert rule in hits, hits
+    assert hits[rule].parts  # something to scan for
+    if part:
+        assert part in hits[rule].parts
+    assert value not in repr(hits[rule])  # a hit's repr never shows a part
+
+
+@pytest.mark.parametrize("value", [
+    "https://hf-mirror.internal", "https://huggingface.co/api/models?a=1&b=2", "git@github.com:org/repo.git",
+    "meta-llama/Llama-3.1-8B-Instruct", "sha256:" + "ab12" * 16, "/var/lib/warmctl/models/tiny", "0.872320",
+    "basic tokenizer settings", "0-3|4-7", '{"max_loras": 2}', "user@example.com",
+])
+def test_ordinary_values_match_no_shape_rule(value):
+    assert credentials.find_shapes(value) == []
+
+
+def test_known_secrets_adds_the_secret_part_of_shaped_values_and_of_the_files_variables_name(tmp_path):
+    """A passed-through variable holding a URL with a password, a file a ``*_FILE`` variable
+    names holding a bearer token, and a file the profile's ``*_PATH`` variable names holding a
+    Hugging Face token: each secret part is known, with the variable's name as its source."""
+    site = tmp_path / "site.conf"
+    site.write_text("header = Authorization: Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0\n")
+    logging_cfg = tmp_path / "logging.json"
+    logging_cfg.write_text('{"handlers": {"h": {"token": "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"}}}')
+    env = {"HF_ENDPOINT": "https://ci-bot:s3cretPassw0rd@hf-mirror.internal", "SITE_HEADERS_FILE": str(site),
+           "PATH": "/usr/bin", "HOME": str(tmp_path)}
+    k = known_secrets(_settings(tmp_path), env, profile_env={"VLLM_LOGGING_CONFIG_PATH": str(logging_cfg)})
+    by_value = {s.value: s.source for s in k.secrets}
+    assert by_value[b"s3cretPassw0rd"] == ("a password in a URL (scheme://user:password@host) (rule url-userinfo) "
+                                           "in environment variable HF_ENDPOINT")
+    assert b"https://ci-bot:s3cretPassw0rd@hf-mirror.internal" not in by_value  # the part, not the whole URL
+    assert f"the file {site} named by environment variable SITE_HEADERS_FILE" in by_value[
+        b"9f8e7d6c5b4a39281706f5e4d3c2b1a0"]
+    assert by_value[b"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"].endswith(
+        f"the file {logging_cfg} named by the profile's engine.env.VLLM_LOGGING_CONFIG_PATH")
+    assert "s3cretPassw0rd" not in repr(k)
+
+
+@pytest.mark.parametrize("engine", ["hyperscan", "bytes.find"])
+def test_the_scan_finds_64_secrets_in_one_pass_across_window_and_part_edges(tmp_path, monkeypatch, engine):
+    """64 secrets, some split across two windows (the stream's reads) and one across two parts
+    (worker processes), found once each at their offsets, by the one-pass matcher and by the
+    fallback."""
+    if engine == "hyperscan":
+        assert credentials.scan_engine() == "hyperscan"  # installed with warmctl on x86-64
+    else:
+        monkeypatch.setattr(credentials, "scan_engine", lambda: "bytes.find")
+    monkeypatch.setattr(credentials, "WINDOW", 4096)
+    secrets = [Secret(f"s{i}", os.urandom(10 + i % 11).hex().encode()) for i in range(64)]
+    f = tmp_path / "pages-1.img"
+    data = bytearray(os.urandom(64 * 4096))
+    where = {0: 4096 - 5, 1: 2 * 4096 - 1, 7: 17 * 4096 - 20, 63: len(data) - len(secrets[63].value)}
+    for i, at in where.items():
+        data[at:at + len(secrets[i].value)] = secrets[i].value
+    f.write_bytes(bytes(data))
+    found = {x.secret.source: x.offset for x in scan_file(f, secrets)}
+    assert found == {f"s{i}": at for i, at in where.items()}
+    monkeypatch.setattr(credentials, "PART", 16 * 4096)
+    parts, n = scan_files([(f, "pages-1.img")], secrets, workers=1)
+    assert n == len(data) and {x.secret.source: x.offset for x in parts} == found
+    half = 16 * 4096 - 9  # across the first part's end: found by that part only
+    data[half:half + len(secrets[5].value)] = secrets[5].value
+    f.write_bytes(bytes(data))
+    parts, _ = scan_files([(f, "pages-1.img")], secrets, workers=1)
+    assert [x.offset for x in parts if x.secret.source == "s5"] == [half]

@@ -157,6 +157,82 @@ def test_profile_check_refuses_credentials_naming_each_field(home):
     assert r.returncode == 15 and "engine.args.2: --api-key" in r.stderr and PROBE not in r.stderr
 
 
+URL_PASSWORD = "s3cretPassw0rd-81c4"
+BEARER = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
+HUB_TOKEN = "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"
+
+
+def test_profile_check_snapshot_and_up_refuse_a_credential_inside_a_value(home):
+    """A credential a name does not betray (a private mirror's URL with user:password@, a
+    bearer header, a hub token inside a JSON flag value) is refused by its shape: each field
+    named with its rule and where the credential belongs, no value in any output."""
+    env, root = home
+    bad = root / "profiles" / "mirror.toml"
+    text = (PROFILES_DIR / "tiny.toml").read_text().replace('name = "tiny"', 'name = "mirror"')
+    text = text.replace('args = ["--seed", "0"]', 'args = ["--seed", "0", "--model-loader-extra-config", '
+                        f"'{{\"token\": \"{HUB_TOKEN}\"}}'" + "]")
+    text = text.replace('HF_HUB_OFFLINE = "1"', 'HF_HUB_OFFLINE = "1"\n'
+                        f'HF_ENDPOINT = "https://ci-bot:{URL_PASSWORD}@hf-mirror.internal"\n'
+                        f'SITE_HEADERS = "Authorization: Bearer {BEARER}"')
+    bad.write_text(text)
+    r = wc("profile", "check", str(bad), env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert f"{bad}: engine.env.HF_ENDPOINT: holds a password in a URL" in r.stderr and "(rule url-userinfo)" in out
+    assert "write the URL without user:password@ here" in r.stderr
+    assert f"{bad}: engine.env.SITE_HEADERS: holds an Authorization header value" in r.stderr
+    assert f"{bad}: engine.args.3: holds a Hugging Face token (rule huggingface-token)" in r.stderr
+    assert "*_FILE variable" in r.stderr and "engine_env_passthrough" in r.stderr  # where it belongs
+    assert "credential rules: names, url-userinfo, private-key, aws-access-key" in r.stdout
+    js = json.loads(wc("profile", "check", "--json", "mirror", env=env).stdout)
+    assert js[0]["ok"] is False and len(js[0]["errors"]) == 3
+    outs = [out, json.dumps(js)]
+    for cmd in (("snapshot", "mirror"), ("up", "mirror")):  # ProfileError (15) before anything starts
+        r = wc(*cmd, env=env)
+        assert r.returncode == 15 and "engine.env.HF_ENDPOINT: holds a password in a URL" in r.stderr, r.stderr
+        outs.append(r.stdout + r.stderr)
+    for secret in (URL_PASSWORD, BEARER, HUB_TOKEN):
+        assert not [o for o in outs if secret in o]
+    ok = wc("profile", "check", "tiny", env=env)
+    assert ok.returncode == 0 and "tiny.toml: ok" in ok.stdout
+
+
+def test_profile_scan_finds_credentials_older_versions_published(home):
+    """A store written before the shape rules: its catalog profile record and its manifest
+    hold a profile whose HF_ENDPOINT carries a password. `profile scan` names both objects,
+    the snapshot's entry and the rule, never the value; a clean store scans clean."""
+    from test_profile_drift import _publish_tiny
+
+    env, root = home
+    wc("profile", "scan", env=env)
+    clean = wc("profile", "scan", env=env)
+    assert clean.returncode == 0 and "no stored profile holds a credential" in clean.stdout, clean.stdout + clean.stderr
+    import warmctl.credentials as credentials
+
+    real = credentials.profile_problems
+    credentials.profile_problems = lambda args, env_: []  # as an older warmctl validated it
+    try:
+        import warmctl.profile as profile_mod
+
+        tiny = (PROFILES_DIR / "tiny.toml").read_text().replace(
+            'HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\nHF_ENDPOINT = "https://ci-bot:{URL_PASSWORD}@hf-mirror.internal"')
+        (root / "old.toml").write_text(tiny)
+        old = profile_mod.load_profile_file(root / "old.toml")
+    finally:
+        credentials.profile_problems = real
+    d, m, _ = _publish_tiny(root, old)
+    r = wc("profile", "scan", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    store = root / "home" / "store"
+    assert f"{store}/catalog/tiny/profile.json: profile record of tiny: engine.env.HF_ENDPOINT: holds a password in a URL" in r.stdout
+    assert f"{store}/manifests/sha256/{d.split(':')[1]}: manifest of tiny (tiny:latest): engine.env.HF_ENDPOINT" in r.stdout
+    assert "(rule url-userinfo)" in r.stdout and "2 problem(s)" in r.stdout
+    js = json.loads(wc("profile", "scan", "--json", "--store", str(store), env=env).stdout)
+    assert {(p["kind"], p["field"]) for p in js["problems"]} == {("profile record", "engine.env.HF_ENDPOINT"),
+                                                                 ("manifest", "engine.env.HF_ENDPOINT")}
+    assert URL_PASSWORD not in r.stdout + r.stderr + json.dumps(js)
+
+
 def test_profile_check_and_snapshot_refuse_expert_parallel_on_the_cpu_build(home):
     """`profile check` refuses a CPU profile with --enable-expert-parallel (its ranks crash in
     the CPU MoE kernel, docs/design.md), and `snapshot` stops before starting an engine (exit 15,

@@ -15,17 +15,18 @@ from warmctl.catalog import Catalog
 from warmctl.config import Settings
 from warmctl.host import fingerprint
 from warmctl.manifest import CanaryRecord, FileEntry, Manifest
-from warmctl.profile import PROFILES_DIR, diff_profiles, load_profile_file
+from warmctl.profile import PROFILES_DIR, Profile, diff_profiles, load_profile_file
 from warmctl.progress import Reporter
 from warmctl.state import EngineState, save as save_state
 from warmctl.store import open_store
 from warmctl.trust import generate_keypair
 
 
-def _publish_tiny(root: Path) -> tuple[str, Manifest, Path]:
+def _publish_tiny(root: Path, prof: Profile | None = None) -> tuple[str, Manifest, Path]:
     """A signed local-store snapshot of ``tiny`` for this host, embedding the shipped profile
-    (as ``snapshot`` does); the keys dir trusts its key. Returns (digest, manifest, keys dir)."""
-    prof = load_profile_file(PROFILES_DIR / "tiny.toml")
+    (or ``prof``) as ``snapshot`` does; the keys dir trusts its key. Returns (digest,
+    manifest, keys dir)."""
+    prof = prof or load_profile_file(PROFILES_DIR / "tiny.toml")
     store = open_store(root / "home" / "store")
     payload = root / "pages-1.img"
     payload.write_bytes(random.Random(1).randbytes(40_000))

@@ -146,11 +146,15 @@ def up(request: UpRequest, settings: Settings, reporter: Reporter, *, profile: P
 
 def find_profile(name: str, settings: Settings) -> Profile | None:
     """The profile ``name`` in ``settings.profile_dirs`` (what ``up`` cold-starts from), or
-    None when there is none (or it does not load)."""
-    from warmctl.profile import ProfileError, load_profile
+    None when there is none (or it does not load). Raises
+    :class:`warmctl.profile.CredentialInProfile` when it carries a credential: refused, not
+    ignored."""
+    from warmctl.profile import CredentialInProfile, ProfileError, load_profile
 
     try:
         return load_profile(name, settings.profile_dirs)
+    except CredentialInProfile:
+        raise
     except ProfileError:
         return None
 

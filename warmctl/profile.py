@@ -50,6 +50,12 @@ class ProfileError(WarmctlError):
     """A profile file is missing, is not TOML, or does not validate."""
 
 
+class CredentialInProfile(ProfileError):
+    """A profile carries a credential (by name or inside a value,
+    :func:`warmctl.credentials.profile_problems`): refused by every command that finds it,
+    ``up`` included (which otherwise treats an unusable profile as none)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -280,7 +286,8 @@ def load_profile_file(path: Path) -> Profile:
     """Read and validate one profile file.
 
     Raises :class:`ProfileError` if the file is missing, is not valid TOML (with line and
-    column), or fails validation (one line per bad field: file, dotted field path, message).
+    column), or fails validation (one line per bad field: file, dotted field path, message);
+    :class:`CredentialInProfile` (a ProfileError) when a field carries a credential.
     """
     path = Path(path)
     try:
@@ -292,7 +299,8 @@ def load_profile_file(path: Path) -> Profile:
     try:
         return Profile.model_validate(data)
     except ValidationError as e:
-        raise ProfileError(_format_validation(path, e)) from None
+        cls = CredentialInProfile if any(x["type"] == CREDENTIAL_ERROR for x in e.errors()) else ProfileError
+        raise cls(_format_validation(path, e)) from None
 
 
 def search_dirs(search: list[Path] | None = None) -> list[Path]:
