@@ -10,6 +10,9 @@ secret because a credential-looking variable of its environment (``SITE_LOG_TOKE
 names it. The token is then in the engine's memory, CRIU writes it into the page images, and
 `snapshot` must refuse, naming the token's file and the image file, never the value, and leave
 nothing: no chunk, manifest or catalog entry in the store, no process, no ``/dev/shm`` file.
+The same start passes through ``HF_ENDPOINT``, a private mirror's URL with ``user:password@``: no
+name betrays it, its shape does (the ``url-userinfo`` rule), so the password is scanned for and
+found in the images too, the refusal naming the variable.
 (The probes in the environment of the session snapshot, which must publish cleanly, are
 checked in test_e2e_main.py.)
 """
@@ -30,6 +33,7 @@ from warmctl.store import chunk_key
 pytestmark = pytest.mark.e2e
 
 TOKEN = "site-log-token-4f9b2e7c1a6d3085"
+MIRROR_PASSWORD = "s3cretPassw0rd-e2e-7d41"
 
 
 def test_a_token_the_engine_reads_at_start_up_is_refused_and_nothing_is_left(tmp_path, engine_ports):
@@ -50,10 +54,12 @@ def test_a_token_the_engine_reads_at_start_up_is_refused_and_nothing_is_left(tmp
                               ".": {"auth_token": TOKEN}}},
         "loggers": {"vllm": {"handlers": ["ship"], "level": "INFO", "propagate": False}}}))
     cfg = tmp_path / "config.toml"
-    cfg.write_text(cfg.read_text() + 'engine_env_passthrough = ["VLLM_LOGGING_CONFIG_PATH"]\n')
-    env.update(SITE_LOG_TOKEN_FILE=str(token_file), VLLM_LOGGING_CONFIG_PATH=str(logging_cfg))
+    cfg.write_text(cfg.read_text() + 'engine_env_passthrough = ["VLLM_LOGGING_CONFIG_PATH", "HF_ENDPOINT"]\n')
+    env.update(SITE_LOG_TOKEN_FILE=str(token_file), VLLM_LOGGING_CONFIG_PATH=str(logging_cfg),
+               HF_ENDPOINT=f"https://ci-bot:{MIRROR_PASSWORD}@hf-mirror.internal")
     command = json.loads(warmctl("profile", "command", "tiny", "--json", env=env).stdout)
     assert command["from_environment"]["VLLM_LOGGING_CONFIG_PATH"] == "passthrough"
+    assert command["from_environment"]["HF_ENDPOINT"] == "passthrough" and MIRROR_PASSWORD not in json.dumps(command)
     assert "SITE_LOG_TOKEN_FILE" not in command["from_environment"]
 
     shm0 = shm_names()
@@ -62,7 +68,9 @@ def test_a_token_the_engine_reads_at_start_up_is_refused_and_nothing_is_left(tmp
     assert r.returncode == 37, out  # SecretInSnapshot
     assert re.search(rf"the file {re.escape(str(token_file))} named by environment variable SITE_LOG_TOKEN_FILE: "
                      r"found in image file pages-\d+\.img", out), out
-    assert "nothing was stored or pushed" in out and TOKEN not in out
+    assert re.search(r"a password in a URL \(scheme://user:password@host\) \(rule url-userinfo\) in environment "
+                     r"variable HF_ENDPOINT: found in image file pages-\d+\.img", out), out
+    assert "nothing was stored or pushed" in out and TOKEN not in out and MIRROR_PASSWORD not in out
     # nothing stored: no chunk, no manifest, no catalog entry; nothing running, nothing in /dev/shm
     store = tmp_path / "home" / "store"
     stored = [p.relative_to(store) for p in store.rglob("*") if p.is_file()] if store.exists() else []

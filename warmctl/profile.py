@@ -69,8 +69,9 @@ class EngineSpec(_Strict):
     ``port`` is the engine's internal port on loopback; clients never see it. Neither ``args``
     nor ``env`` may carry a credential (a profile is published with every snapshot): a flag
     such as ``--api-key`` or a variable whose name says token, key, secret, password or
-    credential is refused, naming the field and where it belongs instead
-    (:func:`warmctl.credentials.profile_problems`).
+    credential, and any value with a credential's shape (a URL's ``user:password@``, a bearer
+    token, a PEM private key, a cloud, hub or registry token) is refused, naming the field,
+    the rule and where it belongs instead (:func:`warmctl.credentials.profile_problems`).
     """
 
     kind: Literal["vllm"] = "vllm"
