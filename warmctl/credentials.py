@@ -493,8 +493,11 @@ class Finding:
     offset: int
 
 
-#: Bytes of a file searched at once (a window; see :func:`scan_file`).
+#: Bytes of a file searched at once by the ``bytes.find`` fallback (a window; see :func:`scan_file`).
 WINDOW = 64 << 20
+#: Bytes of a file read at once into the Hyperscan stream (:func:`scan_file`): a piece that
+#: stays in the CPU's cache while it is searched.
+READ_BYTES = 4 << 20
 #: Bytes of a file one worker process scans (:func:`scan_files`), in windows of :data:`WINDOW`.
 PART = 512 << 20
 
@@ -532,30 +535,31 @@ def _hyperscan_db(secrets: list[Secret]):
 def scan_file(path: Path, secrets: list[Secret], label: str | None = None, start: int = 0,
               end: int | None = None) -> list[Finding]:
     """Every secret of ``secrets`` that starts in bytes ``[start, end)`` of the file ``path``
-    (default: the whole file; its first occurrence each), read through a memory map in windows
-    of :data:`WINDOW` bytes. With :func:`scan_engine` ``hyperscan``: one pass for all the
-    secrets, the windows fed to one stream (a secret split across two windows is matched by
-    the stream's state), up to ``end`` plus the longest secret less one byte (a secret that
-    starts before ``end`` and ends after it); otherwise each window, extended by the longest
-    secret, is searched for each secret in turn (``bytes.find``). ``label`` names the file in
-    findings (default: the path)."""
+    (default: the whole file; its first occurrence each). With :func:`scan_engine`
+    ``hyperscan``: one pass for all the secrets, the file read in pieces of :data:`READ_BYTES`
+    (at most :data:`WINDOW`) into one buffer and fed to one Hyperscan stream (a secret split
+    across two reads is matched by the stream's state), up to ``end`` plus the longest secret
+    less one byte (a secret that starts before ``end`` and ends after it). Otherwise the file
+    is read through a memory map in windows of :data:`WINDOW` bytes, each extended by the
+    longest secret and searched for each secret in turn (``bytes.find``). ``label`` names the
+    file in findings (default: the path)."""
     if not secrets:
         return []
     where = label or str(path)
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         end = size if end is None else min(end, size)
         if start >= end:
             return []
+        longest = max(len(s.value) for s in secrets)
+        stop = min(size, end + longest - 1)
+        if scan_engine() == "hyperscan":
+            return _scan_hyperscan(f, secrets, where, start, end, stop)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
                 mm.madvise(mmap.MADV_SEQUENTIAL)
             except (AttributeError, OSError):
                 pass
-            longest = max(len(s.value) for s in secrets)
-            stop = min(size, end + longest - 1)
-            if scan_engine() == "hyperscan":
-                return _scan_hyperscan(mm, secrets, where, start, end, stop)
             found: dict[bytes, Finding] = {}
             pos = start
             while pos < end:
@@ -569,8 +573,7 @@ def scan_file(path: Path, secrets: list[Secret], label: str | None = None, start
             return list(found.values())
 
 
-def _scan_hyperscan(mm: mmap.mmap, secrets: list[Secret], where: str, start: int, end: int,
-                    stop: int) -> list[Finding]:
+def _scan_hyperscan(f, secrets: list[Secret], where: str, start: int, end: int, stop: int) -> list[Finding]:
     found: dict[int, Finding] = {}
 
     def on_match(i: int, _from: int, to: int, _flags: int, _ctx: object) -> None:
@@ -578,13 +581,17 @@ def _scan_hyperscan(mm: mmap.mmap, secrets: list[Secret], where: str, start: int
         if at < end and i not in found:
             found[i] = Finding(secrets[i], where, at)
 
+    buf = bytearray(min(READ_BYTES, WINDOW, stop - start))
     db = _hyperscan_db(secrets)  # held while its stream is open (the stream does not keep it alive)
-    with memoryview(mm) as view, db.stream(match_event_handler=on_match) as stream:
+    with memoryview(buf) as view, db.stream(match_event_handler=on_match) as stream:
+        f.seek(start)
         pos = start
         while pos < stop and len(found) < len(secrets):
-            with view[pos:min(stop, pos + WINDOW)] as window:
-                stream.scan(window)
-            pos += WINDOW
+            n = f.readinto(view[:min(len(buf), stop - pos)])
+            if not n:
+                break
+            stream.scan(view[:n])
+            pos += n
     return list(found.values())
 
 
