@@ -102,7 +102,7 @@ def main() -> None:
         print(json.dumps({"bytes": total, "files": len(files), "rounds": a.rounds, "cpus": cpus, "default_workers": scan_workers(),
                           "default_engine": real_engine(),
                           "by_secret_count": {k: {name: rate(ts) for name, ts in v.items()} for k, v in rows.items()},
-                          "scan_over_cat_median": {k: {c: round(statistics.median(r), 2) for c, r in v.items()}
+                          "scan_over_cat_median": {k: {c: round(statistics.median(r), 3) for c, r in v.items()}
                                                    for k, v in ratios.items()}},
                          indent=2))
 
