@@ -204,7 +204,6 @@ def test_profile_scan_finds_credentials_older_versions_published(home):
     from test_profile_drift import _publish_tiny
 
     env, root = home
-    wc("profile", "scan", env=env)
     clean = wc("profile", "scan", env=env)
     assert clean.returncode == 0 and "no stored profile holds a credential" in clean.stdout, clean.stdout + clean.stderr
     import warmctl.credentials as credentials

@@ -217,13 +217,6 @@ def find_shapes(text: str) -> list[ShapeHit]:
     return out
 
 
-def describe_rules() -> list[str]:
-    """One line per credential rule (``name: what (origin)``), the name rule first: what
-    ``warmctl profile check`` says it applies."""
-    return (["names: a variable or flag whose name says token, key, secret, password, credential or auth"]
-            + [f"{r.name}: {r.what} ({r.origin})" for r in shape_rules()])
-
-
 # --- what a profile may not carry -----------------------------------------------------------
 
 _GATE_KEYS = ("the public port's API keys belong to the gate: gate_api_key_file in the config "
