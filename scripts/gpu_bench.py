@@ -51,6 +51,21 @@ sys.path.insert(0, str(ROOT))
 from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
 
 
+class _Knobs:
+    """The host paths this script passes down to warmctl's checkpoint modules, read here, at its
+    edge, from the variables ``warmctl config show`` documents (``criu``, ``xtile_perm_lib``,
+    ``libcuda``, ``cuda_checkpoint``, ``libnvml``). Not warmctl's config loader: the GPU
+    machine's venv holds only what the checkpoint modules import (no pydantic)."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        e = os.environ if env is None else env
+        self.criu = e.get("WARMCTL_CRIU") or None
+        self.xtile_perm_lib = e.get("WARMCTL_XTILE_PERM_LIB") or None
+        self.libcuda = e.get("WARMCTL_LIBCUDA") or None
+        self.cuda_checkpoint = e.get("WARMCTL_CUDA_CHECKPOINT") or None
+        self.libnvml = e.get("WARMCTL_LIBNVML") or None
+
+
 def _load(name: str):
     """``scripts/<name>.py`` as a module (the scripts directory is no package)."""
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
@@ -182,10 +197,8 @@ class Bench:
     """One run: the floor, then the sizes. ``res`` is the JSON printed at the end."""
 
     def __init__(self, a: argparse.Namespace):
-        from warmctl.config import load_settings
-
         self.a = a
-        self.st = st = load_settings()  # this script is an edge: criu, libcuda, libnvml... from the config and $WARMCTL_*
+        self.st = st = _Knobs()
         self.budget = gc.Budget(a.limit)
         self.api: cuda.CheckpointAPI | None = cuda.load(st.libcuda, st.cuda_checkpoint) if a.device == "cuda" else None
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))

@@ -34,6 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
 from warmctl.proc import pid_alive, tree_pids  # noqa: E402
 
+
+class _Knobs:
+    """The host paths this script passes down to warmctl's checkpoint modules, read here, at its
+    edge, from the variables ``warmctl config show`` documents (``criu``, ``xtile_perm_lib``,
+    ``libcuda``, ``cuda_checkpoint``, ``libnvml``). Not warmctl's config loader: the GPU
+    machine's venv holds only what the checkpoint modules import (no pydantic)."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        e = os.environ if env is None else env
+        self.criu = e.get("WARMCTL_CRIU") or None
+        self.xtile_perm_lib = e.get("WARMCTL_XTILE_PERM_LIB") or None
+        self.libcuda = e.get("WARMCTL_LIBCUDA") or None
+        self.cuda_checkpoint = e.get("WARMCTL_CUDA_CHECKPOINT") or None
+        self.libnvml = e.get("WARMCTL_LIBNVML") or None
+
 PROMPTS = [[1, 2, 3], [17, 99, 5, 240, 7], list(range(40, 72))]
 #: Seconds kept back from the script's limit for the clean-up and the result line: every wait
 #: of the check ends this long before the limit (gpu-check.sh's `timeout`).
@@ -209,9 +224,7 @@ def main() -> int:
     budget = Budget(a.limit)
     install_sigterm()
     a.work.mkdir(parents=True, exist_ok=True)
-    from warmctl.config import load_settings
-
-    st = load_settings()  # this script is an edge: criu, libcuda, libnvml... from the config and $WARMCTL_*
+    st = _Knobs()
     res: dict = {"driver": nvml.driver_version(st.libnvml), "gpus": [g.uuid for g in nvml.gpus(st.libnvml)], "limit_s": a.limit}
     api = cuda.load(st.libcuda, st.cuda_checkpoint)
     res["api"], res["cuda_driver_version"] = api.kind, api.driver_version
