@@ -277,9 +277,10 @@ def main() -> None:
             os.environ.update(extra)
             dst = open_store(work / "pull-dst")
             from warmctl.catalog import Ref
+            from warmctl.config import load_settings
             from warmctl.fleet import entries_to_copy, transfer
 
-            src = open_store(url)
+            src = open_store(url, settings=load_settings())  # the endpoint from $WARMCTL_S3_ENDPOINT (extra)
             t0 = time.monotonic()
             (c,) = transfer(src, dst, entries_to_copy(src, Ref.parse("tiny")))
             ours = c.report.bytes_copied / (time.monotonic() - t0)
@@ -302,15 +303,17 @@ def oci_fetch(remote: tuple[str, dict], work: Path, digest: str) -> None:
     url, extra = remote
     os.environ.update(extra)
     from warmctl.catalog import Ref
+    from warmctl.config import load_settings
     from warmctl.fleet import entries_to_copy, transfer
     from warmctl.store import open_store
     from warmctl.store.oci import OCIBackend, parse_url
 
-    src, dst = open_store(url), open_store(work / "oci-pull-dst")
+    st = load_settings()  # the CA from $WARMCTL_OCI_CA_BUNDLE (extra)
+    src, dst = open_store(url, settings=st), open_store(work / "oci-pull-dst", settings=st)
     t0 = time.monotonic()
     (c,) = transfer(src, dst, entries_to_copy(src, Ref.parse("tiny")))
     dt_ours = time.monotonic() - t0
-    b = OCIBackend(*parse_url(url))
+    b = OCIBackend(*parse_url(url), ca_bundle=st.oci_ca_bundle)
     layers = b._get_manifest(f"manifest-{digest[7:]}", "artifact")[1]["layers"]
     out = work / "oci-blobs"
     out.mkdir()

@@ -37,9 +37,10 @@ CHILD = r"""
 import json, os, sys, time
 from warmctl.catalog import Catalog
 from warmctl.checkpoint.imagecache import ImageCache
+from warmctl.config import load_settings
 from warmctl.store import Fetched, open_store
 remote, node = sys.argv[1], sys.argv[2]
-r = open_store(remote)
+r = open_store(remote, settings=load_settings())  # an edge: the S3 endpoint from $WARMCTL_S3_ENDPOINT
 (e,) = Catalog(r).entries("tiny")
 m = r.get_manifest(e.manifest)
 n, secs, real = [0], [0.0], os.fsync
@@ -85,7 +86,9 @@ def main() -> None:
             remotes["rgw"] = (f"s3://{bucket}/warmctl", extra)
         for url, extra in remotes.values():
             os.environ.update(extra)
-            transfer(store_a, open_store(url), entries_to_copy(store_a, Ref.parse("tiny")))
+            from warmctl.config import load_settings
+
+            transfer(store_a, open_store(url, settings=load_settings()), entries_to_copy(store_a, Ref.parse("tiny")))
         checkouts = {"new": REPO, **({"old": a.old.resolve()} if a.old else {})}
         res: dict[str, list[dict]] = {}
         for i in range(a.rounds):

@@ -129,25 +129,26 @@ def pull_bench(a) -> None:
     from warmctl.store import oci as ocimod
     from warmctl.store.oci import OCIBackend, parse_url
 
-    ocimod.PACK_BYTES = a.pack_mib << 20
     with tempfile.TemporaryDirectory() as td:
         d = Path(td)
         ca = rs.make_ca(d / "ca")
         with rs.Registry(d / "reg", rs.free_port(), ca=ca, users={USER: PW}) as reg:
-            os.environ["WARMCTL_OCI_CA_BUNDLE"] = str(ca.ca_cert)
+            from warmctl.config import Settings
+
+            st = Settings(oci_ca_bundle=ca.ca_cert, oci_pack_bytes=a.pack_mib << 20)
             os.environ["REGISTRY_AUTH_FILE"] = str(rs.docker_config(d / "auth.json", reg.host, USER, PW))
             url = f"oci://{reg.host}/bench/pull"
             local = open_store(d / "a")
             digest = snapshot(local, "bench", {"p.img": write_payload(d / "p.img", [("random", 16 << 20)] * (a.mib // 16))})
-            push(local, open_store(url), "bench")
-            b = OCIBackend(*parse_url(url))
+            push(local, open_store(url, settings=st), "bench")
+            b = OCIBackend(*parse_url(url), ca_bundle=ca.ca_cert)
             layers = b._get_manifest(f"manifest-{digest[7:]}", "artifact")[1]["layers"]
             packs = sum(1 for x in layers if x["mediaType"] == ocimod.PACK_LAYER)
 
             res: dict[str, list[float]] = {"warmctl pull": [], "plain layers": []}
             for i in range(a.runs):
                 dst = open_store(d / f"b{i}")
-                src = open_store(url)
+                src = open_store(url, settings=st)
                 t0 = time.perf_counter()
                 (c,) = transfer(src, dst, entries_to_copy(src, Ref.parse("bench")))
                 res["warmctl pull"].append(c.report.bytes_copied / (1 << 20) / (time.perf_counter() - t0))

@@ -49,10 +49,12 @@ import json, resource, sys, time
 import warmctl, warmctl.store.copy as cp
 from warmctl.catalog import Ref
 from warmctl.fleet import entries_to_copy, transfer
+from warmctl.config import load_settings
 from warmctl.store import open_store
 if sys.argv[3] != "-":
     cp.COMMIT_SECONDS = float(sys.argv[3])
-src, dst = open_store(sys.argv[1]), open_store(sys.argv[2])
+settings = load_settings()  # an edge: the S3 endpoint from $WARMCTL_S3_ENDPOINT
+src, dst = open_store(sys.argv[1], settings=settings), open_store(sys.argv[2], settings=settings)
 t0 = time.monotonic()
 [c] = transfer(src, dst, entries_to_copy(src, Ref(name="synth")))
 dst.close()
@@ -127,7 +129,9 @@ def main() -> None:
             remotes.append(("rgw", f"s3://{bucket}/warmctl", env))
         with open_store(work / "a") as s:
             for kind, url, _ in remotes:
-                with open_store(url) as r:
+                from warmctl.config import load_settings
+
+                with open_store(url, settings=load_settings()) as r:
                     transfer(s, r, entries_to_copy(s, Ref(name="synth")))
         for kind, url, env in remotes:
             rows: dict[str, list[dict]] = {v[0]: [] for v in variants}

@@ -536,10 +536,11 @@ def run(a, work: Path, models: Path, res: dict) -> None:
                 prefix = "warmctl/"
                 keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "chunks/")
                         for o in page.get("Contents", [])]
+                from warmctl.config import load_settings
                 from warmctl.store import open_store as _open
 
                 os.environ.update(extra)  # the S3 endpoint and credentials, for this process's store
-                workers = _open(url).workers
+                workers = _open(url, settings=load_settings()).workers
                 n, dt = boto3_download(s3, bucket, keys, work / "boto3", workers)
                 res["boto3_download"] = {"bytes": n, "s": dt, "objects": len(keys), "threads": workers}
                 say(f"  boto3 download_file of the chunks       {dt:8.2f} s  {gib_s(n, dt):6.2f} GiB/s  "

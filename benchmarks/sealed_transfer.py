@@ -42,10 +42,12 @@ def main() -> None:
         os.environ["WARMCTL_CONFIG"] = str(t / "config.toml")
         from warmctl.catalog import Catalog, Ref
         from warmctl.fleet import entries_to_copy, transfer
+        from warmctl.config import load_settings
         from warmctl.store import open_backend, open_store
         from warmctl.store.sealed import load_key, seal_store
 
-        src = open_store(a.store)
+        st = load_settings()  # this benchmark is an edge: seal_key from the config file above
+        src = open_store(a.store, settings=st)
         cat = Catalog(src)
         newest = max(((n, tg, e) for n in cat.names() for tg in cat.tags(n) for e in cat.entries(n, tg)),
                      key=lambda x: x[2].created)
@@ -58,12 +60,12 @@ def main() -> None:
                 remote, back = t / f"remote-{mode}-{r}", t / f"back-{mode}-{r}"
                 if mode == "sealed":
                     seal_store(open_backend(remote, unseal=False), load_key(key))
-                dst = open_store(remote)
+                dst = open_store(remote, settings=st)
                 t0 = time.perf_counter()
                 transfer(src, dst, entries_to_copy(src, ref))
                 times[mode]["push"].append(time.perf_counter() - t0)
                 dst.close()
-                rem, loc = open_store(remote), open_store(back)
+                rem, loc = open_store(remote, settings=st), open_store(back, settings=st)
                 t0 = time.perf_counter()
                 transfer(rem, loc, entries_to_copy(rem, ref))
                 times[mode]["pull"].append(time.perf_counter() - t0)

@@ -372,11 +372,13 @@ def main() -> None:
                 s3_local.close()
             print(f"S3 ({a.s3}), payload {s3_size / GiB:.2f} GiB (the first {s3_size / GiB:.2f} GiB of the local payload)", flush=True)
             with S3Server(a.s3, d, s3_size * 2) as ep:
-                os.environ["WARMCTL_S3_ENDPOINT"] = ep
+                from warmctl.config import Settings
+
+                s3s = Settings(s3_endpoint=ep)  # this benchmark is an edge: the endpoint passed down
                 c = boto3.client("s3", endpoint_url=ep, region_name="us-east-1")
                 bucket = f"bench-{os.getpid()}"
                 c.create_bucket(Bucket=bucket)
-                remote = open_store(f"s3://{bucket}/store")
+                remote = open_store(f"s3://{bucket}/store", settings=s3s)
                 dt, cpu, _ = timed(lambda: copy_manifest(s3_local, remote, s3_digest))
                 res.add("push local -> S3", s3_size, dt, cpu)
                 dt, cpu, _ = timed(lambda: c.upload_file(str(s3_payload), bucket, "raw/pages.img"))
@@ -389,7 +391,7 @@ def main() -> None:
                 def s3_pull() -> None:
                     shutil.rmtree(dst_root, ignore_errors=True)
                     dst = open_store(dst_root)
-                    dt, cpu, _ = timed(lambda: copy_manifest(open_store(f"s3://{bucket}/store"), dst, s3_digest))
+                    dt, cpu, _ = timed(lambda: copy_manifest(open_store(f"s3://{bucket}/store", settings=s3s), dst, s3_digest))
                     dst.close()
                     res.add("pull S3 -> local store", s3_size, dt, cpu)
                     shutil.rmtree(dst_root)
@@ -398,7 +400,7 @@ def main() -> None:
                     shutil.rmtree(d / "cache", ignore_errors=True)
                     s3out.unlink(missing_ok=True)
                     cache = open_store(d / "cache")
-                    dt, cpu, _ = timed(lambda: open_store(f"s3://{bucket}/store").read_file(s3_refs, s3out, cache=cache))
+                    dt, cpu, _ = timed(lambda: open_store(f"s3://{bucket}/store", settings=s3s).read_file(s3_refs, s3out, cache=cache))
                     cache.close()
                     res.add("read_file S3 -> file (+ local cache)", s3_size, dt, cpu)
                     s3out.unlink()

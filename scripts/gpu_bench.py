@@ -51,6 +51,21 @@ sys.path.insert(0, str(ROOT))
 from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
 
 
+class _Knobs:
+    """The host paths this script passes down to warmctl's checkpoint modules, read here, at its
+    edge, from the variables ``warmctl config show`` documents (``criu``, ``xtile_perm_lib``,
+    ``libcuda``, ``cuda_checkpoint``, ``libnvml``). Not warmctl's config loader: the GPU
+    machine's venv holds only what the checkpoint modules import (no pydantic)."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        e = os.environ if env is None else env
+        self.criu = e.get("WARMCTL_CRIU") or None
+        self.xtile_perm_lib = e.get("WARMCTL_XTILE_PERM_LIB") or None
+        self.libcuda = e.get("WARMCTL_LIBCUDA") or None
+        self.cuda_checkpoint = e.get("WARMCTL_CUDA_CHECKPOINT") or None
+        self.libnvml = e.get("WARMCTL_LIBNVML") or None
+
+
 def _load(name: str):
     """``scripts/<name>.py`` as a module (the scripts directory is no package)."""
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
@@ -183,10 +198,11 @@ class Bench:
 
     def __init__(self, a: argparse.Namespace):
         self.a = a
+        self.st = st = _Knobs()
         self.budget = gc.Budget(a.limit)
-        self.api: cuda.CheckpointAPI | None = cuda.load() if a.device == "cuda" else None
+        self.api: cuda.CheckpointAPI | None = cuda.load(st.libcuda, st.cuda_checkpoint) if a.device == "cuda" else None
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        self.res: dict = {"driver": nvml.driver_version(), "gpus": [g.uuid for g in nvml.gpus()],
+        self.res: dict = {"driver": nvml.driver_version(st.libnvml), "gpus": [g.uuid for g in nvml.gpus(st.libnvml)],
                           "api": self.api.kind if self.api else None, "device": a.device, "limit_s": a.limit,
                           "sizes_gib": a.sizes, "runs": []}
         self.done: list[dict] = []
@@ -297,13 +313,14 @@ class Bench:
                                "gb_per_s": round(loaded["bytes"] / 1e9 / max(loaded["seconds"], 1e-9), 2)}
         r["weights_reload"]["ratio_to_floor"] = round(r["weights_reload"]["gb_per_s"] / fl["h2d_gb_per_s"], 3) if "h2d_gb_per_s" in fl else None
 
-        pids = ranks.gpu_rank_pids(root)
+        st = self.st
+        pids = ranks.gpu_rank_pids(root, nvml_path=st.libnvml)
         r["ranks"] = pids
         clean.ranks += pids
         if a.device == "cuda" and not pids:
             raise RuntimeError(f"no GPU process found in the holder's tree (root {root})")
         if pids and self.api is None:
-            self.api = clean.api = cuda.load()
+            self.api = clean.api = cuda.load(st.libcuda, st.cuda_checkpoint)
         copy_s = max(60.0, nbytes / 2e9)  # a driver copy slower than 2 GB/s counts as stuck
         seconds: dict[str, float] = r.setdefault("phase_s", {})  # filled as it goes: a failure keeps what was timed
 
@@ -313,10 +330,12 @@ class Bench:
         try:
             with ranks.checkpoint_ranks(pids, lock_timeout_s=b.left(30, "the CUDA lock"), api=self.api,
                                         checkpoint_timeout_s=b.left(copy_s, "the CUDA checkpoint"),
-                                        resume_timeout_s=min(20.0, gc.CLEANUP_TIMEOUT_S), resume=False) as snap:
+                                        resume_timeout_s=min(20.0, gc.CLEANUP_TIMEOUT_S), resume=False,
+                                        nvml_path=st.libnvml) as snap:
                 timed(snap, lock="lock", checkpoint="checkpoint")
                 if mode == "full":
-                    seconds["criu_dump"] = criu.dump(root, work / "img", timeout_s=b.left(max(120.0, nbytes / 0.5e9), "criu dump"))
+                    seconds["criu_dump"] = criu.dump(root, work / "img", timeout_s=b.left(max(120.0, nbytes / 0.5e9), "criu dump"),
+                                                     binary=st.criu)
         except ranks.RankCheckpointError as e:
             timed(e.report, lock="lock", checkpoint="checkpoint")
             raise
@@ -326,13 +345,14 @@ class Bench:
             launcher.wait(timeout=b.left(30, "the dumped tree's exit"))
             r["image_bytes"] = sum(f.stat().st_size for f in (work / "img").rglob("*") if f.is_file())
             new_root, seconds["criu_restore"] = criu.restore(work / "img", work / "restore.pid",
-                                                             timeout_s=b.left(max(120.0, nbytes / 0.5e9), "criu restore"))
+                                                             timeout_s=b.left(max(120.0, nbytes / 0.5e9), "criu restore"),
+                                                             binary=st.criu, xtile_lib=st.xtile_perm_lib)
             clean.roots.append(new_root)
             targets = ranks.restored_ranks(new_root, snap.nspids) if pids else []
             clean.ranks += targets
         after = {"precheck": "precheck", "cuda_restore": "restore", "unlock": "unlock"}
         try:
-            timed(ranks.restore_ranks(targets, required_free_bytes=snap.gpu_bytes or None, api=self.api,
+            timed(ranks.restore_ranks(targets, required_free_bytes=snap.gpu_bytes or None, api=self.api, nvml_path=st.libnvml,
                                       restore_timeout_s=b.left(copy_s, "the CUDA restore"),
                                       unlock_timeout_s=b.left(30, "the CUDA unlock")), **after)
         except ranks.RankCheckpointError as e:

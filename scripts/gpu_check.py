@@ -34,6 +34,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
 from warmctl.proc import pid_alive, tree_pids  # noqa: E402
 
+
+class _Knobs:
+    """The host paths this script passes down to warmctl's checkpoint modules, read here, at its
+    edge, from the variables ``warmctl config show`` documents (``criu``, ``xtile_perm_lib``,
+    ``libcuda``, ``cuda_checkpoint``, ``libnvml``). Not warmctl's config loader: the GPU
+    machine's venv holds only what the checkpoint modules import (no pydantic)."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        e = os.environ if env is None else env
+        self.criu = e.get("WARMCTL_CRIU") or None
+        self.xtile_perm_lib = e.get("WARMCTL_XTILE_PERM_LIB") or None
+        self.libcuda = e.get("WARMCTL_LIBCUDA") or None
+        self.cuda_checkpoint = e.get("WARMCTL_CUDA_CHECKPOINT") or None
+        self.libnvml = e.get("WARMCTL_LIBNVML") or None
+
 PROMPTS = [[1, 2, 3], [17, 99, 5, 240, 7], list(range(40, 72))]
 #: Seconds kept back from the script's limit for the clean-up and the result line: every wait
 #: of the check ends this long before the limit (gpu-check.sh's `timeout`).
@@ -209,8 +224,9 @@ def main() -> int:
     budget = Budget(a.limit)
     install_sigterm()
     a.work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"driver": nvml.driver_version(), "gpus": [g.uuid for g in nvml.gpus()], "limit_s": a.limit}
-    api = cuda.load()
+    st = _Knobs()
+    res: dict = {"driver": nvml.driver_version(st.libnvml), "gpus": [g.uuid for g in nvml.gpus(st.libnvml)], "limit_s": a.limit}
+    api = cuda.load(st.libcuda, st.cuda_checkpoint)
     res["api"], res["cuda_driver_version"] = api.kind, api.driver_version
     t = res.setdefault("seconds", {})
     clean = Cleanup(api)
@@ -226,7 +242,7 @@ def main() -> int:
         again = [ask(p) for p in PROMPTS]
         assert [x["tokens"] for x in before] == [x["tokens"] for x in again], "server is not deterministic"
         assert [x["logits_sha256"] for x in before] == [x["logits_sha256"] for x in again]
-        pids = ranks.gpu_rank_pids(root)
+        pids = ranks.gpu_rank_pids(root, nvml_path=st.libnvml)
         res["ranks"] = pids
         clean.ranks += pids
         assert pids, f"no GPU process found in the tree of {root}"
@@ -239,8 +255,8 @@ def main() -> int:
         lock_s = budget.left(30, "the CUDA lock")
         with ranks.checkpoint_ranks(pids, lock_timeout_s=lock_s, api=api,
                                     checkpoint_timeout_s=budget.left(60, "the CUDA checkpoint"),
-                                    resume_timeout_s=min(20.0, CLEANUP_TIMEOUT_S)) as snap:
-            t["criu_dump"] = criu.dump(root, a.work / "img", timeout_s=budget.left(120, "criu dump"))
+                                    resume_timeout_s=min(20.0, CLEANUP_TIMEOUT_S), nvml_path=st.libnvml) as snap:
+            t["criu_dump"] = criu.dump(root, a.work / "img", timeout_s=budget.left(120, "criu dump"), binary=st.criu)
         launcher.wait(timeout=budget.left(30, "the dumped tree's exit"))
         t["cuda_lock"], t["cuda_checkpoint"] = snap.phases["lock"], snap.phases["checkpoint"]
         res["gpu_bytes"] = snap.gpu_bytes
@@ -248,11 +264,12 @@ def main() -> int:
 
         t0 = time.monotonic()
         restored_root, t["criu_restore"] = criu.restore(a.work / "img", a.work / "restore.pid",
-                                                        timeout_s=budget.left(120, "criu restore"))
+                                                        timeout_s=budget.left(120, "criu restore"), binary=st.criu,
+                                                        xtile_lib=st.xtile_perm_lib)
         clean.roots.append(restored_root)
         new = ranks.restored_ranks(restored_root, snap.nspids)
         clean.ranks += new
-        rr = ranks.restore_ranks(new, required_free_bytes=snap.gpu_bytes, api=api,
+        rr = ranks.restore_ranks(new, required_free_bytes=snap.gpu_bytes, api=api, nvml_path=st.libnvml,
                                  restore_timeout_s=budget.left(60, "the CUDA restore"),
                                  unlock_timeout_s=budget.left(30, "the CUDA unlock"))
         t.update({"precheck": rr.phases.get("precheck", 0.0), "cuda_restore": rr.phases["restore"],

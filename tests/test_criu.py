@@ -363,14 +363,29 @@ def test_criu_alone_drops_the_amx_permission(tmp_path):
     the mask there is test_a_restored_process_keeps_its_amx_permission's)."""
     if not criu.xtile_offered():
         pytest.skip("this host's kernel offers no AMX tile data (XFEATURE_XTILEDATA): no permission for CRIU to drop")
-    before, after = _perm_after_restore(tmp_path, restore_env=lambda: None)
+    before, after = _perm_after_restore(tmp_path, restore_env=lambda xtile_lib=None: None)
     assert before >> 18 & 1 and not after >> 18 & 1, f"{before:#x} -> {after:#x}"
 
 
-def test_an_amx_host_without_the_library_is_refused_before_any_restore(monkeypatch):
-    monkeypatch.setenv("WARMCTL_XTILE_PERM_LIB", "/nonexistent/criu-xtile-perm.so")
+def test_an_amx_host_without_the_library_is_refused_before_any_restore():
+    missing = Path("/nonexistent/criu-xtile-perm.so")  # the xtile_perm_lib setting, passed down
     if criu.xtile_offered():
         with pytest.raises(HostError, match=r"AMX.*SIGILL.*/nonexistent/criu-xtile-perm.so.*scripts/install.sh"):
-            criu.check()
+            criu.check(xtile_lib=missing)
     else:
-        assert criu.check()  # nothing to preload: the missing library does not matter
+        assert criu.check(xtile_lib=missing)  # nothing to preload: the missing library does not matter
+
+
+def test_the_host_lock_is_the_file_it_is_given(tmp_path):
+    """The criu_lock setting's file serializes CRIU operations: a second holder of the same file
+    waits and then fails naming it; another file is another lock."""
+    lock = tmp_path / "locks" / "criu.lock"
+    waited = []
+    with criu.host_lock(path=lock):
+        assert lock.is_file()
+        with pytest.raises(CheckpointError, match=f"held {lock} for 0 s"):
+            with criu.host_lock(timeout_s=0.3, path=lock, on_wait=lambda: waited.append(1)):
+                pass
+        with criu.host_lock(timeout_s=0.3, path=tmp_path / "other.lock"):
+            pass
+    assert waited == [1]

@@ -35,6 +35,7 @@ import pytest
 from tests.conftest import isolated_env, shm_leaked, shm_names, wait_agent_ready, warmctl
 from tests.test_agent_api import free_port
 
+from warmctl.config import Settings
 from warmctl.catalog import Catalog, Ref
 from warmctl.store.chunkio import ChunkCorrupt
 from warmctl.fleet import copy_entry, entries_to_copy
@@ -65,12 +66,13 @@ class Node:
         (tmp / "none.toml").write_text("")
         monkeypatch.setenv("WARMCTL_CONFIG", str(tmp / "none.toml"))
         monkeypatch.delenv("WARMCTL_SEAL_KEY", raising=False)
+        self.settings = Settings()  # this process's, passed to the stores it opens
         if kind.startswith("sealed"):
             key = tmp / "fleet.key"
             key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
             key.chmod(0o600)
             seal_store(open_backend(self.remote, unseal=False), load_key(key))
-            monkeypatch.setenv("WARMCTL_SEAL_KEY", str(key))  # this process pushes as a fleet member
+            self.settings = Settings(seal_key=key)  # this process pushes as a fleet member
             self.env["WARMCTL_SEAL_KEY"] = str(key)
         self.env["WARMCTL_REMOTE_STORE"] = str(self.remote)
         signer = generate_keypair(tmp / "a" / "signing", "node-a")
@@ -92,7 +94,7 @@ class Node:
                      canary=CanaryRecord(match="tokens", max_tokens=1, logprobs=0, completions=[]), files=entries)
         d = a.put_manifest(m)
         Catalog(a).publish(d, m, signer=signer.private)
-        with open_store(self.remote) as r:
+        with open_store(self.remote, settings=self.settings) as r:
             for e in entries_to_copy(a, Ref(name="tiny", tag="latest"), only=d):
                 copy_entry(a, r, e)
         a.close()

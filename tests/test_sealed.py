@@ -19,6 +19,7 @@ import pytest
 from test_store_fixtures import push, snapshot, tag_of, write_payload
 
 from warmctl.errors import IntegrityError
+from warmctl.config import Settings
 from warmctl.store import chunk_key, open_backend, open_store
 from warmctl.store.sealed import OVERHEAD, SEALED, SealKeyError, key_id, load_key, seal_store
 
@@ -37,7 +38,7 @@ def homes(tmp_path, monkeypatch):
     """A's local store with one snapshot whose files hold MARKER; fleet keys k1 (A and B) and k2."""
     (tmp_path / "none.toml").write_text("")
     monkeypatch.setenv("WARMCTL_CONFIG", str(tmp_path / "none.toml"))
-    monkeypatch.delenv("WARMCTL_SEAL_KEY", raising=False)
+    monkeypatch.delenv("WARMCTL_SEAL_KEY", raising=False)  # for the CLI's processes
     k1, k2 = _key(tmp_path / "k1"), _key(tmp_path / "k2")
     a = open_store(tmp_path / "a")
     img = write_payload(tmp_path / "pages-1.img", [("random", 300_000), ("zero", 2 << 20), ("text", 500_000)])
@@ -52,12 +53,9 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 
-def _as(monkeypatch, key: Path | None) -> None:
-    """This process acts as a host whose seal_key is ``key``."""
-    if key is None:
-        monkeypatch.delenv("WARMCTL_SEAL_KEY", raising=False)
-    else:
-        monkeypatch.setenv("WARMCTL_SEAL_KEY", str(key))
+def _as(key: Path | None, **more) -> Settings:
+    """The settings of a host whose seal_key is ``key`` (what its edge would resolve and pass down)."""
+    return Settings(seal_key=key, **more)
 
 
 def _plaintext_in(objects: dict[str, bytes]) -> list[str]:
@@ -78,8 +76,8 @@ def test_sealed_directory_remote_travels_between_two_homes(homes, monkeypatch):
     assert r.returncode == 0, r.stderr
     sealed = json.loads(r.stdout)
     assert sealed["fleet_keys"] == [key_id(load_key(k1))]
-    _as(monkeypatch, k1)
-    push(a, open_store(remote), "tiny")
+    host = _as(k1)
+    push(a, open_store(remote, settings=host), "tiny")
     # the remote holds no plaintext: not the image's bytes, no manifest or catalog JSON, no zstd frame
     objects = {str(p.relative_to(remote)): p.read_bytes() for p in remote.rglob("*") if p.is_file()}
     sealed_objs = {k: v for k, v in objects.items() if k not in ("config", SEALED) and not k.startswith("locks/")}
@@ -88,16 +86,16 @@ def test_sealed_directory_remote_travels_between_two_homes(homes, monkeypatch):
     assert key_id(load_key(k1)) in objects[SEALED].decode() and base64.b64encode(load_key(k1)).decode() not in objects[SEALED].decode()
     # B, with the same fleet key, reads it back bit for bit (every chunk verified)
     b = open_store(root / "b")
-    push(open_store(remote), b, "tiny")
+    push(open_store(remote, settings=host), b, "tiny")
     assert _read_back(b) == homes["img"].read_bytes()
     # C, with another key, and D, with none, are refused naming the store's key id
-    _as(monkeypatch, k2)
+    host = _as(k2)
     with pytest.raises(SealKeyError) as e:
-        push(open_store(remote), open_store(root / "c"), "tiny")
+        push(open_store(remote, settings=host), open_store(root / "c"), "tiny")
     assert key_id(load_key(k1)) in str(e.value) and key_id(load_key(k2)) in str(e.value)
-    _as(monkeypatch, None)
+    host = _as(None)
     with pytest.raises(SealKeyError, match="this host has no fleet key"):
-        open_store(remote).get_manifest(tag_of(a, "tiny"))
+        open_store(remote, settings=host).get_manifest(tag_of(a, "tiny"))
     r = _cli("ls", "--remote", "--json", env={"WARMCTL_CONFIG": str(root / "none.toml"), "WARMCTL_REMOTE_STORE": str(remote),
                                               "WARMCTL_HOME": str(root / "d")})
     assert r.returncode == 38 and key_id(load_key(k1)) in r.stderr, r.stderr
@@ -108,8 +106,8 @@ def test_a_flipped_byte_of_a_sealed_chunk_names_the_chunk(homes, monkeypatch):
     root, a, k1 = homes["root"], homes["a"], homes["k1"]
     remote = root / "remote"
     seal_store(open_backend(remote, unseal=False), load_key(k1))
-    _as(monkeypatch, k1)
-    push(a, open_store(remote), "tiny")
+    host = _as(k1)
+    push(a, open_store(remote, settings=host), "tiny")
     m = a.get_manifest(tag_of(a, "tiny"))
     ref = max((c for f in m.files for c in f.chunks if (remote / chunk_key(c.digest)).is_file()), key=lambda c: c.size)
     p = remote / chunk_key(ref.digest)
@@ -119,28 +117,28 @@ def test_a_flipped_byte_of_a_sealed_chunk_names_the_chunk(homes, monkeypatch):
     p.chmod(0o644)
     p.write_bytes(bytes(blob))
     with pytest.raises(IntegrityError) as e:
-        open_store(remote).load_chunk(ref)
+        open_store(remote, settings=host).load_chunk(ref)
     assert ref.digest.split(":")[1] in str(e.value) and "fails authentication" in str(e.value)
     with pytest.raises(IntegrityError):  # pulling stops at it too, naming it
-        push(open_store(remote), open_store(root / "b"), "tiny")
+        push(open_store(remote, settings=host), open_store(root / "b"), "tiny")
 
 
 def test_rotation_rewraps_the_data_key_and_rewrites_no_object(homes, monkeypatch):
     root, a, k1, k2 = homes["root"], homes["a"], homes["k1"], homes["k2"]
     remote = root / "remote"
     seal_store(open_backend(remote, unseal=False), load_key(k1))
-    _as(monkeypatch, k1)
-    push(a, open_store(remote), "tiny")
+    host = _as(k1)
+    push(a, open_store(remote, settings=host), "tiny")
     before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (remote / "chunks").rglob("*") if p.is_file()}
     r = _cli("seal", str(remote), "--key", str(k2), "--old-key", str(k1),
              env={"WARMCTL_CONFIG": str(root / "none.toml")})
     assert r.returncode == 0 and key_id(load_key(k2)) in r.stdout, r.stderr
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in before} == before
-    _as(monkeypatch, k2)
-    assert _read_back(open_store(remote)) == homes["img"].read_bytes()
-    _as(monkeypatch, k1)
+    host = _as(k2)
+    assert _read_back(open_store(remote, settings=host)) == homes["img"].read_bytes()
+    host = _as(k1)
     with pytest.raises(SealKeyError, match=key_id(load_key(k2))):
-        _read_back(open_store(remote))
+        _read_back(open_store(remote, settings=host))
     # sealing a store that already holds objects in the clear is refused
     with pytest.raises(SealKeyError, match="in the clear"):
         seal_store(open_backend(root / "a", unseal=False), load_key(k1))
@@ -169,18 +167,17 @@ def test_sealed_ceph_rgw_remote_holds_no_plaintext(homes, monkeypatch, tmp_path_
         client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
         bucket = f"sealed-{uuid.uuid4().hex[:8]}"
         client.create_bucket(Bucket=bucket)
-        for k, v in {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
-                     "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for k, v in {"AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1"}.items():
             monkeypatch.setenv(k, v)
         url = f"s3://{bucket}/warmctl"
-        seal_store(open_backend(url, unseal=False), load_key(k1))
-        _as(monkeypatch, k1)
-        push(a, open_store(url), "tiny")
+        seal_store(open_backend(url, unseal=False, settings=Settings(s3_endpoint=ep)), load_key(k1))
+        host = _as(k1, s3_endpoint=ep)
+        push(a, open_store(url, settings=host), "tiny")
         objects = {o["Key"]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
                    for o in client.list_objects_v2(Bucket=bucket, Prefix="warmctl/")["Contents"]}
         sealed_objs = {k: v for k, v in objects.items() if k.split("/", 1)[1] not in ("config", SEALED)
                        and not k.split("/", 1)[1].startswith("locks/")}
         assert len(sealed_objs) >= 4 and _plaintext_in(sealed_objs) == []
         b = open_store(homes["root"] / "b")
-        push(open_store(url), b, "tiny")
+        push(open_store(url, settings=host), b, "tiny")
         assert _read_back(b) == homes["img"].read_bytes()

@@ -101,10 +101,14 @@ def moto_endpoint():
 
 @pytest.fixture
 def s3_url(moto_endpoint, monkeypatch):
-    """A fresh bucket on the moto server; yields ``s3://bucket/prefix`` with the endpoint in env."""
+    """A fresh bucket on the moto server; yields ``s3://bucket/prefix`` with the endpoint in env:
+    ``$WARMCTL_S3_ENDPOINT`` for the CLI's processes (their ``s3_endpoint`` setting), and
+    ``$AWS_ENDPOINT_URL`` for stores opened in this process without settings (S3's own variable,
+    read where no ``s3_endpoint`` is passed down)."""
     import boto3
 
     monkeypatch.setenv("WARMCTL_S3_ENDPOINT", moto_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     bucket = f"warmctl-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/snaps"

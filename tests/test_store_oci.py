@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from tests.conftest import need_service
@@ -35,7 +36,9 @@ from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
 from warmctl.catalog import Catalog
 from warmctl.errors import HostError, IntegrityError
-from warmctl.store import BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_store
+from warmctl.config import Settings, load_settings
+from warmctl.store import (BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_backend,
+                           open_store)
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
 from warmctl.trust import generate_keypair
@@ -56,21 +59,43 @@ def registry(tmp_path_factory):
         yield reg
 
 
+#: The OCI settings of this process's backends (``OCIBackend`` keywords), set per test by the
+#: fixtures: what an edge would resolve from the ``oci_*`` settings and pass down.
+OPTS: dict = {}
+
+
+def _use(monkeypatch, ca: Path) -> None:
+    """Backends made by this test trust ``ca`` and pack 10 MiB (several packs from a few chunks);
+    the CLI's processes get the CA through ``$WARMCTL_OCI_CA_BUNDLE``."""
+    monkeypatch.setitem(OPTS, "ca_bundle", Path(ca))
+    monkeypatch.setitem(OPTS, "pack_bytes", 10 * MiB)
+    monkeypatch.setenv("WARMCTL_OCI_CA_BUNDLE", str(ca))
+
+
 @pytest.fixture
 def oci(registry, tmp_path, monkeypatch):
-    """``oci://127.0.0.1:PORT/<fresh repo>``, with the CA and a login in the environment."""
-    monkeypatch.setenv("WARMCTL_OCI_CA_BUNDLE", str(registry.ca.ca_cert))
+    """``oci://127.0.0.1:PORT/<fresh repo>``, with the CA in :data:`OPTS` (and the environment)
+    and a login in the environment."""
+    _use(monkeypatch, registry.ca.ca_cert)
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "auth.json", registry.host, USER, PASSWORD)))
-    monkeypatch.setattr(ocimod, "PACK_BYTES", 10 * MiB)  # several packs from a few chunks
     return f"oci://{registry.host}/warmctl/t{uuid.uuid4().hex[:8]}"
 
 
+def _backend(registry: str, repo: str) -> OCIBackend:
+    return OCIBackend(registry, repo, **OPTS)
+
+
+def _settings(**more) -> Settings:
+    """Settings naming :data:`OPTS`' CA and pack size (for ``open_store`` and the agent)."""
+    return Settings(oci_ca_bundle=OPTS.get("ca_bundle"), oci_pack_bytes=OPTS.get("pack_bytes", ocimod.PACK_BYTES), **more)
+
+
 def _store(url: str, window: float = 20.0, workers: int | None = None) -> Store:
-    return Store(RetryingBackend(OCIBackend(*parse_url(url)), window), workers=workers)
+    return Store(RetryingBackend(_backend(*parse_url(url)), window), workers=workers)
 
 
 def _artifact(url: str, ref: str) -> dict:
-    b = OCIBackend(*parse_url(url))
+    b = _backend(*parse_url(url))
     return b._get_manifest(ref, "test")[1]
 
 
@@ -102,7 +127,7 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     indexes = [l for l in art["layers"] if l["mediaType"] == ocimod.INDEX_LAYER]
     assert len(packs) == len(indexes) >= 3  # 8 chunks of ~4 MiB in packs of <= 10 MiB (+ one chunk)
     assert all(p["size"] <= 10 * MiB + 4 * MiB + 1024 for p in packs)
-    tags = OCIBackend(*parse_url(oci)).tags()
+    tags = _backend(*parse_url(oci)).tags()
     assert any(t.startswith("tiny.latest.") for t in tags), tags  # the catalog entry, readable
 
     b = open_store(tmp_path / "b")
@@ -150,7 +175,7 @@ def test_two_homes_each_with_its_own_key(oci, tmp_path):
     kb = generate_keypair(home_b / "keys", "b")
     sign_manifest(a, d, ka.private)
     push(a, _store(oci), "tiny")
-    assert any(t.startswith(f"sig-{d[7:]}-") for t in OCIBackend(*parse_url(oci)).tags())
+    assert any(t.startswith(f"sig-{d[7:]}-") for t in _backend(*parse_url(oci)).tags())
     b = open_store(home_b / "store")
     pull(_store(oci), b, "tiny")
     with pytest.raises(TrustError, match=f"signed by key {ka.key_id}, which is not trusted"):
@@ -163,7 +188,7 @@ def test_two_homes_each_with_its_own_key(oci, tmp_path):
 
 def test_wrong_password_is_one_line_without_retry(oci, registry, tmp_path, monkeypatch):
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "bad.json", registry.host, USER, "not-it")))
-    b = RetryingBackend(OCIBackend(*parse_url(oci)), 30)
+    b = RetryingBackend(_backend(*parse_url(oci)), 30)
     with pytest.raises(HostError) as ei:
         b.load("config")
     assert not isinstance(ei.value, TransientBackendError) and b.retries == 0
@@ -255,24 +280,28 @@ def test_artifact_naming_a_missing_layer_then_rerun(oci, registry, tmp_path):
 
 
 def test_oversized_metadata_is_refused(oci, monkeypatch, tmp_path):
-    b = OCIBackend(*parse_url(oci))
+    b = _backend(*parse_url(oci))
     b.save("catalog/tiny/profile.json", b"x" * 5000)
     monkeypatch.setattr(ocimod, "MAX_OBJECT", 4096)
     with pytest.raises(IntegrityError, match=r"catalog/tiny/profile.json.*5,000 bytes, more than the 4,096 allowed"):
         b.load("catalog/tiny/profile.json")
 
 
-def test_plain_http_only_when_configured(registry, monkeypatch):
+def test_plain_http_only_when_configured(registry, monkeypatch, tmp_path):
     b = OCIBackend(registry.host, "warmctl/x")
     assert b.endpoint() == f"https://{registry.host}"
-    monkeypatch.setenv("WARMCTL_OCI_INSECURE", registry.host)
-    assert OCIBackend(registry.host, "warmctl/x").endpoint() == f"http://{registry.host}"
+    assert OCIBackend(registry.host, "warmctl/x", insecure=[registry.host]).endpoint() == f"http://{registry.host}"
+    # $WARMCTL_OCI_INSECURE is the oci_insecure setting, resolved at the edge and passed down
+    (tmp_path / "none.toml").write_text("")
+    monkeypatch.setenv("WARMCTL_OCI_INSECURE", f"other:1, {registry.host}")
+    s = load_settings(tmp_path / "none.toml")
+    assert s.oci_insecure == ["other:1", registry.host] and s.sources["oci_insecure"] == "env:WARMCTL_OCI_INSECURE"
+    assert open_backend(f"oci://{registry.host}/warmctl/x", retry=False, unseal=False, settings=s).endpoint() == f"http://{registry.host}"
+    assert open_backend(f"oci://{registry.host}/warmctl/x", retry=False, unseal=False).endpoint() == f"https://{registry.host}"
 
 
 def test_untrusted_certificate_is_one_clear_line(registry, monkeypatch, tmp_path):
-    monkeypatch.delenv("WARMCTL_OCI_CA_BUNDLE", raising=False)
-    monkeypatch.setenv("WARMCTL_OCI_CERTS_D", str(tmp_path))
-    b = RetryingBackend(OCIBackend(registry.host, "warmctl/x"), 30)
+    b = RetryingBackend(OCIBackend(registry.host, "warmctl/x", certs_d=tmp_path), 30)
     with pytest.raises(HostError, match="TLS certificate rejected.*WARMCTL_OCI_CA_BUNDLE") as ei:
         b.load("config")
     assert b.retries == 0 and not isinstance(ei.value, TransientBackendError)
@@ -311,13 +340,13 @@ def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
     packs = [l["digest"] for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
     r = _warmctl(home_b, oci, "rm", "tiny")
     assert r.returncode == 0, r.stderr
-    assert tag_of(open_store(oci), "tiny") is None and tag_of(open_store(home_b / "store"), "tiny") is None
+    assert tag_of(open_store(oci, settings=_settings()), "tiny") is None and tag_of(open_store(home_b / "store"), "tiny") is None
     r = _warmctl(home_b, oci, "gc", "--store", oci, "--grace", "0")
     assert r.returncode == 0, r.stderr + r.stdout
     assert "removed 3 chunks" in r.stdout, r.stdout
-    assert open_store(oci).list_manifests() == []
-    assert not [t for t in OCIBackend(*parse_url(oci)).tags() if t.startswith(("manifest-", "tiny.latest."))]
-    b = OCIBackend(*parse_url(oci))
+    assert open_store(oci, settings=_settings()).list_manifests() == []
+    assert not [t for t in _backend(*parse_url(oci)).tags() if t.startswith(("manifest-", "tiny.latest."))]
+    b = _backend(*parse_url(oci))
     for p in packs:  # the packs' blobs are gone from the repository too
         with pytest.raises(ObjectNotFound):
             b._send("HEAD", b._url(f"blobs/{p}"), "test")
@@ -331,8 +360,7 @@ def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, 
     from registry_server import TokenServer
 
     tok = TokenServer(tmp_path / "tok", free_port(), registry.ca, {USER: PASSWORD})
-    monkeypatch.setenv("WARMCTL_OCI_CA_BUNDLE", str(registry.ca.ca_cert))
-    monkeypatch.setattr(ocimod, "PACK_BYTES", 10 * MiB)
+    _use(monkeypatch, registry.ca.ca_cert)
     try:
         with Registry(tmp_path / "origin", free_port(), ca=registry.ca, token=tok) as origin, \
                 Registry(tmp_path / "mirror", free_port(), ca=registry.ca, proxy=(origin.url, USER, PASSWORD)) as mirror:
@@ -376,9 +404,8 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
     tok = TokenServer(tmp_path / "tok", free_port(), registry.ca, {USER: PASSWORD}, lifetime=1.0)
     try:
         with Registry(tmp_path / "reg", free_port(), ca=registry.ca, token=tok) as reg:
-            monkeypatch.setenv("WARMCTL_OCI_CA_BUNDLE", str(registry.ca.ca_cert))
+            _use(monkeypatch, registry.ca.ca_cert)
             monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "auth.json", reg.host, USER, PASSWORD)))
-            monkeypatch.setattr(ocimod, "PACK_BYTES", 10 * MiB)
             url = f"oci://{reg.host}/warmctl/tok"
             f = write_payload(tmp_path / "p.img", [("random", 24 * MiB)], seed=13)
             a = open_store(tmp_path / "a")
@@ -394,7 +421,7 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
 
             # A token that expires between an upload's POST and its PUT: the PUT is refused (401)
             # after its body was sent, and is sent again, whole, with a fresh token.
-            up = OCIBackend(*parse_url(url))
+            up = _backend(*parse_url(url))
             blob = os.urandom(3 * MiB)
             calls = []
 
@@ -411,7 +438,7 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
             assert puts[-2:] == [401, 201], puts
             assert up._get_blob(digest, len(blob), "a test blob") == blob
             monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "bad.json", reg.host, USER, "nope")))
-            bad = RetryingBackend(OCIBackend(*parse_url(url)), 30)
+            bad = RetryingBackend(_backend(*parse_url(url)), 30)
             with pytest.raises(HostError, match=f"token service refused user {USER!r} from .*bad.json: HTTP 401") as ei:
                 bad.load("config")
             assert bad.retries == 0 and "\n" not in str(ei.value)
@@ -441,13 +468,12 @@ def test_agent_lists_and_removes_snapshots_of_a_registry_remote(oci, tmp_path):
     from fastapi.testclient import TestClient
 
     from warmctl.agent import create_app
-    from warmctl.config import Settings
 
     home = tmp_path / "home"
     local = open_store(home / "store")
     d = snapshot(local, "tiny", {"p.img": write_payload(tmp_path / "p.img", [("random", 4 * MiB)], seed=30)})
     push(local, _store(oci), "tiny")
-    s = Settings(home=home, keys_dir=home / "keys", profile_dirs=[home / "profiles"], remote_store=oci)
+    s = _settings(home=home, keys_dir=home / "keys", profile_dirs=[home / "profiles"], remote_store=oci)
     with TestClient(create_app(s, "tok-0123456789abcdef", run_startup=False)) as c:
         h = {"Authorization": "Bearer tok-0123456789abcdef"}
         r = c.get("/v1/catalog", headers=h)
@@ -456,4 +482,4 @@ def test_agent_lists_and_removes_snapshots_of_a_registry_remote(oci, tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["digests"] == [d] and any(x.startswith("oci://") for x in r.json()["catalogs"]), r.json()
         assert c.get("/v1/catalog", headers=h).json() == []
-    assert tag_of(open_store(oci), "tiny") is None
+    assert tag_of(open_store(oci, settings=_settings()), "tiny") is None

@@ -162,9 +162,11 @@ _PULL = """
 import sys
 from warmctl.catalog import Ref
 from warmctl.fleet import entries_to_copy, transfer
+from warmctl.config import load_settings
 from warmctl.store import open_store
-src = open_store(sys.argv[1])
-transfer(src, open_store(sys.argv[2]), entries_to_copy(src, Ref(name="tiny")))
+settings = load_settings()  # this script is an edge: $WARMCTL_S3_ENDPOINT names the proxy
+src = open_store(sys.argv[1], settings=settings)
+transfer(src, open_store(sys.argv[2], settings=settings), entries_to_copy(src, Ref(name="tiny")))
 print("finished")
 """
 

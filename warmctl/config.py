@@ -56,7 +56,22 @@ ENV_VARS = {
     "restore_stream": "WARMCTL_RESTORE_STREAM",
     "seal_key": "WARMCTL_SEAL_KEY",
     "image_cache_bytes": "WARMCTL_IMAGE_CACHE_BYTES",
+    "s3_endpoint": "WARMCTL_S3_ENDPOINT",
+    "oci_pack_bytes": "WARMCTL_OCI_PACK_BYTES",
+    "oci_read_deadline_s": "WARMCTL_OCI_READ_DEADLINE_S",
+    "oci_ca_bundle": "WARMCTL_OCI_CA_BUNDLE",
+    "oci_certs_d": "WARMCTL_OCI_CERTS_D",
+    "oci_insecure": "WARMCTL_OCI_INSECURE",
+    "lock_stale_s": "WARMCTL_LOCK_STALE_S",
+    "criu_lock": "WARMCTL_CRIU_LOCK",
+    "xtile_perm_lib": "WARMCTL_XTILE_PERM_LIB",
+    "libnvml": "WARMCTL_LIBNVML",
+    "libcuda": "WARMCTL_LIBCUDA",
+    "cuda_checkpoint": "WARMCTL_CUDA_CHECKPOINT",
 }
+
+#: The environment variable naming the config file (its value is :attr:`Settings.config_file`).
+CONFIG_ENV = "WARMCTL_CONFIG"
 
 #: Default ``image_cache_bytes``: half the size of the filesystem holding ``<home>/cache``.
 DEFAULT_IMAGE_CACHE = "50%"
@@ -95,7 +110,8 @@ def parse_budget(v: Any) -> int | float:
 
 #: Path-valued fields (made absolute by :func:`load_settings`).
 PATH_FIELDS = ("home", "store", "keys_dir", "signing_key", "agent_token_file", "gate_api_key_file",
-               "gate_tls_cert", "gate_tls_key", "seal_key")
+               "gate_tls_cert", "gate_tls_key", "seal_key", "oci_ca_bundle", "oci_certs_d", "criu_lock",
+               "xtile_perm_lib")
 
 
 class ConfigError(WarmctlError):
@@ -187,6 +203,29 @@ class Settings(BaseModel):
       holds them). Least recently used images go first; an image in use by a running engine
       never goes; an image larger than the budget is restored from and not kept; ``0`` keeps
       none (every ``up`` writes the image into its run directory and removes it afterwards).
+    - ``s3_endpoint``: the S3 endpoint URL of ``s3://`` stores (e.g. a Ceph RGW or MinIO);
+      unset: ``$AWS_ENDPOINT_URL``, else AWS. Credentials come from boto3's usual chain.
+    - ``oci_pack_bytes``: largest pack (bytes) of chunks uploaded to an ``oci://`` store
+      (default 1 GiB; docs/store-format.md, section 8).
+    - ``oci_read_deadline_s``: seconds one metadata read from a registry may take in all
+      (default 120).
+    - ``oci_ca_bundle``: PEM CA bundle a registry's certificate is verified against; unset:
+      ``<oci_certs_d>/HOST[:PORT]/ca.crt`` when that file exists, else the system's.
+    - ``oci_certs_d``: Docker's per-registry certificate directory (default ``/etc/docker/certs.d``).
+    - ``oci_insecure``: registries (``host:port``) spoken to in plain HTTP; every other is HTTPS,
+      verified. In the environment a comma-separated list.
+    - ``lock_stale_s``: seconds a store lock lives without a refresh before another writer may
+      break it (default 120; docs/store-format.md, "Locks").
+    - ``criu_lock``: the host-wide lock file serializing CRIU dumps and restores (default
+      ``/run/lock/warmctl-criu.lock``).
+    - ``xtile_perm_lib``: ``criu-xtile-perm.so``, preloaded into ``criu restore`` on AMX hosts
+      (default ``/usr/local/lib/warmctl/criu-xtile-perm.so``, built by ``scripts/install.sh``).
+    - ``libnvml``/``libcuda``: the NVIDIA libraries loaded for GPU memory and the CUDA checkpoint
+      API (defaults ``libnvidia-ml.so.1``, ``libcuda.so.1``: found by the dynamic loader).
+    - ``cuda_checkpoint``: the ``cuda-checkpoint`` utility used on drivers without the
+      checkpoint API (< 570); unset: ``cuda-checkpoint`` on ``PATH``.
+    - ``config_file``: the config file these settings were read from (``--config``, else
+      ``$WARMCTL_CONFIG``, else ``/etc/warmctl/config.toml``); not a key of the file itself.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -220,6 +259,19 @@ class Settings(BaseModel):
     engine_env_passthrough: list[str] = []
     seal_key: Path | None = None
     image_cache_bytes: int | float | str = DEFAULT_IMAGE_CACHE
+    s3_endpoint: str | None = None
+    oci_pack_bytes: int = Field(1 << 30, ge=1)
+    oci_read_deadline_s: float = Field(120.0, gt=0)
+    oci_ca_bundle: Path | None = None
+    oci_certs_d: Path = Path("/etc/docker/certs.d")
+    oci_insecure: list[str] = []
+    lock_stale_s: float = Field(120.0, gt=0)
+    criu_lock: Path = Path("/run/lock/warmctl-criu.lock")
+    xtile_perm_lib: Path = Path("/usr/local/lib/warmctl/criu-xtile-perm.so")
+    libnvml: str = "libnvidia-ml.so.1"
+    libcuda: str = "libcuda.so.1"
+    cuda_checkpoint: str | None = None
+    config_file: Path = DEFAULT_CONFIG_FILE
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}
 
@@ -299,6 +351,8 @@ class Settings(BaseModel):
 def _from_env(field: str, raw: str) -> Any:
     if field == "profile_dirs":
         return [p for p in raw.split(os.pathsep) if p]
+    if field == "oci_insecure":
+        return [h.strip() for h in raw.split(",") if h.strip()]
     return raw
 
 
@@ -313,8 +367,10 @@ def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | N
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    explicit = config_file or os.environ.get("WARMCTL_CONFIG")
+    explicit = config_file or os.environ.get(CONFIG_ENV)
     path = Path(explicit) if explicit else DEFAULT_CONFIG_FILE
+    values["config_file"] = str(path)
+    sources["config_file"] = "flag" if config_file else f"env:{CONFIG_ENV}" if explicit else "default"
     if path.exists():
         try:
             data = tomllib.loads(path.read_text())
@@ -323,6 +379,9 @@ def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | N
         except OSError as e:
             raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
         base = path.absolute().parent
+        if "config_file" in data:
+            raise ConfigError(f"{path}: config_file: not a key of the config file (it is the file: "
+                              f"--config or ${CONFIG_ENV} names it)")
         for k, v in data.items():
             if isinstance(v, str) and k in PATH_FIELDS and not Path(v).is_absolute():
                 v = str(base / v)
@@ -352,7 +411,7 @@ def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | N
             where = {"file": src[5:], "env": f"${src[4:]}", "flag": "command-line flag"}.get(src.split(":")[0], src)
             msgs.append(f"{where}: {'.'.join(map(str, x['loc']))}: {x['msg']}")
         raise ConfigError("\n".join(msgs)) from None
-    for f in PATH_FIELDS:
+    for f in (*PATH_FIELDS, "config_file"):
         v = getattr(s, f)
         if v is not None:
             setattr(s, f, v.absolute())

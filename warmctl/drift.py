@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warmctl.profile import Profile, ProfileError, describe_diff, diff_profiles, find_profile, load_profile_file
+
+if TYPE_CHECKING:
+    from warmctl.config import Settings
 
 
 @dataclass
@@ -107,15 +111,15 @@ class DriftCache:
 
 
 def against_newest(store_url: str | Path, profile: Profile, tag: str | None = None,
-                   profile_file: Path | None = None) -> tuple[object, Drift] | None:
+                   profile_file: Path | None = None, *, settings: "Settings | None" = None) -> tuple[object, Drift] | None:
     """``(catalog entry, Drift)`` of the newest snapshot of ``profile.name`` (of ``tag``, or of any
     tag) in the catalog of the store at ``store_url`` against ``profile``; None when there is
-    none. Only reads (no lock is taken)."""
+    none. Only reads (no lock is taken). ``settings``: as for :func:`warmctl.store.open_store`."""
     from warmctl.catalog import Catalog
     from warmctl.errors import WarmctlError
     from warmctl.store import open_store
 
-    store = open_store(store_url)
+    store = open_store(store_url, settings=settings)
     cat = Catalog(store)
     entries = [e for t in ([tag] if tag else cat.tags(profile.name)) for e in cat.entries(profile.name, t)]
     if not entries:
@@ -128,10 +132,11 @@ def against_newest(store_url: str | Path, profile: Profile, tag: str | None = No
     return e, compare(m.profile, m.profile_digest, profile, profile_file)
 
 
-def of_engine(state, store_url: str | Path, cache: DriftCache) -> Drift:
+def of_engine(state, store_url: str | Path, cache: DriftCache, *, settings: "Settings | None" = None) -> Drift:
     """The :class:`Drift` of a recorded engine (:class:`warmctl.state.EngineState`): its snapshot's
     embedded profile (read from the store at ``store_url``) against the profile on disk; for a
-    cold-started engine only its ``profile_digest`` (no fields to name)."""
+    cold-started engine only its ``profile_digest`` (no fields to name). ``settings``: as for
+    :func:`warmctl.store.open_store`."""
     from warmctl.errors import WarmctlError
     from warmctl.store import open_store
 
@@ -140,7 +145,7 @@ def of_engine(state, store_url: str | Path, cache: DriftCache) -> Drift:
     prof = None
     if state.manifest_digest:
         try:
-            prof = open_store(store_url).get_manifest(state.manifest_digest).profile
+            prof = open_store(store_url, settings=settings).get_manifest(state.manifest_digest).profile
         except (WarmctlError, ValueError, OSError):
             prof = None
     return cache.drift(state.name, state.profile_digest, prof)

@@ -168,7 +168,7 @@ def snapshots(settings: Settings, url: str | None = None) -> list[tuple[CatalogE
     or, when the manifest is missing or unreadable, the error saying so (also logged as a
     warning: an entry whose manifest cannot be read is listed, never hidden), sorted by name,
     tag, newest first."""
-    store = open_store(url or settings.store_dir)
+    store = open_store(url or settings.store_dir, settings=settings)
     out: list[tuple[CatalogEntry, Manifest | str]] = []
     for e in Catalog(store).all_entries():
         try:
@@ -188,7 +188,7 @@ def remove_snapshot(settings: Settings, name: str, tag: str, *, remote: bool = T
         urls.append(settings.catalog_url)
     out = {}
     for url in urls:
-        cat = Catalog(open_store(url))
+        cat = Catalog(open_store(url, settings=settings))
         out[cat.location()] = cat.remove_tag(name, tag)
     return out
 

@@ -245,8 +245,8 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
     from it through the local store, which keeps them as a cache for the next up). A snapshot
     made from another profile than ``profile`` is not used. Raises
     :class:`warmctl.trust.TrustError` (signature)."""
-    local = open_store(settings.store_dir)
-    store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url)
+    local = open_store(settings.store_dir, settings=settings)
+    store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url, settings=settings)
     found = _Found(name, store, None if store is local else local, fingerprint(criu=settings.criu))
     try:
         res = Catalog(store).resolve(name, found.fp, settings.keys_dir, tag=tag, digest=digest,
@@ -300,12 +300,12 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
     except ValidationError as e:  # the snapshot is unusable: say where and why, no traceback
         why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:5])
         raise IntegrityError(f"snapshot {m.name} ({digest[:19]}): the profile it records does not validate: {why}") from None
-    plan = CheckpointPlan.of(prof)
+    plan = CheckpointPlan.of(prof, settings)
     host_, port = _public(prof, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
-    binary = criu.check(settings.criu)
+    binary = criu.check(settings.criu, settings.xtile_perm_lib)
     lay = m.restore.layout
     if lay is not None and lay.world_size > 1:  # the ranks' TCP connections come back under CRIU's network lock
         criu.require_network_lock(binary, settings.cache_dir, f"snapshot {m.name} ({lay.describe()})")
@@ -460,8 +460,9 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
     restore read (:attr:`UpResult.streamed`; :func:`warmctl.restore_stream.materialize_and_restore_streamed`), else None."""
     m = found.manifest
     assert m is not None
-    netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
-    with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+    netlock = criu.network_lock_method(criu.check(settings.criu, settings.xtile_perm_lib), settings.cache_dir)
+    with criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host"),
+                        path=settings.criu_lock):
         if streams(settings, images, m, found.digest, pages, plugins):
             return materialize_and_restore_streamed(run, st, found, images, settings, reporter, plugins, netlock, fill)
         with reporter.phase("materialize", f"verifying and writing {m.total_size() / 2**20:,.0f} MiB"):
@@ -476,7 +477,8 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                 run.lazy_failed.unlink(missing_ok=True)
                 pid, lazy, _ = criu.lazy_restore(img.images, run.criu_pidfile, run.dir, log_file=run.restore_log,
                                                  daemon_log=run.lazy_log, binary=settings.criu,
-                                                 on_daemon=lambda lp: run.set_lazy(lp.ident), network_lock=netlock)
+                                                 on_daemon=lambda lp: run.set_lazy(lp.ident), network_lock=netlock,
+                                                 xtile_lib=settings.xtile_perm_lib)
                 run.adopt_restored(pid)
                 rebind(run, m, reporter)
                 if lazy.oom_note:
@@ -484,7 +486,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                 return img, lazy, None
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins,
-                                            network_lock=netlock)[0])
+                                            network_lock=netlock, xtile_lib=settings.xtile_perm_lib)[0])
             rebind(run, m, reporter)
     return img, None, None
 

@@ -163,7 +163,8 @@ def other_writes(m: Manifest, cache) -> list[diskspace.Need]:
 def protected_paths(settings: Settings) -> list[Path]:
     """warmctl's own files and directories, where a snapshot's bundled files are never written:
     under its home the store, the run records (``state.json``, pid files) and the caches; the
-    trusted keys, signing key, token and TLS files, the config file and /etc/warmctl. (The rest
+    trusted keys, signing key, token and TLS files, the config file (``settings.config_file``)
+    and /etc/warmctl. (The rest
     of the home, e.g. ``models/``, is not warmctl's state: a cache an engine keeps there may be
     bundled.)"""
     from warmctl.config import DEFAULT_CONFIG_FILE
@@ -171,8 +172,8 @@ def protected_paths(settings: Settings) -> list[Path]:
     out = [settings.store_dir, settings.run_dir, settings.cache_dir, settings.keys_dir, DEFAULT_CONFIG_FILE.parent]
     out += [p for p in (settings.signing_key, settings.agent_token_file, settings.gate_api_key_file,
                         settings.gate_tls_cert, settings.gate_tls_key) if p is not None]
-    if os.environ.get("WARMCTL_CONFIG"):
-        out.append(Path(os.environ["WARMCTL_CONFIG"]))
+    if settings.config_file != DEFAULT_CONFIG_FILE:
+        out.append(settings.config_file)
     return out
 
 

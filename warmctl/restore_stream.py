@@ -107,7 +107,8 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
                 progress["to"] = reporter.bytes_progress("restore (image written)", total)
                 try:
                     pid = criu.restore(sock_dir, run.criu_pidfile, log_file=run.restore_log, binary=settings.criu,
-                                       work_dir=run.dir, plugins=plugins, network_lock=netlock, stream=True)[0]
+                                       work_dir=run.dir, plugins=plugins, network_lock=netlock, stream=True,
+                                       xtile_lib=settings.xtile_perm_lib)[0]
                 except CheckpointError:
                     writer.join()  # a bad chunk ended CRIU's pipes: that is the error to report
                     raise

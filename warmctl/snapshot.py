@@ -108,7 +108,7 @@ def _report_drift(profile: Profile, settings: Settings, tag: str, reporter: Repo
     from warmctl.errors import WarmctlError
 
     try:
-        found = against_newest(settings.store_dir, profile, tag)
+        found = against_newest(settings.store_dir, profile, tag, settings=settings)
     except (WarmctlError, OSError):
         return
     if found is not None and found[1].stale:
@@ -150,7 +150,7 @@ def require_ranks_checkpointable(profile: Profile, settings: Settings) -> None:
     ranks (their gloo group holds established loopback TCP connections) a CRIU network-lock
     method on this host (:func:`warmctl.checkpoint.criu.require_network_lock`). Raises
     :class:`warmctl.errors.HostError` naming what is missing."""
-    binary = criu.check(settings.criu)
+    binary = criu.check(settings.criu, settings.xtile_perm_lib)
     layout.cpu_binding(profile)
     sizes = layout.profile_sizes(profile)
     if sizes.multi_process:
@@ -169,13 +169,13 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
     :class:`warmctl.errors.CheckpointError`, :class:`warmctl.errors.EngineError` or the store's
     errors; in every case the scratch images and weights are removed.
     """
-    plan = CheckpointPlan.of(profile)
-    store = open_store(settings.store_dir)
+    plan = CheckpointPlan.of(profile, settings)
+    store = open_store(settings.store_dir, settings=settings)
     try:
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
         weights = plan.before_dump(run, reporter)
         ranks_ = _ranks(run, profile, settings)
-        dumped = _dump(run, plan, leave_running, settings.criu, reporter, ranks_)
+        dumped = _dump(run, plan, leave_running, settings.criu, reporter, ranks_, settings.criu_lock)
         dumped.layout = ranks_
         if leave_running:
             plan.after_dump(run, reporter)
@@ -186,7 +186,7 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
         manifest = draft.model_copy(update={"files": entries, "phases": _phases(startup, reporter)})
         digest = _publish(store, manifest, tag, settings, reporter)
         if push_to:
-            _push(store, manifest, digest, tag, push_to, reporter)
+            _push(store, manifest, digest, tag, push_to, reporter, settings)
         return SnapshotResult(digest, manifest, manifest.total_size())
     finally:
         store.close()  # releases the store's writer lock (gc waits for it)
@@ -240,21 +240,22 @@ def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayo
     if profile.hardware.gpu_count:
         from warmctl.checkpoint import nvml
 
-        gpus = {pid: next(iter(used)) for pid, used in nvml.compute_processes().items() if used}
+        gpus = {pid: next(iter(used)) for pid, used in nvml.compute_processes(settings.libnvml).items() if used}
     live = layout.discover(run.root_pid, sizes, run.log_path, gpus)
     if not sizes.multi_process:
         return layout.record(live, sizes, layout.cpu_binding(profile), None)
-    netlock = criu.network_lock_method(criu.check(settings.criu), settings.cache_dir)
+    netlock = criu.network_lock_method(criu.check(settings.criu, settings.xtile_perm_lib), settings.cache_dir)
     return layout.record(live, sizes, layout.cpu_binding(profile), netlock, layout.listening(run.root_pid))
 
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
-          reporter: Reporter, lay: ParallelLayout | None = None) -> _Dumped:
+          reporter: Reporter, lay: ParallelLayout | None = None, criu_lock: Path | None = None) -> _Dumped:
     """The ``criu_dump`` phase: the plan's dump of ``run`` into ``run.images`` under the host's
     CRIU lock, with the ``/dev/shm`` files of the tree recorded on the run (so a teardown finds
     them by inode) and CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` before the lock is
     released: one that is a hard link of a captured file is recorded as such, any other is
-    copied to the run's scratch first. Then every file to store is listed.
+    copied to the run's scratch first. Then every file to store is listed. ``criu_lock``: the
+    host lock's file (the ``criu_lock`` setting; :func:`warmctl.checkpoint.criu.host_lock`).
 
     A dump that fails with a rank of ``lay`` (the layout :func:`_ranks` just checked) gone
     since (a ``kill -9`` of the rank while CRIU ran: CRIU then fails on the dead task) raises
@@ -268,7 +269,8 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     ranks_before = [r for r in layout.live_ranks(run.root_pid).values() if r.role in roles]
     shutil.rmtree(run.images, ignore_errors=True)
     with reporter.phase("criu_dump", f"CRIU dump of pid {run.root_pid} and its children"), \
-            criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host")):
+            criu.host_lock(on_wait=lambda: reporter.info("waiting for another CRIU dump/restore on this host"),
+                           path=criu_lock):
         shm_before = capture.shm_names()
         try:
             with faults.kill_rank_during_dump(run.root_pid):  # a test's kill -9 of a rank amid the dump
@@ -408,12 +410,12 @@ def _publish(store, manifest: Manifest, tag: str, settings: Settings, reporter: 
     return digest
 
 
-def _push(store, manifest: Manifest, digest: str, tag: str, url: str, reporter: Reporter) -> None:
+def _push(store, manifest: Manifest, digest: str, tag: str, url: str, reporter: Reporter, settings: Settings) -> None:
     """The ``push`` phase: publish ``NAME:TAG`` (this snapshot's entry) from the local ``store``
     to the store at ``url``: chunks it lacks, manifest, signature, then the catalog entry, last
     (:mod:`warmctl.fleet`). On failure the snapshot stays published locally; the error says
     how to push it again."""
-    remote = open_store(url)
+    remote = open_store(url, settings=settings)
     try:
         with reporter.phase("push", f"publishing {manifest.name}:{tag} to {url}"):
             advance = reporter.bytes_progress("push", manifest.total_size())

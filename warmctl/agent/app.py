@@ -500,7 +500,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
                 from warmctl.catalog import Catalog
                 from warmctl.store import open_store
 
-                doc = Catalog(open_store(s.catalog_url)).profile(name)
+                doc = Catalog(open_store(s.catalog_url, settings=s)).profile(name)
                 if doc:
                     prof = Profile.model_validate(doc["profile"])
             except (WarmctlError, ValueError, OSError):
@@ -641,7 +641,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         from warmctl.catalog import Catalog
         from warmctl.store import open_store
 
-        return [e.model_dump(mode="json") for e in Catalog(open_store(s.catalog_url)).all_entries()]
+        return [e.model_dump(mode="json") for e in Catalog(open_store(s.catalog_url, settings=s)).all_entries()]
 
     @app.get("/v1/host", tags=["host"], **v1)
     def host() -> dict[str, Any]:

@@ -28,8 +28,12 @@ registers (CRIU 4.2 does not dump it) and die with SIGILL at its next AMX instru
 file, built by ``scripts/install.sh``), which asks for the permission in CRIU before it forks
 the restored tasks; they inherit it (:func:`restore_env`).
 
-The CRIU binary is the ``criu`` setting (config file or ``$WARMCTL_CRIU``), else ``criu`` on
-``PATH``, else ``/usr/local/sbin/criu`` (where ``scripts/install.sh`` puts a source build).
+The CRIU binary is the ``criu`` setting (config file or ``$WARMCTL_CRIU``) the caller passes
+as ``binary``/``configured``, else ``criu`` on ``PATH``, else ``/usr/local/sbin/criu`` (where
+``scripts/install.sh`` puts a source build). Nothing here reads the environment or the config
+file: the library path (``xtile_lib``, the ``xtile_perm_lib`` setting) and the host lock's
+file (``path``, the ``criu_lock`` setting) are passed in the same way, with the defaults
+:data:`XTILE_PERM_LIB` and :data:`LOCK_PATH`.
 """
 
 from __future__ import annotations
@@ -73,10 +77,10 @@ MIN_VERSION = (4, 2)
 
 
 def criu_binary(configured: str | None = None) -> str:
-    """Path of the CRIU binary: ``configured`` (the ``criu`` setting: a path, or a name looked
-    up in ``PATH``), else ``$WARMCTL_CRIU``, else ``criu`` on ``PATH``, else
+    """Path of the CRIU binary: ``configured`` (the ``criu`` setting, ``$WARMCTL_CRIU``: a
+    path, or a name looked up in ``PATH``), else ``criu`` on ``PATH``, else
     ``/usr/local/sbin/criu``. Raises :class:`HostError` if none is found."""
-    wanted = configured if configured and configured != "criu" else os.environ.get("WARMCTL_CRIU")
+    wanted = configured if configured and configured != "criu" else None
     if wanted:
         found = shutil.which(wanted)
         if not found:
@@ -99,13 +103,21 @@ def criu_version(binary: str | None = None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
-def check(configured: str | None = None) -> str:
+def check(configured: str | None = None, xtile_lib: Path | None = None) -> str:
     """Verify CRIU is usable: version >= :data:`MIN_VERSION`, root privileges, and on a CPU
-    with AMX the library that keeps restored engines' AMX permission (:func:`restore_env`).
+    with AMX the library that keeps restored engines' AMX permission (:func:`restore_env`;
+    ``xtile_lib``: its path, the ``xtile_perm_lib`` setting, default :data:`XTILE_PERM_LIB`).
 
     ``configured``: see :func:`criu_binary`. Returns the binary path. Raises
     :class:`HostError` saying what is wrong and how to fix it.
     """
+    binary = _usable(configured)
+    restore_env(xtile_lib)  # an AMX host without criu-xtile-perm.so: refused before any engine starts
+    return binary
+
+
+def _usable(configured: str | None) -> str:
+    """:func:`check` less the restore library (what a dump needs): the binary's path."""
     binary = criu_binary(configured)
     ver = criu_version(binary)
     if ver is None:
@@ -115,12 +127,11 @@ def check(configured: str | None = None) -> str:
                         f"{'.'.join(map(str, MIN_VERSION))} (scripts/install.sh builds it)")
     if os.geteuid() != 0:
         raise HostError("CRIU needs root (or CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN)")
-    restore_env()  # an AMX host without criu-xtile-perm.so: refused before any engine starts
     return binary
 
 
-#: The library ``scripts/install.sh`` builds from ``xtile_perm.c`` (``$WARMCTL_XTILE_PERM_LIB``
-#: overrides the path).
+#: The library ``scripts/install.sh`` builds from ``xtile_perm.c`` (the ``xtile_perm_lib``
+#: setting, ``$WARMCTL_XTILE_PERM_LIB``, names another).
 XTILE_PERM_LIB = Path("/usr/local/lib/warmctl/criu-xtile-perm.so")
 #: ``arch_prctl`` on x86-64 (``arch/x86/entry/syscalls/syscall_64.tbl``), its query for the
 #: dynamically enabled state components the kernel supports (``ARCH_GET_XCOMP_SUPP``,
@@ -141,35 +152,39 @@ def xtile_offered() -> bool:
     return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
 
 
-def xtile_perm_lib() -> Path:
-    """Path of ``criu-xtile-perm.so``: ``$WARMCTL_XTILE_PERM_LIB`` or :data:`XTILE_PERM_LIB`."""
-    return Path(os.environ.get("WARMCTL_XTILE_PERM_LIB") or XTILE_PERM_LIB)
+def xtile_perm_lib(path: str | Path | None = None) -> Path:
+    """Path of ``criu-xtile-perm.so``: ``path`` (the ``xtile_perm_lib`` setting) or
+    :data:`XTILE_PERM_LIB`."""
+    return Path(path or XTILE_PERM_LIB)
 
 
-def restore_env() -> dict[str, str] | None:
+def restore_env(xtile_lib: str | Path | None = None) -> dict[str, str] | None:
     """Environment for ``criu restore`` on this host: None (CRIU's own) where the kernel offers
-    no AMX (:func:`xtile_offered`); else the current environment with :func:`xtile_perm_lib`
-    first in ``LD_PRELOAD``, so the restored tasks keep the AMX permission their originals had
-    (module doc). Raises :class:`HostError` naming the library and the fix if it is missing."""
+    no AMX (:func:`xtile_offered`); else the current environment with the library
+    (:func:`xtile_perm_lib` of ``xtile_lib``) first in ``LD_PRELOAD``, so the restored tasks
+    keep the AMX permission their originals had (module doc). Raises :class:`HostError` naming
+    the library and the fix if it is missing."""
     if not xtile_offered():
         return None
-    lib = xtile_perm_lib()
+    lib = xtile_perm_lib(xtile_lib)
     if not lib.is_file():
         raise HostError(f"this CPU has AMX, and CRIU does not restore a process's AMX permission: a restored engine "
                         f"would die with SIGILL; {lib} (built from warmctl/checkpoint/xtile_perm.c) gives it back "
-                        "but is missing: run scripts/install.sh (or set WARMCTL_XTILE_PERM_LIB)")
+                        "but is missing: run scripts/install.sh (or set xtile_perm_lib / WARMCTL_XTILE_PERM_LIB)")
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(x for x in (str(lib), env.get("LD_PRELOAD", "")) if x)
     return env
 
 
-#: Host-wide lock serializing CRIU dumps and restores (see :func:`host_lock`).
-LOCK_PATH = Path(os.environ.get("WARMCTL_CRIU_LOCK", "/run/lock/warmctl-criu.lock"))
+#: Host-wide lock serializing CRIU dumps and restores, by default (see :func:`host_lock`; the
+#: ``criu_lock`` setting, ``$WARMCTL_CRIU_LOCK``, names another).
+LOCK_PATH = Path("/run/lock/warmctl-criu.lock")
 
 
 @contextmanager
-def host_lock(timeout_s: float = 900.0, on_wait=None) -> Iterator[None]:
-    """Hold the host-wide CRIU lock (``flock`` on :data:`LOCK_PATH`) for a dump or restore.
+def host_lock(timeout_s: float = 900.0, on_wait=None, path: str | Path | None = None) -> Iterator[None]:
+    """Hold the host-wide CRIU lock (``flock`` on ``path``, the ``criu_lock`` setting, default
+    :data:`LOCK_PATH`) for a dump or restore.
 
     Why: CRIU names the hard links it makes for unlinked files by file id (``link_remap.246``
     in ``/dev/shm`` for every vLLM ``tiny`` snapshot), so a dump or restore running while
@@ -177,8 +192,9 @@ def host_lock(timeout_s: float = 900.0, on_wait=None) -> Iterator[None]:
     restore failing with "Couldn't unlink remap /dev/shm/link_remap.246"). ``on_wait()`` is
     called once if the lock is busy. Raises :class:`CheckpointError` after ``timeout_s``.
     """
-    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK_PATH, "a+") as f:
+    lock_path = Path(path or LOCK_PATH)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as f:
         deadline = time.monotonic() + timeout_s
         waited = False
         while True:
@@ -190,7 +206,7 @@ def host_lock(timeout_s: float = 900.0, on_wait=None) -> Iterator[None]:
                     on_wait()
                 waited = True
                 if time.monotonic() > deadline:
-                    raise CheckpointError(f"another CRIU dump/restore held {LOCK_PATH} for {timeout_s:.0f} s") from None
+                    raise CheckpointError(f"another CRIU dump/restore held {lock_path} for {timeout_s:.0f} s") from None
                 time.sleep(0.2)
         try:
             yield
@@ -266,7 +282,7 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     """
     images_dir = Path(images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
-    bin_ = check(binary)
+    bin_ = _usable(binary)  # the restore library is the restore's concern (and the pipelines' pre-flight)
     cmd = [bin_, "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
            *DUMP_FLAGS, *_network_lock_flags(bin_, network_lock)]
     if not leave_running:
@@ -290,7 +306,8 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,
             binary: str | None = None, work_dir: Path | None = None,
             plugins: Sequence[str] = (), lazy_pages: bool = False,
-            network_lock: str | None = "auto", stream: bool = False) -> tuple[int, float]:
+            network_lock: str | None = "auto", stream: bool = False,
+            xtile_lib: str | Path | None = None) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
     ``stream``: ``--stream``: ``images_dir`` holds only the socket of an image streamer
@@ -304,12 +321,13 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     ``lazy_pages``: ``--lazy-pages``, served by a ``criu lazy-pages`` daemon already listening
     in ``work_dir`` (use :func:`lazy_restore`, which starts it). ``network_lock``: as for
     :func:`dump` (the restored TCP connections are locked until the tree resumes).
+    ``xtile_lib``: the AMX permission library (:func:`restore_env`).
     """
     images_dir = Path(images_dir)
     log_file = Path(log_file or images_dir / "restore.log")
     pidfile = Path(pidfile)
     pidfile.unlink(missing_ok=True)
-    bin_ = check(binary)
+    bin_ = check(binary, xtile_lib)
     cmd = [bin_, "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS, *_network_lock_flags(bin_, network_lock)]
     if work_dir is not None:
@@ -320,7 +338,7 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
         cmd.append("--stream")
     how = " --lazy-pages" if lazy_pages else " --stream" if stream else ""
     secs = _run(cmd, f"criu restore{how} from {images_dir}", log_file, timeout_s,
-                plugins, env=restore_env())
+                plugins, env=restore_env(xtile_lib))
     return int(pidfile.read_text().strip()), secs
 
 
@@ -588,7 +606,8 @@ def _start_lazy_daemon(binary: str, images_dir: Path, work_dir: Path, log_file: 
 
 def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: Path | None = None,
                  daemon_log: Path | None = None, timeout_s: float = 600, binary: str | None = None,
-                 on_daemon=None, network_lock: str | None = "auto") -> tuple[int, LazyPages, float]:
+                 on_daemon=None, network_lock: str | None = "auto",
+                 xtile_lib: str | Path | None = None) -> tuple[int, LazyPages, float]:
     """Restore the tree in ``images_dir`` detached, its memory on demand: start ``criu
     lazy-pages`` (its socket and ``stats`` in ``work_dir``, its log ``daemon_log``, default
     ``work_dir/lazy-pages.log``), then ``criu restore --lazy-pages``. Private anonymous memory
@@ -601,11 +620,11 @@ def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: P
     :func:`parse_lazy_log` for how to tell whether it ended complete. No CRIU plugins (a plan
     that needs them restores eagerly). Raises :class:`LazyPagesError` if the daemon cannot
     start, :class:`CheckpointError` if the restore fails (the daemon is then stopped).
-    ``network_lock``: as for :func:`restore`.
+    ``network_lock``, ``xtile_lib``: as for :func:`restore`.
     """
     images_dir, work_dir = Path(images_dir), Path(work_dir)
     daemon_log = Path(daemon_log or work_dir / "lazy-pages.log")
-    bin_ = check(binary)
+    bin_ = check(binary, xtile_lib)
     t0 = time.monotonic()
     with _plugin_libdir((), bin_) as libdir:
         lp = _start_lazy_daemon(bin_, images_dir, work_dir, daemon_log, libdir, min(timeout_s, 30))
@@ -613,7 +632,7 @@ def lazy_restore(images_dir: Path, pidfile: Path, work_dir: Path, *, log_file: P
         if on_daemon is not None:
             on_daemon(lp)
         pid, _ = restore(images_dir, pidfile, log_file=log_file, timeout_s=timeout_s, binary=bin_, work_dir=work_dir,
-                         lazy_pages=True, network_lock=network_lock)
+                         lazy_pages=True, network_lock=network_lock, xtile_lib=xtile_lib)
     except BaseException:
         lp.stop()
         raise

@@ -311,6 +311,10 @@ def _timeout_ms(timeout_s: float | None) -> int:
     return max(1, min(int(round(timeout_s * 1000)), 2**32 - 1))
 
 
+#: The driver library loaded when no path is given (the ``libcuda`` setting names another).
+DEFAULT_LIBCUDA = "libcuda.so.1"
+
+
 class DriverAPI:
     """The checkpoint API of ``libcuda.so.1`` (or ``path``), through ctypes.
 
@@ -323,7 +327,7 @@ class DriverAPI:
     _FUNCS = ("Lock", "Checkpoint", "Restore", "Unlock", "GetState", "GetRestoreThreadId")
 
     def __init__(self, path: str | None = None):
-        self.path = path or os.environ.get("WARMCTL_LIBCUDA") or "libcuda.so.1"
+        self.path = path or DEFAULT_LIBCUDA
         try:
             self._lib = ctypes.CDLL(self.path)
         except OSError as e:
@@ -461,11 +465,11 @@ class CliAPI:
     kind = "cli"
 
     def __init__(self, binary: str | None = None, driver_version: int = 0):
-        b = binary or os.environ.get("WARMCTL_CUDA_CHECKPOINT") or shutil.which("cuda-checkpoint")
+        b = binary or shutil.which("cuda-checkpoint")
         if not b or not os.access(b, os.X_OK):
             raise DriverTooOld(
                 "the driver has no checkpoint API (needs 570+) and no cuda-checkpoint utility was found "
-                "(https://github.com/NVIDIA/cuda-checkpoint; put it on PATH or set WARMCTL_CUDA_CHECKPOINT)",
+                "(https://github.com/NVIDIA/cuda-checkpoint; put it on PATH or set cuda_checkpoint / WARMCTL_CUDA_CHECKPOINT)",
                 op="load",
             )
         self.binary = b
@@ -541,7 +545,7 @@ def load(libcuda: str | None = None, cli: str | None = None) -> CheckpointAPI:
     try:
         return DriverAPI(libcuda)
     except DriverTooOld as e:
-        lib = ctypes.CDLL(libcuda or os.environ.get("WARMCTL_LIBCUDA") or "libcuda.so.1")
+        lib = ctypes.CDLL(libcuda or DEFAULT_LIBCUDA)
         ver = ctypes.c_int(0)
         lib.cuDriverGetVersion(ctypes.byref(ver))
         try:

@@ -21,7 +21,6 @@ loaded or ``nvmlInit`` fails): a CPU host has no GPU ranks.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from dataclasses import dataclass
 
@@ -53,12 +52,14 @@ class Gpu:
     used: int
 
 
+#: The NVML library loaded when no ``path`` is given (the ``libnvml`` setting names another).
+DEFAULT_LIB = "libnvidia-ml.so.1"
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
 
 def _lib(path: str | None = None) -> ctypes.CDLL | None:
-    path = path or os.environ.get("WARMCTL_LIBNVML") or "libnvidia-ml.so.1"
+    path = path or DEFAULT_LIB
     with _lock:
         if path not in _libs:
             try:

@@ -30,7 +30,7 @@ def _open_catalog(settings: Any):
     from warmctl.catalog import Catalog
     from warmctl.store import open_store
 
-    return Catalog(open_store(settings.catalog_url))
+    return Catalog(open_store(settings.catalog_url, settings=settings))
 
 
 def _size(n: int) -> str:

@@ -290,7 +290,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.drift import DriftCache, of_engine
 
         cache = DriftCache(settings.profile_dirs)
-        drifts = [of_engine(r.state, settings.store_dir, cache) for r in rows]
+        drifts = [of_engine(r.state, settings.store_dir, cache, settings=settings) for r in rows]
         if json_out:
             emit_json([{**r.state.model_dump(mode="json"), "engine_alive": r.engine_alive,
                         "gate_alive": r.gate_alive, "healthy": r.healthy, "profile": d.as_json(),

@@ -44,7 +44,7 @@ def signed_snapshots(settings: Any) -> dict[str, list[str]]:
         urls.append(settings.catalog_url)
     out: dict[str, list[str]] = {}
     for url in urls:
-        store = open_store(url)
+        store = open_store(url, settings=settings)
         for e in Catalog(store).all_entries():
             label = f"{e.name}:{e.tag} ({e.manifest[:19]})" + ("" if url == urls[0] else f" in {url}")
             for doc in signatures(store, e.manifest):

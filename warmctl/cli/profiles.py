@@ -301,7 +301,7 @@ def register(app: typer.Typer) -> None:
         urls = [str(settings.store_dir)] + ([settings.catalog_url] if settings.catalog_url != str(settings.store_dir) else [])
         found = None
         for url in urls:
-            store = open_store(url)
+            store = open_store(url, settings=settings)
             cat = Catalog(store)
             entries = [e for t in ([tag] if tag else cat.tags(prof.name)) for e in cat.entries(prof.name, t)]
             if entries:

@@ -56,18 +56,20 @@ def _local(store: Optional[str]):
     from warmctl.config import load_settings
     from warmctl.store import open_store
 
-    return open_store(store or load_settings().store_dir)
+    settings = load_settings()
+    return open_store(store or settings.store_dir, settings=settings)
 
 
 def _remote(url: Optional[str], flag: str):
     from warmctl.config import load_settings
     from warmctl.store import open_store
 
-    url = url or load_settings().remote_store
+    settings = load_settings()
+    url = url or settings.remote_store
     if not url:
         raise WarmctlError(f"no remote store: pass {flag} URL (a directory, s3://bucket/prefix or oci://HOST/REPO) or set WARMCTL_REMOTE_STORE")
     try:
-        return open_store(url)
+        return open_store(url, settings=settings)
     except ValueError as e:
         raise WarmctlError(str(e)) from None
 
@@ -271,11 +273,12 @@ def register(app: typer.Typer) -> None:
         from warmctl.store import open_backend
         from warmctl.store.sealed import SealKeyError, key_id, load_key, seal_store
 
-        path = key or load_settings().seal_key
+        settings = load_settings()
+        path = key or settings.seal_key
         if path is None:
             raise SealKeyError("no fleet key: give --key FILE or set seal_key in the config")
         new = load_key(path)
-        doc = seal_store(open_backend(url, unseal=False), new, load_key(old_key) if old_key else None, drop_old=not keep_old)
+        doc = seal_store(open_backend(url, unseal=False, settings=settings), new, load_key(old_key) if old_key else None, drop_old=not keep_old)
         if json_out:
             emit_json({"store": url, "data_key": doc["data_key"]["id"], "fleet_keys": sorted(doc["data_key"]["wrapped"])})
             return

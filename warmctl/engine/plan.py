@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from warmctl.checkpoint import criu
+from warmctl.config import Settings
 from warmctl.engine.run import EngineRun
 from warmctl.engine.sleep import SleepClient, wake
 from warmctl.errors import CheckpointError, EngineError
@@ -39,7 +40,10 @@ from warmctl.progress import Reporter
 @dataclass(frozen=True)
 class CheckpointPlan:
     """The flavour of one profile's checkpoint (see module doc). ``lock_timeout_s``: the CUDA
-    driver's lock timeout per rank, seconds."""
+    driver's lock timeout per rank, seconds. ``libcuda``/``cuda_checkpoint``/``libnvml``: the
+    NVIDIA driver library, ``cuda-checkpoint`` utility and NVML library the GPU steps load (the
+    settings of those names; None: the defaults of :mod:`warmctl.checkpoint.cuda` and
+    :mod:`warmctl.checkpoint.nvml`)."""
 
     name: str
     cuda: bool = False
@@ -47,13 +51,19 @@ class CheckpointPlan:
     weights_outside_image: bool = False
     lock_timeout_s: float = 30.0
     vendor: str = "nvidia"
+    libcuda: str | None = None
+    cuda_checkpoint: str | None = None
+    libnvml: str | None = None
 
     @classmethod
-    def of(cls, profile: Profile) -> "CheckpointPlan":
-        """The plan of ``profile``'s ``[checkpoint]`` table (and ``hardware.vendor``)."""
+    def of(cls, profile: Profile, settings: Settings | None = None) -> "CheckpointPlan":
+        """The plan of ``profile``'s ``[checkpoint]`` table (and ``hardware.vendor``), loading the
+        GPU libraries ``settings`` names (None: the defaults)."""
         c = profile.checkpoint
+        libs = {} if settings is None else {"libcuda": settings.libcuda, "cuda_checkpoint": settings.cuda_checkpoint,
+                                            "libnvml": settings.libnvml}
         return cls(profile.name, c.cuda, c.sleep_level, c.weights_outside_image, c.lock_timeout_s,
-                   profile.hardware.vendor)
+                   profile.hardware.vendor, **libs)
 
     @property
     def criu_plugins(self) -> tuple[str, ...]:
@@ -121,9 +131,9 @@ class CheckpointPlan:
         if not self.cuda:
             criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
             return None
-        from warmctl.checkpoint import ranks
+        from warmctl.checkpoint import cuda, ranks
 
-        pids = ranks.gpu_rank_pids(run.root_pid)
+        pids = ranks.gpu_rank_pids(run.root_pid, nvml_path=self.libnvml)
         if not pids:
             raise CheckpointError(f"profile {self.name} asks for a CUDA checkpoint, but no process of "
                                   f"the engine (pid {run.root_pid}) holds a GPU")
@@ -131,7 +141,8 @@ class CheckpointPlan:
             if self.sleep_level:
                 sc.sleep(self.sleep_level)
             sc.checkpoint_prepare()
-        with ranks.checkpoint_ranks(pids, self.lock_timeout_s) as rep:
+        with ranks.checkpoint_ranks(pids, self.lock_timeout_s, api=cuda.load(self.libcuda, self.cuda_checkpoint),
+                                    nvml_path=self.libnvml) as rep:
             criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
         return GpuRestore(nspids=list(rep.nspids.values()), gpu_bytes=rep.gpu_bytes, ranks=rep.to_dict())
 
@@ -206,14 +217,15 @@ class CheckpointPlan:
         run on CPU-only hosts."""
         if not self.cuda:
             return
-        from warmctl.checkpoint import ranks
+        from warmctl.checkpoint import cuda, ranks
 
         g = restore.gpu
         if g is None:
             raise CheckpointError(f"snapshot of {self.name} has no GPU restore record (restore.gpu)")
         with reporter.phase("gpu_restore", "CUDA restore and unlock of every rank"):
             pids = ranks.restored_ranks(run.root_pid, g.nspids)
-            ranks.restore_ranks(pids, ranks.default_gpu_pairs(snapshot_gpus, host_gpus, g.gpu_bytes or None), g.gpu_bytes)
+            ranks.restore_ranks(pids, ranks.default_gpu_pairs(snapshot_gpus, host_gpus, g.gpu_bytes or None), g.gpu_bytes,
+                                api=cuda.load(self.libcuda, self.cuda_checkpoint), nvml_path=self.libnvml)
             with SleepClient(run.base_url) as sc:
                 sc.checkpoint_restore()
 

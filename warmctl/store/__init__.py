@@ -18,6 +18,7 @@ modules of this package.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from warmctl.store.backend import (
@@ -40,6 +41,9 @@ from warmctl.store.lock import LockLost, StoreLocked
 from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
 from warmctl.store.sealed import SEALED, SealedBackend, SealKeyError, load_key, read_seal
 from warmctl.store.store import CacheFill, Store
+
+if TYPE_CHECKING:
+    from warmctl.config import Settings
 
 __all__ = [
     "Backend",
@@ -90,48 +94,63 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None, unseal: bool = True) -> Backend:
+def open_backend(url: str | Path, retry: bool = True, outage_window: float | None = None, unseal: bool = True,
+                 *, settings: "Settings | None" = None) -> Backend:
     """The backend for ``url``: a directory path or ``file:///path`` (local), or
-    ``s3://bucket[/prefix]`` (endpoint from ``$WARMCTL_S3_ENDPOINT``/``$AWS_ENDPOINT_URL``,
+    ``s3://bucket[/prefix]`` (endpoint: the ``s3_endpoint`` setting, else ``$AWS_ENDPOINT_URL``;
     credentials from boto3's usual chain), or ``oci://HOST[:PORT]/REPOSITORY`` (an OCI registry,
-    :mod:`warmctl.store.oci`; credentials from the Docker config). Remote backends are wrapped in
-    :class:`RetryingBackend` when ``retry``, retrying an outage for ``outage_window`` seconds
-    (default: the ``s3_outage_s`` setting, 60 s unless configured); a sealed store (one
-    holding ``sealed.json``, :mod:`warmctl.store.sealed`) in :class:`SealedBackend` with the
-    configured ``seal_key`` (``unseal=False``: the raw backend, objects as stored). Raises
-    ValueError for another scheme, :class:`warmctl.config.ConfigError` for a bad
-    ``s3_outage_s``, :class:`SealKeyError` for an unusable key file."""
-    b = _open_plain(url, retry, outage_window)
+    :mod:`warmctl.store.oci`: pack size, read deadline, CA and plain-HTTP registries from the
+    ``oci_*`` settings; credentials from the Docker config).
+
+    ``settings``: the :class:`warmctl.config.Settings` the caller resolved at its edge (CLI,
+    agent, test); None: the built-in defaults (``Settings()``; no config file or environment
+    is read here). Remote backends are wrapped in :class:`RetryingBackend` when ``retry``,
+    retrying an outage for ``outage_window`` seconds (default: ``settings.s3_outage_s``); a
+    sealed store (one holding ``sealed.json``, :mod:`warmctl.store.sealed`) in
+    :class:`SealedBackend` with ``settings.seal_key`` (``unseal=False``: the raw backend,
+    objects as stored). Raises ValueError for another scheme, :class:`SealKeyError` for an
+    unusable key file."""
+    s = _settings(settings)
+    b = _open_plain(url, retry, outage_window, s)
     if unseal and b.exists(SEALED):  # a sealed store: objects encrypted with this host's fleet key
-        return _sealed(b)
+        return _sealed(b, s.seal_key)
     return b
 
 
-def _sealed(b: Backend) -> Backend:
-    """``b`` (a sealed store's backend) wrapped in :class:`SealedBackend` with the configured
-    ``seal_key`` (none: every sealed object raises :class:`SealKeyError` naming the key ids)."""
-    from warmctl.config import load_settings
+def _settings(settings: "Settings | None") -> "Settings":
+    if settings is not None:
+        return settings
+    from warmctl.config import Settings
 
-    path = load_settings().seal_key
+    return Settings()
+
+
+def _sealed(b: Backend, path: Path | None) -> Backend:
+    """``b`` (a sealed store's backend) wrapped in :class:`SealedBackend` with the key file
+    ``path`` (the ``seal_key`` setting; None: every sealed object raises :class:`SealKeyError`
+    naming the key ids)."""
     doc = read_seal(b)
     assert doc is not None
     return SealedBackend(b, load_key(path) if path else None, doc, path)
 
 
-def _open_plain(url: str | Path, retry: bool, outage_window: float | None) -> Backend:
+def _open_plain(url: str | Path, retry: bool, outage_window: float | None, settings: "Settings") -> Backend:
     s = str(url)
     u = urlparse(s)
+    window = settings.s3_outage_s if outage_window is None else outage_window
     if u.scheme == "oci":
         from warmctl.store.oci import OCIBackend, parse_url
 
-        b: Backend = OCIBackend(*parse_url(s))
-        return _retrying(b, retry, outage_window)
+        b: Backend = OCIBackend(*parse_url(s), pack_bytes=settings.oci_pack_bytes,
+                                read_deadline=settings.oci_read_deadline_s, ca_bundle=settings.oci_ca_bundle,
+                                certs_d=settings.oci_certs_d, insecure=settings.oci_insecure)
+        return _retrying(b, retry, window)
     if u.scheme == "s3":
         if not u.netloc:
             raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
         from warmctl.store.s3 import S3Backend
 
-        return _retrying(S3Backend(u.netloc, u.path.lstrip("/")), retry, outage_window)
+        return _retrying(S3Backend(u.netloc, u.path.lstrip("/"), endpoint_url=settings.s3_endpoint), retry, window)
     if u.scheme == "file":
         return LocalBackend(Path(u.path))
     if u.scheme in ("", None) or (len(u.scheme) == 1 and s[1:2] == ":"):
@@ -139,20 +158,20 @@ def _open_plain(url: str | Path, retry: bool, outage_window: float | None) -> Ba
     raise ValueError(f"unsupported store URL {s!r}: use a directory, file:///path, s3://bucket/prefix or oci://HOST[:PORT]/REPOSITORY")
 
 
-def _retrying(b: Backend, retry: bool, outage_window: float | None) -> Backend:
-    """``b`` in a :class:`RetryingBackend` (window: ``outage_window``, else the ``s3_outage_s``
-    setting, which every remote backend shares), or ``b`` itself without ``retry``."""
+def _retrying(b: Backend, retry: bool, outage_window: float) -> Backend:
+    """``b`` in a :class:`RetryingBackend` retrying an outage for ``outage_window`` seconds
+    (the ``s3_outage_s`` setting, which every remote backend shares), or ``b`` itself without
+    ``retry``."""
     if not retry:
         return b
-    if outage_window is None:
-        from warmctl.config import load_settings
-
-        outage_window = load_settings().s3_outage_s
     return RetryingBackend(b, outage_window, setting="s3_outage_s")
 
 
-def open_store(url: str | Path, workers: int | None = None, chunk_size: int = CHUNK_SIZE) -> Store:
-    """A :class:`Store` on ``url`` (see :func:`open_backend`). ``workers``: parallel threads
+def open_store(url: str | Path, workers: int | None = None, chunk_size: int = CHUNK_SIZE,
+               *, settings: "Settings | None" = None) -> Store:
+    """A :class:`Store` on ``url`` (see :func:`open_backend`, which gets ``settings``; its
+    ``lock_stale_s`` is the lifetime of the store's locks). ``workers``: parallel threads
     (default 4 local, 16 S3); ``chunk_size``: bytes per new chunk. Nothing is created until
     the first write. Raises ValueError for an unsupported URL."""
-    return Store(open_backend(url), workers=workers, chunk_size=chunk_size)
+    s = _settings(settings)
+    return Store(open_backend(url, settings=s), workers=workers, chunk_size=chunk_size, lock_stale_after=s.lock_stale_s)

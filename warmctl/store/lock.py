@@ -41,9 +41,9 @@ from warmctl.store.layout import MAX_LOCK_BYTES
 log = logging.getLogger(__name__)
 
 LOCK_PREFIX = "locks/"
-#: Seconds a lock lives without a refresh (``$WARMCTL_LOCK_STALE_S`` overrides it, for tests
-#: and for stores whose writers may be paused longer).
-DEFAULT_STALE_AFTER = float(os.environ.get("WARMCTL_LOCK_STALE_S") or 120.0)
+#: Seconds a lock lives without a refresh, by default (the ``lock_stale_s`` setting,
+#: ``$WARMCTL_LOCK_STALE_S``, sets it per store: :func:`warmctl.store.open_store`).
+DEFAULT_STALE_AFTER = 120.0
 #: A holder counts its lock lost once this fraction of the lifetime passed without a
 #: successful refresh (a margin for the clock of the host that judges staleness).
 LOST_AFTER = 5 / 6

@@ -10,7 +10,8 @@ a snapshot like any artifact:
   warmctl's manifest itself (so the blob digest *is* the warmctl manifest digest); the other
   layers are the **packs** holding the snapshot's chunks, each followed by its **pack index**.
 - ``chunks/<algo>/<xx>/<hex>``: a byte range of a pack. A pack is a blob of concatenated chunk
-  objects (zstd frames) of at most :data:`PACK_BYTES` (``$WARMCTL_OCI_PACK_BYTES``); its
+  objects (zstd frames) of at most ``pack_bytes`` (the ``oci_pack_bytes`` setting, default
+  :data:`PACK_BYTES`); its
   index (JSON) maps each chunk digest to ``[offset, length]``. Chunks are read back with
   ranged GETs. A new snapshot lists the packs that hold the chunks it needs, existing ones
   included, so chunk-level dedup works across snapshots and only packs of new chunks are
@@ -27,9 +28,10 @@ holds: a crash leaves at worst unreferenced blobs, which the registry's own garb
 removes. Pack uploads are retried as a whole (a fresh upload session each time).
 
 Protocol: a small client over httpx (docs/store-format.md says why not oras-py). HTTPS always,
-plain HTTP only for registries listed in ``$WARMCTL_OCI_INSECURE`` (``host:port``, comma
-separated). CA bundle: ``$WARMCTL_OCI_CA_BUNDLE``, else ``/etc/docker/certs.d/HOST[:PORT]/ca.crt``
-(``$WARMCTL_OCI_CERTS_D`` for the directory), else the system's. Credentials: the Docker/OCI
+plain HTTP only for registries listed in ``insecure`` (the ``oci_insecure`` setting,
+``$WARMCTL_OCI_INSECURE``: ``host:port``, comma separated). CA bundle: ``ca_bundle`` (the
+``oci_ca_bundle`` setting, ``$WARMCTL_OCI_CA_BUNDLE``), else ``CERTS_D/HOST[:PORT]/ca.crt``
+(``certs_d``: the ``oci_certs_d`` setting, default ``/etc/docker/certs.d``), else the system's. Credentials: the Docker/OCI
 conventions (``$REGISTRY_AUTH_FILE``, else ``$DOCKER_CONFIG/config.json``, else
 ``~/.docker/config.json``: ``auths[HOST[:PORT]]`` ``auth`` / ``username`` + ``password`` /
 ``identitytoken``); both the bearer-token flow and basic auth; an expired token is fetched
@@ -43,7 +45,8 @@ wraps this backend in it) decides how long an outage is survived.
 
 Reads of metadata (OCI manifests, pack indexes, small objects, warmctl manifests) are bounded
 (:data:`MAX_OCI_MANIFEST`, :data:`MAX_INDEX`, :data:`MAX_OBJECT`, :data:`MAX_MANIFEST`) and
-each read has a deadline (:data:`READ_DEADLINE`); a registry that sends more, or sends it too
+each read has a deadline (``read_deadline``: the ``oci_read_deadline_s`` setting, default
+:data:`READ_DEADLINE`); a registry that sends more, or sends it too
 slowly, is refused with an error naming the object.
 """
 
@@ -59,7 +62,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -93,7 +96,7 @@ CREATED = "org.opencontainers.image.created"
 
 #: Largest pack (bytes): 1 GiB keeps a 647 GiB snapshot at ~650 packs (an OCI manifest of
 #: ~0.3 MiB, docs/store-format.md) and a pack's re-upload after a failure short.
-PACK_BYTES = int(os.environ.get("WARMCTL_OCI_PACK_BYTES") or (1 << 30))
+PACK_BYTES = 1 << 30
 #: Packs filled (and uploaded) in parallel by one writer.
 OPEN_PACKS = 4
 MAX_OCI_MANIFEST = 4 << 20  # the distribution spec's limit registries apply
@@ -101,7 +104,9 @@ MAX_INDEX = 16 << 20  # a 1 GiB pack of 4 MiB chunks has a ~30 KiB index
 MAX_OBJECT = 4 << 20  # catalog entries, signatures, locks: a few KiB
 MAX_MANIFEST = 256 << 20  # warmctl manifests: ~15 MiB for 647 GiB
 #: Seconds one metadata read may take in all (the per-byte read timeout is shorter).
-READ_DEADLINE = float(os.environ.get("WARMCTL_OCI_READ_DEADLINE_S") or 120.0)
+READ_DEADLINE = 120.0
+#: Docker's per-registry certificate directory (``HOST[:PORT]/ca.crt`` below it).
+CERTS_D = Path("/etc/docker/certs.d")
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -273,10 +278,10 @@ def credentials(registry: str) -> Credentials | None:
     return None
 
 
-def _ssl_context(registry: str) -> ssl.SSLContext:
-    bundle = os.environ.get("WARMCTL_OCI_CA_BUNDLE")
+def _ssl_context(registry: str, ca_bundle: Path | None = None, certs_d: Path = CERTS_D) -> ssl.SSLContext:
+    bundle = str(ca_bundle) if ca_bundle else None
     if not bundle:
-        d = Path(os.environ.get("WARMCTL_OCI_CERTS_D") or "/etc/docker/certs.d") / registry / "ca.crt"
+        d = Path(certs_d) / registry / "ca.crt"
         bundle = str(d) if d.is_file() else None
     ctx = ssl.create_default_context()
     if bundle:
@@ -287,9 +292,8 @@ def _ssl_context(registry: str) -> ssl.SSLContext:
     return ctx
 
 
-def _insecure(registry: str) -> bool:
-    allowed = {h.strip() for h in (os.environ.get("WARMCTL_OCI_INSECURE") or "").split(",") if h.strip()}
-    return registry in allowed
+def _insecure(registry: str, insecure: Iterable[str] = ()) -> bool:
+    return registry in {h.strip() for h in insecure if h.strip()}
 
 
 # -- the client
@@ -352,19 +356,26 @@ class _Auth:
 
 class OCIBackend(Backend):
     """A store in repository ``repo`` of registry ``registry`` (``HOST[:PORT]``); see the module
-    docstring for the layout, protocol and errors. ``pack_bytes``: largest pack (bytes)."""
+    docstring for the layout, protocol and errors. ``pack_bytes``: largest pack (bytes, default
+    :data:`PACK_BYTES`); ``read_deadline``: seconds one metadata read may take in all;
+    ``ca_bundle``/``certs_d``: where the registry's CA is found; ``insecure``: registries
+    (``host:port``) spoken to in plain HTTP. :func:`warmctl.store.open_backend` passes the
+    ``oci_*`` settings."""
 
     properties = BackendProperties(local=False, prefetch=False, workers=16)
 
     def __init__(self, registry: str, repo: str, pack_bytes: int | None = None, connect_timeout: float = 5.0,
-                 read_timeout: float = 20.0):
+                 read_timeout: float = 20.0, *, read_deadline: float = READ_DEADLINE, ca_bundle: Path | None = None,
+                 certs_d: Path = CERTS_D, insecure: Iterable[str] = ()):
         self.registry, self.repo = registry, repo
         self.pack_bytes = pack_bytes or PACK_BYTES
-        self.scheme = "http" if _insecure(registry) else "https"
+        self.read_deadline = read_deadline
+        self.certs_d = Path(certs_d)
+        self.scheme = "http" if _insecure(registry, insecure) else "https"
         self.base = f"{self.scheme}://{registry}"
         self.read_timeout = read_timeout
         self.client = httpx.Client(
-            verify=_ssl_context(registry) if self.scheme == "https" else False,
+            verify=_ssl_context(registry, ca_bundle, certs_d) if self.scheme == "https" else False,
             timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=read_timeout, pool=60.0),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=32),
             follow_redirects=False, trust_env=True,
@@ -462,10 +473,10 @@ class OCIBackend(Backend):
         text = str(e)
         if isinstance(e, httpx.ConnectError) and ("CERTIFICATE_VERIFY_FAILED" in text or "certificate" in text.lower()):
             return HostError(f"{where}: TLS certificate rejected ({text}); install the registry's CA "
-                             f"(WARMCTL_OCI_CA_BUNDLE or /etc/docker/certs.d/{self.registry}/ca.crt)")
+                             f"(the oci_ca_bundle setting, $WARMCTL_OCI_CA_BUNDLE, or {self.certs_d / self.registry / 'ca.crt'})")
         if isinstance(e, httpx.ConnectError) and ("WRONG_VERSION_NUMBER" in text or "record layer" in text):
             return HostError(f"{where}: the registry does not speak TLS ({text}); a plain-HTTP registry must be "
-                             f"listed in WARMCTL_OCI_INSECURE")
+                             f"listed in the oci_insecure setting ($WARMCTL_OCI_INSECURE)")
         if isinstance(e, httpx.TimeoutException):
             return TransientBackendError(f"{where}: no answer in time ({type(e).__name__})")
         if isinstance(e, httpx.ConnectError):
@@ -495,9 +506,9 @@ class OCIBackend(Backend):
 
     def _read_bounded(self, r: httpx.Response, limit: int, what: str, expect: int | None = None) -> bytes:
         """The body of streamed response ``r``: at most ``limit`` bytes (else IntegrityError), read
-        within :data:`READ_DEADLINE` seconds (else TransientBackendError); closes ``r``."""
+        within ``read_deadline`` seconds (else TransientBackendError); closes ``r``."""
         where = f"{what} at {self.base}"
-        deadline = time.monotonic() + READ_DEADLINE
+        deadline = time.monotonic() + self.read_deadline
         out = bytearray()
         try:
             n = r.headers.get("content-length")
@@ -508,7 +519,7 @@ class OCIBackend(Backend):
                 if len(out) > limit:
                     raise IntegrityError(f"{where}: the registry sent more than the {limit:,} bytes allowed for it; refused")
                 if time.monotonic() > deadline:
-                    raise TransientBackendError(f"{where}: not read within {READ_DEADLINE:g} s")
+                    raise TransientBackendError(f"{where}: not read within {self.read_deadline:g} s")
         except httpx.HTTPError as e:
             raise self._transport_error(where, e) from e
         finally:

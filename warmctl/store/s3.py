@@ -2,7 +2,8 @@
 
 Credentials come from boto3's usual chain (environment, shared config/credentials files,
 instance profile). The endpoint of an S3-compatible server (Ceph RGW, MinIO, moto) comes from
-the ``endpoint_url`` argument, else ``$WARMCTL_S3_ENDPOINT``, else ``$AWS_ENDPOINT_URL``; with a
+the ``endpoint_url`` argument (:func:`warmctl.store.open_backend` passes the ``s3_endpoint``
+setting, ``$WARMCTL_S3_ENDPOINT``), else ``$AWS_ENDPOINT_URL``; with a
 custom endpoint, path-style addressing is used. Large objects are uploaded with multipart
 upload; loads are ranged GETs whose length is checked.
 
@@ -88,8 +89,9 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
 
 
 def s3_endpoint_from_env() -> str | None:
-    """``$WARMCTL_S3_ENDPOINT`` or ``$AWS_ENDPOINT_URL`` (or None)."""
-    return os.environ.get("WARMCTL_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL") or None
+    """``$AWS_ENDPOINT_URL`` (AWS's own variable, as its SDKs read it), or None. warmctl's
+    ``$WARMCTL_S3_ENDPOINT`` is the ``s3_endpoint`` setting, passed in as ``endpoint_url``."""
+    return os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 def _load_sdk() -> None:
@@ -156,7 +158,7 @@ class S3Backend(Backend):
                 config=cfg,
             )
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
-            src = "$WARMCTL_S3_ENDPOINT or $AWS_ENDPOINT_URL" if endpoint_url is None else "endpoint_url"
+            src = "$AWS_ENDPOINT_URL" if endpoint_url is None else "the s3_endpoint setting"
             raise HostError(f"S3 endpoint {self.endpoint_url!r} (from {src}) is not a valid URL: {e}") from None
 
     def __repr__(self) -> str:
