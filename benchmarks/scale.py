@@ -360,15 +360,15 @@ def run(a, work: Path, models: Path, res: dict) -> None:
         f"mem available {mem_available() / GiB:.1f} GiB")
 
     # -- the model (built by the CLI's first cold start if missing; timed here when built)
-    from warmctl import tinymodel
+    from warmctl import builtinmodels
     from warmctl.profile import load_profile
 
     settings = load_settings()
     prof = load_profile(name, settings.profile_dirs)
-    mdir = tinymodel.builtin_dir(prof.engine.model, settings.models_dir)
+    mdir = builtinmodels.builtin_dir(prof.engine.model, settings.models_dir)
     if mdir is not None and not (mdir / "config.json").exists():
         t0 = time.monotonic()
-        tinymodel.build_builtin(prof.engine.model, settings.models_dir)
+        builtinmodels.build_builtin(prof.engine.model, settings.models_dir)
         dt = time.monotonic() - t0
         wb = sum(p.stat().st_size for p in mdir.glob("*.safetensors"))
         res["model_build"] = {"s": dt, "bytes": wb}

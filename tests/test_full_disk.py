@@ -17,6 +17,7 @@ from warmctl.checkpoint.imagecache import ImageCache
 from warmctl.errors import HostError
 from warmctl.fleet import entries_to_copy, transfer
 from warmctl.store import open_store
+from warmctl.store import maintenance
 from warmctl.trust import generate_keypair
 
 
@@ -48,10 +49,10 @@ def test_full_disk_during_pull_names_the_disk_and_names_nothing(tmp_path, small_
     local.close()
     local = open_store(small_fs / "store")
     assert Catalog(local).entries("tiny") == [] and local.list_manifests() == []  # nothing named
-    assert local.verify().ok  # what was written is whole (at worst unreferenced chunks)
+    assert maintenance.verify(local).ok  # what was written is whole (at worst unreferenced chunks)
     tmp = small_fs / "store" / "tmp"
     assert not tmp.exists() or not list(tmp.iterdir())  # no half-written temp file
-    assert remote.verify([d]).ok
+    assert maintenance.verify(remote, [d]).ok
 
 
 def test_full_disk_during_materialize_keeps_no_partial_image(tmp_path, small_fs):
@@ -65,6 +66,6 @@ def test_full_disk_during_materialize_keeps_no_partial_image(tmp_path, small_fs)
     assert "not enough disk space" in str(e.value) and "needed 12,582,912 bytes" in str(e.value), str(e.value)
     assert str(small_fs) in str(e.value) and "bytes free" in str(e.value)
     assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))
-    assert store.verify([digest]).ok
+    assert maintenance.verify(store, [digest]).ok
     # the same image fits on a larger disk afterwards (nothing of the failed try is in the way)
     assert ImageCache(tmp_path / "images").get(store, m, digest).written

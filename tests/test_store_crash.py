@@ -25,6 +25,7 @@ from warmctl.catalog import Ref
 from warmctl.store import open_store
 from warmctl.store.chunks import is_zero_chunk
 from warmctl.store.local import FAULT_ENV, LocalBackend
+from warmctl.store import maintenance
 from warmctl.trust import generate_keypair, sign_manifest
 
 CH = 64 * 1024
@@ -61,7 +62,7 @@ def assert_consistent(root: Path) -> None:
     """What ``warmctl verify`` checks (every manifest's chunks present and intact), plus: every
     catalog entry and every signature names a manifest that is stored and verifies."""
     with open_store(root) as s:
-        rep = s.verify()
+        rep = maintenance.verify(s)
         assert rep.ok, str(rep)
         stored = set(s.list_manifests())
         for e in Catalog(s).all_entries():
@@ -135,7 +136,7 @@ def test_gc_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
         assert_consistent(work)
         if n % 3 == 0:
             with open_store(work) as s:
-                s.gc(keep=Catalog(s).referenced_manifests(), grace=0)
+                maintenance.gc(s, keep=Catalog(s).referenced_manifests(), grace=0)
             assert_consistent(work)
 
     kills = _kill_at_every_write(["gc", "--grace", "0", "--store", str(work)], fresh, tmp_path, after)

@@ -38,6 +38,7 @@ from warmctl.errors import HostError, IntegrityError
 from warmctl.store import BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_store
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
+from warmctl.store import maintenance
 from warmctl.trust import generate_keypair
 
 pytestmark = pytest.mark.oci
@@ -113,7 +114,7 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     _store(oci).read_file(a.get_manifest(d).files[0].chunks, tmp_path / "direct.img")  # ranged GETs from packs
     assert (tmp_path / "direct.img").read_bytes() == f.read_bytes()
     assert pull(_store(oci), b, "tiny").chunks_copied == 0
-    v = _store(oci).verify()
+    v = maintenance.verify(_store(oci))
     assert v.ok and v.chunks_checked == 8, str(v)
 
     # a second snapshot sharing most chunks uploads only the new ones (chunk-level dedup)
@@ -128,13 +129,13 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     remote = _store(oci)
     assert sorted((e.tag, e.manifest) for e in Catalog(remote).all_entries()) == sorted([("latest", d), ("v2", d2)])
     assert Catalog(remote).remove_tag("tiny", "latest") == [d]
-    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=Catalog(remote).referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d]
     assert sorted(remote.list_manifests()) == [d2]
     # what v2 still needs is intact, the text-only pack is gone
     b2 = open_store(tmp_path / "b2")
     assert pull(_store(oci), b2, "tiny", "v2").chunks_copied == 7
-    assert _store(oci).verify().ok
+    assert maintenance.verify(_store(oci)).ok
 
 
 def test_two_homes_each_with_its_own_key(oci, tmp_path):
@@ -430,7 +431,7 @@ def test_a_new_snapshot_under_the_same_tag_moves_it_and_gc_frees_the_old(oci, tm
     remote = _store(oci)
     assert tag_of(remote, "tiny") == d2 and [e.manifest for e in Catalog(remote).entries("tiny", "latest")] == [d2]
     assert sorted(remote.list_manifests()) == sorted([d1, d2])  # d1 by digest, until gc
-    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=Catalog(remote).referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d1] and rep.chunks_removed == 2
     b = open_store(tmp_path / "b")
     assert pull(_store(oci), b, "tiny").chunks_copied == 2 and tag_of(b, "tiny") == d2

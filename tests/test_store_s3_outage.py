@@ -28,6 +28,7 @@ from warmctl.store import (
     manifest_key,
     open_store,
 )
+from warmctl.store import maintenance
 
 pytestmark = pytest.mark.s3
 CH = 64 * 1024  # small chunks: dozens of objects in a few MiB
@@ -63,7 +64,7 @@ def _pull(url, dst, env):
 def _check_restored(dst, digest, f, tmp_path):
     store = open_store(dst)
     assert Catalog(store).newest("tiny") == digest
-    assert store.verify().ok
+    assert maintenance.verify(store).ok
     store.read_file(store.get_manifest(digest).files[0].chunks, tmp_path / "restored.img")
     assert (tmp_path / "restored.img").read_bytes() == f.read_bytes()
 
@@ -135,7 +136,7 @@ def test_push_survives_endpoint_down_for_3_s(s3_url, moto_endpoint, tmp_path):
     assert len(re.findall(r"not answering", r.stderr)) == 1 and "answering again" in r.stderr, r.stderr
     assert "48/48 chunks copied" in r.stderr
     remote = open_store(s3_url)  # straight to moto
-    assert Catalog(remote).newest("tiny") == d and remote.verify().ok
+    assert Catalog(remote).newest("tiny") == d and maintenance.verify(remote).ok
 
 
 def _backend(endpoint, url, window=0.5, **kw):

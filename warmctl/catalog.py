@@ -285,7 +285,7 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         return "cpu", f"host CPU lacks {shown}, recorded at snapshot ({snap.cpu.model or '?'} vs host {host.cpu.model or '?'})"
     if snap.rank_cpus and host.cpus_allowed:
-        from warmctl.checkpoint.affinity import parse_cpu_list
+        from warmctl.parallel import parse_cpu_list
         from warmctl.checkpoint.layout import host_problems
 
         short = host_problems(snap.rank_cpus, parse_cpu_list(host.cpus_allowed))

@@ -50,9 +50,9 @@ from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
-from warmctl import enginelock, faults, fleet
+from warmctl import enginelock, fleet
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
-from warmctl.checkpoint import capture, criu, layout
+from warmctl.checkpoint import capture, criu, layout, rankfaults
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
@@ -498,7 +498,7 @@ def _check_ranks(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
     lay = m.restore.layout
     if lay is None:
         return
-    faults.kill_rank("ranks", run.root_pid)  # a test's kill -9 of one restored rank (WARMCTL_TEST_KILL_RANK)
+    rankfaults.kill_rank("ranks", run.root_pid)  # a test's kill -9 of one restored rank (WARMCTL_TEST_KILL_RANK)
     with reporter.phase("ranks", f"checking {len(lay.ranks)} rank(s): {lay.describe()}"):
         back = layout.check_restored(run.root_pid, lay, run.log_path)
     assert run.state is not None

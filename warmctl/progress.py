@@ -73,9 +73,9 @@ class ConsoleReporter(Reporter):
 
     @cached_property
     def console(self):
-        """The stderr console (:func:`warmctl.cli.output.err`), made on first use: a quiet
+        """The stderr console (:func:`warmctl.console.err`), made on first use: a quiet
         reporter (``up --json``) never imports rich (issue 12)."""
-        from warmctl.cli.output import err
+        from warmctl.console import err
 
         return err()
 

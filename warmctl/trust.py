@@ -333,8 +333,8 @@ def verify_manifest(
     2. Integrity: the stored manifest's bytes hash to ``digest`` (``store.get_manifest`` checks;
        the parsed manifest's canonical digest is compared again here).
     3. With ``verify_chunks``: every chunk the manifest names is read back and re-hashed
-       (``store.verify([digest])``), so a changed, truncated, missing or swapped chunk raises
-       here. Reads from the store (``pull``, ``read_file``) check each chunk anyway, so ``up``
+       (:func:`warmctl.store.maintenance.verify` of ``[digest]``), so a changed, truncated,
+       missing or swapped chunk raises here. Reads from the store (``pull``, ``read_file``) check each chunk anyway, so ``up``
        need not pay for this; it is for audits and for a store that is materialized directly.
 
     ``insecure=True`` (the CLI's ``--insecure-skip-verify``) turns a failed *trust* step into a
@@ -369,7 +369,9 @@ def verify_manifest(
 
 
 def _verify_chunks(store: Any, digest: str) -> None:
-    rep = store.verify([digest])
+    from warmctl.store import maintenance
+
+    rep = maintenance.verify(store, [digest])
     problems = [*rep.bad_manifests, *(str(p) for p in rep.missing), *(str(p) for p in rep.corrupt)]
     if problems:
         raise IntegrityError(f"snapshot {digest} in {store.location}: " + "; ".join(problems[:5])

@@ -50,12 +50,12 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     ranks' default CPU binding, the CPU build's PYTHONPATH); raises
     :class:`warmctl.errors.HostError` when the ranks' binding cannot be satisfied here. A
     ``builtin:`` model is shown at the path it is built to on first use."""
-    from warmctl import tinymodel
+    from warmctl import builtinmodels
     from warmctl.engine.vllm import engine_env, engine_environment, vllm_command, wrapped_command
     from warmctl.engine.cold import launch_env
 
     m = profile.engine.model
-    model = str(d) if (d := tinymodel.builtin_dir(m, models_dir)) is not None else m
+    model = str(d) if (d := builtinmodels.builtin_dir(m, models_dir)) is not None else m
     inner = vllm_command(profile, model)
     ours = {**engine_env(profile), **launch_env(profile)}
     inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
