@@ -591,7 +591,7 @@ def report(res: dict) -> None:
         if f"up_fresh_{kind}" in res:
             aims.append((f"fresh node from {label} / up warm", res[f"up_fresh_{kind}"]["to_token_s"] / wu, bound, "<="))
         if f"up_fresh_{kind}_written_first" in res:  # the same, restore_stream = never: what streaming saved
-            aims.append((f"  (image written first, not streamed)", res[f"up_fresh_{kind}_written_first"]["to_token_s"] / wu,
+            aims.append(("  (image written first, not streamed)", res[f"up_fresh_{kind}_written_first"]["to_token_s"] / wu,
                          None, "<="))
     if mat:
         dd = res["dd_image_cold"]

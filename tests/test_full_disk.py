@@ -5,11 +5,10 @@ intact."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
-from tests.test_catalog import host, publish_snapshot
+from tests.test_catalog import host
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
 from warmctl import diskspace
 from warmctl.catalog import Catalog, Ref

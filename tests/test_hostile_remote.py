@@ -525,7 +525,7 @@ def test_s3_sizes_names_rollback_and_streamed_listing(tmp_path, s3_url):
     new = f.publish(2, T1)
     assert cat.resolve("tiny", f.fp(), b, accepted=acc).digest == new
     # rollback: the old entry and its signature put back, the new one removed
-    hx_old, hx_new = old.split(":")[1], new.split(":")[1]
+    hx_old = old.split(":")[1]
     remote.backend.save(f"catalog/tiny/latest/sha256-{hx_old}.json", old_entry)
     remote.backend.save(f"catalog/tiny/latest/sha256-{hx_old}.sig", old_sig)
     cat.remove("tiny", "latest", new)

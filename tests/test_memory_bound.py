@@ -18,13 +18,11 @@ engine is started; about 15 s and 2 GiB of disk (page cache) for the image."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import warmctl
 from test_hostile_remote import Fleet
 
 from warmctl.catalog import Catalog, Ref

@@ -99,8 +99,8 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     art = _artifact(oci, f"manifest-{d[7:]}")
     assert art["artifactType"] == ocimod.SNAPSHOT_TYPE and art["mediaType"] == ocimod.OCI_MANIFEST
     assert art["layers"][0]["digest"] == d and art["layers"][0]["mediaType"] == ocimod.MANIFEST_LAYER
-    packs = [l for l in art["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
-    indexes = [l for l in art["layers"] if l["mediaType"] == ocimod.INDEX_LAYER]
+    packs = [lay for lay in art["layers"] if lay["mediaType"] == ocimod.PACK_LAYER]
+    indexes = [lay for lay in art["layers"] if lay["mediaType"] == ocimod.INDEX_LAYER]
     assert len(packs) == len(indexes) >= 3  # 8 chunks of ~4 MiB in packs of <= 10 MiB (+ one chunk)
     assert all(p["size"] <= 10 * MiB + 4 * MiB + 1024 for p in packs)
     tags = OCIBackend(*parse_url(oci)).tags()
@@ -123,8 +123,8 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     rep2 = push(a, _store(oci), "tiny", "v2")
     assert rep2.chunks_total == 7 and rep2.chunks_copied == 1
     art2 = _artifact(oci, f"manifest-{d2[7:]}")
-    assert {l["digest"] for l in art2["layers"] if l["mediaType"] == ocimod.PACK_LAYER} <= {p["digest"] for p in packs} | {
-        l["digest"] for l in art2["layers"][-1:]}
+    assert {lay["digest"] for lay in art2["layers"] if lay["mediaType"] == ocimod.PACK_LAYER} <= {p["digest"] for p in packs} | {
+        lay["digest"] for lay in art2["layers"][-1:]}
 
     remote = _store(oci)
     assert sorted((e.tag, e.manifest) for e in Catalog(remote).all_entries()) == sorted([("latest", d), ("v2", d2)])
@@ -225,7 +225,7 @@ def _pushed_layer(oci: str, tmp_path, seed: int, media: str) -> tuple[str, dict]
     a = open_store(tmp_path / "a")
     d = snapshot(a, "tiny", {"p.img": f})
     push(a, _store(oci), "tiny")
-    return d, next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == media)
+    return d, next(lay for lay in _artifact(oci, f"manifest-{d[7:]}")["layers"] if lay["mediaType"] == media)
 
 
 def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
@@ -309,7 +309,7 @@ def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
     r = _warmctl(home_b, oci, "pull", "tiny", "--all", env_extra={"WARMCTL_KEYS_DIR": str(home_b / "keys")})
     assert r.returncode == 0, r.stderr
     assert tag_of(open_store(home_b / "store"), "tiny") == d
-    packs = [l["digest"] for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
+    packs = [lay["digest"] for lay in _artifact(oci, f"manifest-{d[7:]}")["layers"] if lay["mediaType"] == ocimod.PACK_LAYER]
     r = _warmctl(home_b, oci, "rm", "tiny")
     assert r.returncode == 0, r.stderr
     assert tag_of(open_store(oci), "tiny") is None and tag_of(open_store(home_b / "store"), "tiny") is None
@@ -344,7 +344,7 @@ def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, 
             d = snapshot(a, "tiny", {"p.img": f})
             push(a, _store(url), "tiny")
             art = _artifact(url, f"manifest-{d[7:]}")
-            packs = [l["digest"] for l in art["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
+            packs = [lay["digest"] for lay in art["layers"] if lay["mediaType"] == ocimod.PACK_LAYER]
             assert len(packs) >= 3
             before = len(origin.access_log())
             for node in ("b", "c"):

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import Manifest
-from warmctl.store.backend import ObjectNotFound, load_limited
+from warmctl.store.backend import load_limited
 from warmctl.store.layout import MAX_SIGNATURE_BYTES
 
 if TYPE_CHECKING:
