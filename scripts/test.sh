@@ -18,10 +18,11 @@ export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}
 export WARMCTL_REQUIRE_REGISTRY=${WARMCTL_REQUIRE_REGISTRY:-1}
 cd "$REPO"
 VENV=${WARMCTL_VENV:-$REPO/.venv}
-# Fail fast, before any test: the import contract (the layers of docs/design.md) and lint
-# (ruff), both configured in pyproject.toml.
+# Fail fast, before any test: the import contract (the layers of docs/design.md), lint (ruff)
+# and types (mypy), all configured in pyproject.toml.
 "$VENV/bin/lint-imports" --no-cache
 "$VENV/bin/ruff" check warmctl tests benchmarks scripts
+"$VENV/bin/python" -m mypy
 # The suite's temporary files (pytest's, under TMPDIR) peak near 15 GiB (the fleet tests' node
 # homes); with less free, tests fail on a full disk far from the cause: say so first.
 free_kib=$(df -Pk "${TMPDIR:-/tmp}" 2>/dev/null | awk 'NR==2 {print $4}' || true)

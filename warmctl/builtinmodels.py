@@ -33,4 +33,6 @@ def build_builtin(model: str, models_root: Path) -> Path | None:
         return None
     if model in tinymodel.BUILTIN:
         return tinymodel.build(d, tinymodel.BUILTIN[model])
-    return randmodel.build(d, randmodel.parse(model))
+    shape = randmodel.parse(model)
+    assert shape is not None  # builtin_dir found the name
+    return randmodel.build(d, shape)

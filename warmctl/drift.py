@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warmctl.profile import Profile, ProfileError, describe_diff, diff_profiles, find_profile, load_profile_file
+
+if TYPE_CHECKING:
+    from warmctl.catalog import CatalogEntry
 
 
 @dataclass
@@ -107,7 +111,7 @@ class DriftCache:
 
 
 def against_newest(store_url: str | Path, profile: Profile, tag: str | None = None,
-                   profile_file: Path | None = None) -> tuple[object, Drift] | None:
+                   profile_file: Path | None = None) -> tuple[CatalogEntry, Drift] | None:
     """``(catalog entry, Drift)`` of the newest snapshot of ``profile.name`` (of ``tag``, or of any
     tag) in the catalog of the store at ``store_url`` against ``profile``; None when there is
     none. Only reads (no lock is taken)."""

@@ -416,7 +416,7 @@ def _env_facts(python: str | Path | None) -> tuple[list[tuple[str, str]], str]:
 
         raise HostError(f"cannot list the distributions of the engine's Python {python}: {e}") from None
     data = json.loads(out.stdout)
-    return [tuple(x) for x in data["dists"]], data["python"]  # type: ignore[misc]
+    return [tuple(x) for x in data["dists"]], data["python"]
 
 
 def environment_digest(dists: list[tuple[str, str]]) -> str:
@@ -456,7 +456,7 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> Host
             plugin_dir = criu_plugin_dir(criu)
             gpus, driver, cuda, reason = agpus, adriver, None, None
             amd = {"gpu_source": source, "criu_plugin_dir": str(plugin_dir), "criu_plugins": criu_plugins(plugin_dir)}
-        elif not areason.startswith("no AMD GPU in the KFD topology"):
+        elif areason and not areason.startswith("no AMD GPU in the KFD topology"):
             reason = f"{reason}; {areason}"
     dists, pyver = _env_facts(python)
     u = os.uname()

@@ -567,7 +567,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
                 reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
             except Exception as e:  # noqa: BLE001 - the engine keeps serving when it still can
                 snapshot_error = _snapshot_failed(run, profile, record, tag, e)
-                run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  (shown by `up` and `status`)
+                run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  # shown by `up` and `status`
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
         _open_gate(run, profile, host_, port, reporter, gate_args)
     except BaseException:

@@ -22,7 +22,8 @@ _EP_FLAGS = ("--enable-expert-parallel", "-ep")
 
 def cpu_list(cpus) -> str:
     """``{0, 1, 2, 3, 8}`` -> ``"0-3,8"`` (the kernel's CPU list syntax)."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for c in sorted(cpus):
         if run and c == run[-1] + 1:
             run.append(c)

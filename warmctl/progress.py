@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from functools import cached_property
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from warmctl import faults
 from warmctl.manifest import Phase
@@ -69,7 +69,7 @@ class ConsoleReporter(Reporter):
     def __init__(self, quiet: bool = False) -> None:
         super().__init__()
         self.quiet = quiet
-        self._status = None
+        self._status: Any = None  # rich's Status while a phase runs on a terminal
 
     @cached_property
     def console(self):

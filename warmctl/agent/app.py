@@ -177,7 +177,7 @@ def _err(status: int, code: str, message: str, holder: str | None = None, header
                         headers=headers)
 
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
 }
 NOT_FOUND = {404: {"model": ErrorBody, "description": "No such object"}}
@@ -387,7 +387,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
         return _err(422, "unprocessable", msgs)
 
-    v1 = dict(dependencies=[Depends(auth)], responses=ERRORS)
+    v1: dict[str, Any] = dict(dependencies=[Depends(auth)], responses=ERRORS)
     s = settings
 
     # -- probes and metrics --------------------------------------------------------------

@@ -128,7 +128,7 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
     class GuardedHttpProtocol(HttpToolsProtocol):
         _header_timer = None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 self.logger.warning("closing a connection from %s: %d connections are open (the limit)",

@@ -450,7 +450,7 @@ class ImageCache:
     def entries(self) -> list[CacheEntry]:
         """Every entry, most recently used first (by ``used.json``'s sequence number, then by
         the time of last use; an entry never marked by its marker's mtime)."""
-        out = []
+        out: list[CacheEntry] = []
         if not self.root.is_dir():
             return out
         try:

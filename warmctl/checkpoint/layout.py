@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from warmctl.checkpoint.affinity import cpu_list, parse_cpu_list
 from warmctl.errors import CheckpointError, HostError
@@ -472,7 +472,7 @@ def listening(root_pid: int) -> list[tuple[str, int]]:
 
 
 def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: str | None,
-           listen: list[tuple[str, int]] = ()) -> "ParallelLayout":
+           listen: Sequence[tuple[str, int]] = ()) -> "ParallelLayout":
     """The manifest's ``restore.layout`` for ``ranks`` (:func:`discover`); ``listen``: the
     tree's listening sockets (:func:`listening`)."""
     from warmctl.manifest import ParallelLayout, RankRecord

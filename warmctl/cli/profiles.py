@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -96,7 +96,7 @@ def stored_profile_problems(url: str) -> list[dict]:
             refs.setdefault(e.manifest, []).append(f"{e.name}:{e.tag}")
         names = cat.names()
     except WarmctlError as e:
-        return [{"store": url, "object": store.location(), "kind": "catalog", "name": None, "refs": [], "field": None,
+        return [{"store": url, "object": store.location, "kind": "catalog", "name": None, "refs": [], "field": None,
                  "problem": f"unreadable: {e}"}]
     for name in names:
         where = store.backend.location(f"{CATALOG_PREFIX}{name}/profile.json")
@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.profile import ProfileError, find_profile, load_profile_file
 
         settings = load_settings()
-        results = []
+        results: list[dict[str, Any]] = []
         for f in files:
             try:
                 path = find_profile(f, settings.profile_dirs)

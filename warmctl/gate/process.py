@@ -46,8 +46,8 @@ def policy_args(api_key_file: Path | None = None, tls_cert: Path | None = None, 
     if (tls_cert is None) != (tls_key is None):
         raise GateConfigError("TLS needs both a certificate file and a private-key file (gate_tls_cert, gate_tls_key)")
     if tls_cert is not None:
-        tls_context(tls_cert, tls_key)  # type: ignore[arg-type]
-        args += ["--tls-cert", str(Path(tls_cert).absolute()), "--tls-key", str(Path(tls_key).absolute())]  # type: ignore[arg-type]
+        tls_context(tls_cert, tls_key)
+        args += ["--tls-cert", str(Path(tls_cert).absolute()), "--tls-key", str(Path(tls_key).absolute())]
     for p in public_paths if public_paths is not None else ():
         args += ["--public-path", p]
     if public_paths is not None and not public_paths:

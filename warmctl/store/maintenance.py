@@ -155,8 +155,8 @@ def du(store: Store, names: dict[str, list[str]] | None = None) -> DuReport:
     manifests = {d: store.get_manifest(d) for d in store.list_manifests()}
     refcount: dict[str, int] = {}
     for m in manifests.values():
-        for c in m.chunk_digests():
-            refcount[c] = refcount.get(c, 0) + 1
+        for digest in m.chunk_digests():
+            refcount[digest] = refcount.get(digest, 0) + 1
     rows = []
     for d, m in manifests.items():
         logical = stored = unique = zero = missing = 0
