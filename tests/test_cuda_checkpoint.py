@@ -473,7 +473,7 @@ def test_no_ranks_is_a_no_op():
     assert ranks.restore_ranks([]).phases == {}
 
 
-# ------------------------------------------------------- issue 15: fixes before the GPU run
+# ------------------------------------------------------- fixes before the GPU run
 
 
 def test_a_rank_left_failed_makes_the_rollback_incomplete(api, drv, built):

@@ -1,4 +1,4 @@
-"""A full disk during ``pull`` and during ``up``'s materialize (issue 14's fault table), on a
+"""A full disk during ``pull`` and during ``up``'s materialize, on a
 real size-limited tmpfs mounted for the test (skipped where mounting is not allowed): the error
 names the disk and the bytes, nothing is named or kept half-written, and the source stays
 intact."""
@@ -22,7 +22,7 @@ from warmctl.trust import generate_keypair
 
 @pytest.mark.parametrize("precheck", [True, False], ids=["refused-before", "filled-during"])
 def test_full_disk_during_pull_names_the_disk_and_names_nothing(tmp_path, small_fs, monkeypatch, precheck):
-    """Refused before the first chunk (issue 27: the chunks to fetch, 12 MiB, against 6 MiB
+    """Refused before the first chunk (the chunks to fetch, 12 MiB, against 6 MiB
     free); and, with that check out of the way (another writer filling the disk meanwhile), the
     copy failing amid the chunks."""
     if not precheck:
@@ -61,7 +61,7 @@ def test_full_disk_during_materialize_keeps_no_partial_image(tmp_path, small_fs)
     cache = ImageCache(small_fs / "images")
     with pytest.raises(HostError) as e:
         cache.get(store, m, digest)
-    # refused before writing (issue 27): the numbers and the path named
+    # refused before writing: the numbers and the path named
     assert "not enough disk space" in str(e.value) and "needed 12,582,912 bytes" in str(e.value), str(e.value)
     assert str(small_fs) in str(e.value) and "bytes free" in str(e.value)
     assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))

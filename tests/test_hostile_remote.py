@@ -1,4 +1,4 @@
-"""Issue 31: a hostile remote store (someone who can write its files or objects, but cannot sign)
+"""A hostile remote store (someone who can write its files or objects, but cannot sign)
 can do nothing to a node. Each numbered attack of the issue, against a real directory remote
 (and the moto S3 server where it translates), with two homes: A publishes with its own key, B
 trusts only A's public key and pulls, restores (up to the point where the synthetic snapshot's

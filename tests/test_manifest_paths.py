@@ -1,4 +1,4 @@
-"""Manifest paths are checked whatever the signature says (issue 14, item 9): every path when a
+"""Manifest paths are checked whatever the signature says: every path when a
 manifest is parsed, and where bundled files (role ``file``) may be written, before ``up`` writes
 anything. The end-to-end cases publish a hand-made manifest unsigned into a real store and run
 the real ``warmctl up --insecure-skip-signature-check`` against it."""

@@ -1,4 +1,4 @@
-"""``warmctl profile ls|show|check|command`` (issue 18) through the real entry point; ``profile
+"""``warmctl profile ls|show|check|command`` through the real entry point; ``profile
 diff`` and stale snapshots are in test_profile_drift.py."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_profile_command_is_seed_003_flag_by_flag(home):
     assert not Path(tiny["model"]).exists()  # shown, not built
 
 
-# ----------------------------------------------------------------------------- credentials (issue 26)
+# ----------------------------------------------------------------------------- credentials
 
 PROBE = "sk-probe-7f3a9c1e5d"
 

@@ -331,7 +331,7 @@ def test_digest_helpers():
 
 
 def test_a_lock_whose_pid_is_another_process_now_is_stale(tmp_path):
-    """Issue 24: a lock taken on this host names its holder by PID and start ticks; a PID that
+    """A lock taken on this host names its holder by PID and start ticks; a PID that
     is alive but started at another moment (reused) is a gone holder, the live holder is not."""
     import json as _json
     import socket

@@ -158,7 +158,7 @@ def test_damaged_cache_entry_is_refetched_from_the_remote_and_rewritten(tmp_path
         src.read_file(refs, tmp_path / "again.img", cache=open_store(tmp_path / "cache"))
     assert (tmp_path / "again.img").read_bytes() == f.read_bytes()
     assert victim.read_bytes() == good == (tmp_path / "remote" / chunk_key(refs[1].digest)).read_bytes()
-    # not in silence (issue 14, item 7): one warning naming the chunk, the bad copy and the source
+    # not in silence: one warning naming the chunk, the bad copy and the source
     (w,) = [r.getMessage() for r in caplog.records if refs[1].digest in r.getMessage()]
     assert str(victim) in w and "is bad" in w and str(tmp_path / "remote") in w
 

@@ -1,4 +1,4 @@
-"""Crash safety of the local store (issue 14, item 2): a real ``warmctl`` writer (push, gc) is
+"""Crash safety of the local store: a real ``warmctl`` writer (push, gc) is
 killed with SIGKILL at every write point of the local backend in turn
 (``WARMCTL_FAULT_KILL_AT_WRITE=N``, :mod:`warmctl.store.local`), and after each kill the store
 passes ``verify``, every catalog entry and signature names a stored manifest, and the next run
@@ -234,7 +234,7 @@ def _state(pid: int) -> str:
 
 
 def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_data(tmp_path):
-    """Issue 14, item 3, as the issue says: a writer (a real ``warmctl push``) is paused by
+    """A writer (a real ``warmctl push``) is paused by
     SIGSTOP past its lock's lifetime (3 s here, ``WARMCTL_LOCK_STALE_S``) at one write point after
     another, ``warmctl gc --grace 0`` runs meanwhile (and judges the lock stale), the writer is
     resumed (SIGCONT): either it fails cleanly (LockLost, its own exit code, no traceback) or every

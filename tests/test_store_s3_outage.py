@@ -40,7 +40,7 @@ def remote_snap(s3_url, tmp_path):
     (s3 url, digest, the file, number of stored chunks, their stored bytes)."""
     f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH), ("zero", 4 * CH)], seed=7)
     local = open_store(tmp_path / "local", chunk_size=CH)
-    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it (issue 31)
+    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it
     d = snapshot(local, "tiny", {"pages-1.img": f}, signer=kp.private)
     rep = push(local, open_store(s3_url), "tiny", "latest")
     local.close()
@@ -121,7 +121,7 @@ def test_pull_gives_up_after_window_then_rerun_fetches_only_missing(remote_snap,
 def test_push_survives_endpoint_down_for_3_s(s3_url, moto_endpoint, tmp_path):
     f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH)], seed=8)
     local = open_store(tmp_path / "local", chunk_size=CH)
-    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it (issue 31)
+    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it
     d = snapshot(local, "tiny", {"pages-1.img": f}, signer=kp.private)
     local.close()
     proxy = TcpProxy(moto_endpoint).start()

@@ -1,4 +1,4 @@
-"""Free space checked before writing (issue 27, "Disk at scale"): ``up`` and ``pull`` add up
+"""Free space checked before writing: ``up`` and ``pull`` add up
 what they will write on each filesystem and refuse, naming the numbers, before writing anything.
 
 What a command will write is known from the manifest before the first byte moves: the

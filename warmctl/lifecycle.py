@@ -206,7 +206,7 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
 
 def _healthy(port: int) -> bool:
     """True if the engine on loopback ``port`` answers ``/health`` with 200 within 5 s."""
-    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback (issue 12)
+    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback
 
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
@@ -281,7 +281,7 @@ def escape(text: str) -> str:
 
 def restoring_line(ref: str, res) -> str:
     """``snapshot REF = DIGEST, created DATE (AGE ago), signed by key K``: what ``up`` says it
-    restores (issue 31: the digest and the age, so a rollback is visible)."""
+    restores (the digest and the age, so a rollback is visible)."""
     created = res.manifest.created
     age = (datetime.now(timezone.utc) - created).total_seconds()
     ago = f"{age / 86400:.1f} days" if age >= 86400 else f"{age / 3600:.1f} h" if age >= 3600 else f"{max(age, 0) / 60:.0f} min"

@@ -74,7 +74,7 @@ class ConsoleReporter(Reporter):
     @cached_property
     def console(self):
         """The stderr console (:func:`warmctl.console.err`), made on first use: a quiet
-        reporter (``up --json``) never imports rich (issue 12)."""
+        reporter (``up --json``) never imports rich."""
         from warmctl.console import err
 
         return err()

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SIGNATURE_DOMAIN = b"warmctl/manifest-signature/v1\n"
 SIGNATURE_FORMAT = 1
 SIGNATURES_PREFIX = "signatures/"
-#: Prefix of a signed catalog entry's message (issue 31: names are signed, like manifests).
+#: Prefix of a signed catalog entry's message (names are signed, like manifests).
 ENTRY_SIGNATURE_DOMAIN = b"warmctl/catalog-entry-signature/v1\n"
 #: The entry fields an entry signature covers: everything a node acts on (the path it lives at
 #: repeats name, tag and manifest; ``created`` orders entries and is what rollback protection
@@ -470,7 +470,7 @@ def check_entry(entry: Any, sigs: EntrySignatures | None, trusted: dict[str, tup
 def install_public_key(public: str | Path, keys_dir: str | Path, stem: str) -> tuple[Path, bool]:
     """Trust the public key in file ``public`` by writing it into ``keys_dir`` as
     ``<stem>-<key id>.pub`` (mode 0644): a file named by its key's id, so a second key never
-    replaces a first one (issue 18: a second home on one host overwrote the first's
+    replaces a first one (a second home on one host overwrote the first's
     ``local-<hostname>.pub`` and every snapshot of the first then failed ``up``).
 
     Returns ``(path, installed)``: ``installed`` is False when the key is trusted already (by

@@ -213,7 +213,7 @@ class AgentState:
         The answer is taken by one background thread at a time, never on the request's own
         time: ``lifecycle.status`` probes each engine's ``/health`` for up to 2 s, and a
         status storm (a scheduler fleet polling an engine whose ``/health`` hangs) must not
-        hold the agent's worker threads (issue 19: 60 pollers starved ``/healthz``). A caller
+        hold the agent's worker threads (60 pollers starved ``/healthz``). A caller
         gets the last answer at once and, when it is older than :data:`STATUS_TTL_S`
         (stamped when the probes *finished*), starts one refresh; only when there is no
         answer yet (start, or after :meth:`forget_status`) does it wait for the refresh, up

@@ -231,7 +231,7 @@ class JobManager:
         """Load jobs written by an earlier agent process. Jobs that were queued or running are
         marked ``interrupted`` (and rewritten); returns those interrupted jobs.
 
-        Only records this agent wrote are read (issue 19): the jobs directory and each
+        Only records this agent wrote are read: the jobs directory and each
         ``j-*.json`` must be real (no symbolic link), owned by the agent's user and not
         writable by others, the job's id must match :data:`JOB_ID_PATTERN` and its file be
         ``ID.json``. Anything else is logged and left untouched; the agent's own left-over

@@ -1,6 +1,6 @@
 """Output for people and for logs: one place that decides how the CLI writes.
 
-Rules (issue 18), applied by every command:
+Rules, applied by every command:
 
 - **Terminal or not.** A stream is a terminal when ``isatty()`` says so. Not a terminal
   (systemd's journal, CI, a pipe): nothing is hard-wrapped (a long path or digest stays on its
@@ -29,7 +29,7 @@ import typer
 
 from warmctl.console import console, err, is_terminal, no_color, out  # noqa: F401 - the consoles, re-exported
 
-if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or `up --json` (issue 12)
+if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or `up --json`
     from rich.console import Console
 
 #: The ``--json`` option: ``flag: bool = JsonOpt`` in a command's signature.

@@ -17,7 +17,7 @@ import typer
 from warmctl.cli.output import JsonOpt, emit_json
 from warmctl.errors import SnapshotNotFound
 
-if TYPE_CHECKING:  # config and profile (pydantic models) are imported by the command that runs (issue 12)
+if TYPE_CHECKING:  # config and profile (pydantic models) are imported by the command that runs
     from warmctl.profile import Profile
 
 

@@ -111,7 +111,7 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
 class PendingGate:
     """A gate process started ahead of time (:func:`prestart`) that does not listen until
     :meth:`open`: its interpreter start-up and imports (~0.2-0.9 s on a loaded 2-core host)
-    overlap the restore instead of delaying the public port after the canary (issue 12).
+    overlap the restore instead of delaying the public port after the canary.
     It holds no socket before :meth:`open`, and exits without ever listening if the process
     that started it closes its stdin (exits, or calls :meth:`cancel`)."""
 

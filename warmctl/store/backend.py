@@ -386,7 +386,7 @@ class RetryingBackend(ForwardingBackend):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """The inner listing, streamed (a listing of any length holds one page at a time, not
-        every key: issue 31); a transient failure midway restarts it after the retry wait and
+        every key, however many a hostile remote holds); a transient failure midway restarts it after the retry wait and
         skips the keys already yielded (only their names are remembered)."""
         seen: set[str] = set()
         first: float | None = None
