@@ -1,4 +1,4 @@
-"""The agent under hostile clients (issue 19), measured on the real agent (``python -m warmctl
+"""The agent under hostile clients, measured on the real agent (``python -m warmctl
 agent`` on a private home, loopback port from the kernel), for one or more checkouts side by
 side::
 

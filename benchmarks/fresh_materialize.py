@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     os.environ["WARMCTL_CONFIG"] = str(a.home / "config.toml")
-    from warmctl.catalog import Catalog, Ref
+    from warmctl.catalog import Ref
     from warmctl.fleet import entries_to_copy, transfer
     from warmctl.store import open_store
 

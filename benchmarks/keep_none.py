@@ -1,4 +1,4 @@
-"""What keeping no image costs (issue 27, "Disk at scale"): ``warmctl up`` with the verified image
+"""What keeping no image costs: ``warmctl up`` with the verified image
 this node keeps vs ``up`` on a node that keeps none (``image_cache_bytes = 0``), time to the first
 *correct* token, interleaved in one run on one snapshot of ``tiny``.
 

@@ -1,5 +1,5 @@
 """Lazy (on-demand) CRIU restore vs the eager raw restore: first correct token, and how much of
-the image the first token needs (issue 12: "then beat the raw restore").
+the image the first token needs ("then beat the raw restore").
 
 Eager: ``criu restore`` reads every page of the image into the new processes before any of them
 runs (what ``warmctl up`` and ``benchmarks/up_vs_raw.py`` do). Lazy: ``criu lazy-pages -D IMG``

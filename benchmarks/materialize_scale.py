@@ -1,5 +1,5 @@
 """Materialize from the local store at several sizes, cold page cache, beside its floors, no engine
-(docs/benchmarks.md, "Scale (issue 27)": materialize per GiB grew 3x between 6.75 and 18 GiB).
+(docs/benchmarks.md, "Scale": materialize per GiB grew 3x between 6.75 and 18 GiB).
 
 One synthetic local store is built for the largest size (``--sizes``, logical GiB): 4 MiB chunks
 of random bfloat16-like bytes (the top 16 bits of normal float32 values of std 0.02, as random

@@ -1,4 +1,4 @@
-"""The cost curve (issue 27): snapshot, push, pull and ``up`` of one engine size beside its floors.
+"""The cost curve: snapshot, push, pull and ``up`` of one engine size beside its floors.
 
 One size per invocation (``--size tiny`` = the shipped 2.7 GiB ``tiny`` profile; ``8g`` / ``16g``
 = ``benchmarks/profiles/scale-8g.toml`` / ``scale-16g.toml``, random-weight Llamas of
@@ -28,7 +28,7 @@ the phase moves), warmctl's own CPU seconds (user+sys of the warmctl process, sa
 the host's I/O-wait seconds (/proc/stat delta, all CPUs: the host is shared). Where the CPU goes
 is estimated from per-byte rates measured in this run on this snapshot's own chunks (BLAKE3,
 zstd level -1 compress and decompress, a memory copy), times the bytes each command handles.
-The aims of issue 27 (item 3) are printed with their ratios and whether each is met; ``--json``
+The scaling aims (per-GiB costs flat across sizes, and the rest below) are printed with their ratios and whether each is met; ``--json``
 writes every figure.
 
 Usage (as root: drop_caches and CRIU)::
@@ -360,15 +360,15 @@ def run(a, work: Path, models: Path, res: dict) -> None:
         f"mem available {mem_available() / GiB:.1f} GiB")
 
     # -- the model (built by the CLI's first cold start if missing; timed here when built)
-    from warmctl import tinymodel
+    from warmctl import builtinmodels
     from warmctl.profile import load_profile
 
     settings = load_settings()
     prof = load_profile(name, settings.profile_dirs)
-    mdir = tinymodel.builtin_dir(prof.engine.model, settings.models_dir)
+    mdir = builtinmodels.builtin_dir(prof.engine.model, settings.models_dir)
     if mdir is not None and not (mdir / "config.json").exists():
         t0 = time.monotonic()
-        tinymodel.build_builtin(prof.engine.model, settings.models_dir)
+        builtinmodels.build_builtin(prof.engine.model, settings.models_dir)
         dt = time.monotonic() - t0
         wb = sum(p.stat().st_size for p in mdir.glob("*.safetensors"))
         res["model_build"] = {"s": dt, "bytes": wb}
@@ -554,7 +554,7 @@ def run(a, work: Path, models: Path, res: dict) -> None:
 
 
 def report(res: dict) -> None:
-    """The summary: per-GiB costs, where the CPU goes, and the aims of issue 27 item 3."""
+    """The summary: per-GiB costs, where the CPU goes, and the scaling aims."""
     L, rt = res["logical_bytes"], res["rates"]
     gl = L / GiB
     say(f"\nsummary ({res['size']}, {gl:.2f} GiB logical, stored {res['stored_bytes'] / GiB:.2f} GiB):")
@@ -592,7 +592,7 @@ def report(res: dict) -> None:
         if f"up_fresh_{kind}" in res:
             aims.append((f"fresh node from {label} / up warm", res[f"up_fresh_{kind}"]["to_token_s"] / wu, bound, "<="))
         if f"up_fresh_{kind}_written_first" in res:  # the same, restore_stream = never: what streaming saved
-            aims.append((f"  (image written first, not streamed)", res[f"up_fresh_{kind}_written_first"]["to_token_s"] / wu,
+            aims.append(("  (image written first, not streamed)", res[f"up_fresh_{kind}_written_first"]["to_token_s"] / wu,
                          None, "<="))
     if mat:
         dd = res["dd_image_cold"]
@@ -607,7 +607,7 @@ def report(res: dict) -> None:
                   if k in res])
     aims.append(("peak RSS of any warmctl command (MiB)", peak, 512, "<="))
     res["aims"] = []
-    say("\naims (issue 27, item 3; per-GiB flatness: compare s/GiB above across sizes):")
+    say("\naims (per-GiB flatness: compare s/GiB above across sizes):")
     for label, v, bound, op in aims:
         ok = None if bound is None else (v <= bound if op == "<=" else v >= bound)
         res["aims"].append({"aim": label, "value": v, "bound": bound, "op": op, "met": ok})

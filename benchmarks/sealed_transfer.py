@@ -1,5 +1,5 @@
-"""`push` and the pull `up` does, to and from a directory remote, sealed vs not, in one run
-(issue 26): the cost of sealing (AES-256-GCM per object, docs/store-format.md "Sealed stores").
+"""`push` and the pull `up` does, to and from a directory remote, sealed vs not, in one run:
+the cost of sealing (AES-256-GCM per object, docs/store-format.md "Sealed stores").
 
 Takes the newest snapshot of a local store (``--store``, e.g. the home of a ``warmctl snapshot
 tiny``) and, per round and per mode (plain, sealed, alternating), pushes it to an empty remote

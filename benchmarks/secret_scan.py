@@ -1,4 +1,4 @@
-"""The secret scan's speed against reading the same files (issue 26): ``snapshot`` searches every
+"""The secret scan's speed against reading the same files: ``snapshot`` searches every
 byte it is about to store for every secret value warmctl knows (:mod:`warmctl.credentials`);
 this measures that search in GiB/s beside ``cat FILES > /dev/null`` of the same files, in one
 run, both with the files in the page cache (each is read once first, so both sides read memory,

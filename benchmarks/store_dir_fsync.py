@@ -1,4 +1,4 @@
-"""What the directory fsync of the local store costs (issue 14, item 2; docs/benchmarks.md).
+"""What the directory fsync of the local store costs (docs/benchmarks.md).
 
 Side by side in one run, interleaved (which goes first alternates), after one warm-up run,
 ``--rounds`` times (medians printed): the store's own write

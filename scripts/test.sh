@@ -17,10 +17,16 @@ bash "$REPO/scripts/install-test-services.sh"
 export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}
 export WARMCTL_REQUIRE_REGISTRY=${WARMCTL_REQUIRE_REGISTRY:-1}
 cd "$REPO"
+VENV=${WARMCTL_VENV:-$REPO/.venv}
+# Fail fast, before any test: the import contract (the layers of docs/design.md), lint (ruff)
+# and types (mypy), all configured in pyproject.toml.
+"$VENV/bin/lint-imports" --no-cache
+"$VENV/bin/ruff" check warmctl tests benchmarks scripts
+"$VENV/bin/python" -m mypy
 # The suite's temporary files (pytest's, under TMPDIR) peak near 15 GiB (the fleet tests' node
 # homes); with less free, tests fail on a full disk far from the cause: say so first.
 free_kib=$(df -Pk "${TMPDIR:-/tmp}" 2>/dev/null | awk 'NR==2 {print $4}' || true)
 if [ -n "$free_kib" ] && [ "$free_kib" -lt $((16 * 1024 * 1024)) ]; then
   echo "[test] warning: $((free_kib / 1024 / 1024)) GiB free under ${TMPDIR:-/tmp}; the whole suite's temporary files need about 16 GiB" >&2
 fi
-exec "${WARMCTL_VENV:-$REPO/.venv}/bin/python" -m pytest -v --durations=15 "$@"
+exec "$VENV/bin/python" -m pytest -v --durations=15 "$@"

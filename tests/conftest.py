@@ -67,7 +67,7 @@ def wait_until(cond, timeout_s: float = 20.0) -> bool:
 
 
 #: The temp directory, where vLLM binds its ZMQ IPC sockets (``<uuid>``) unless
-#: ``VLLM_RPC_BASE_PATH`` says otherwise (warmctl gives each engine its own, issue 24 item 5).
+#: ``VLLM_RPC_BASE_PATH`` says otherwise (warmctl gives each engine its own).
 TMP = Path(tempfile.gettempdir())
 
 
@@ -246,7 +246,7 @@ def wc_env(tmp_path_factory, engine_ports) -> dict[str, str]:
 
 
 #: Credentials in the environment of the session's ``warmctl snapshot tiny``, as a publisher
-#: with S3 credentials and a Hugging Face token has them (issue 26): none may reach the engine,
+#: with S3 credentials and a Hugging Face token has them: none may reach the engine,
 #: a stored byte or the restored engine (test_e2e_main.py checks).
 SNAPSHOT_PROBES = {"AWS_ACCESS_KEY_ID": "AKIAPROBE5C2E9A71F0D3", "AWS_SECRET_ACCESS_KEY": "probe-secret-8b1f6e2d94c07a35",
                    "HF_TOKEN": "hf_probe3e7a1c9d50b2f468"}

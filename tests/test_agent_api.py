@@ -403,7 +403,7 @@ def test_recovery_cleans_what_a_dead_up_left(tmp_path):
     """A state file short of `serving` whose engine process still runs (its identity recorded),
     a tree CRIU restored after the record whose PID only reached `restore.pid`, plus a
     half-written image directory: the agent kills and removes them at start. An operator's
-    shell whose working directory is the run directory is left alone (issue 19)."""
+    shell whose working directory is the run directory is left alone."""
     home = tmp_path / "home"
     run = home / "run" / "tiny"
     (run / "images").mkdir(parents=True)

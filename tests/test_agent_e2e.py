@@ -113,7 +113,7 @@ def clean(wc_env, engine_ports):
     for p in left:
         p.kill()
     assert not left, f"processes left behind: {left}"
-    # no PID record survives down (issue 14 item 1): engine.pid, CRIU's restore.pid
+    # no PID record survives down: engine.pid, CRIU's restore.pid
     assert not list((home / "run").glob("*/*.pid")), list((home / "run").glob("*/*.pid"))
 
 

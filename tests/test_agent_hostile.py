@@ -1,4 +1,4 @@
-"""The agent as an attack surface (issue 19), on the real agent: start-up recovery on a home
+"""The agent as an attack surface, on the real agent: start-up recovery on a home
 with planted records (it acts only on records it wrote), and the REST API under hostile or
 broken clients (run as ``python -m warmctl agent``, the real uvicorn server).
 
@@ -423,7 +423,7 @@ def _exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
                                      b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
                                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"])
 def test_the_gates_probes_on_the_agent_upgrade_opens_nothing(agent_proc, upgrade):
-    """Issue 30's Upgrade tunnel, tried on the agent: a request with ``Upgrade`` after an open
+    """The gate's Upgrade tunnel probe, tried on the agent: a request with ``Upgrade`` after an open
     probe, then one to a /v1 route without the token; the /v1 route never answers 200 or
     switches protocols."""
     raw = _exchange(agent_proc.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n"

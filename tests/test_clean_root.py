@@ -1,6 +1,6 @@
 """The README's first command on a fresh machine: ``bash scripts/demo.sh`` in a clean Debian 12
 root (debootstrap, this machine's package sources, the checkout at /src), so that an install
-change is tried where nothing was installed by hand (issue 18: the demo failed there twice, for
+change is tried where nothing was installed by hand (the demo failed there twice, for
 ``libprotobuf-dev`` and ``libnuma1``).
 
 Opt-in, never part of a default run: it takes many minutes (debootstrap, the CRIU build, the

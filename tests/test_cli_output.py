@@ -1,4 +1,4 @@
-"""Output for people and for logs (issue 18): the real CLI in a subprocess, with pipes (not a
+"""Output for people and for logs: the real CLI in a subprocess, with pipes (not a
 terminal) and under a pseudo-terminal (python's ``pty``).
 
 Off a terminal: nothing hard-wrapped (a long path or digest stays on its line), tables as plain

@@ -1,4 +1,4 @@
-"""Credentials kept out of snapshots (issue 26), without an engine: the name rule, the engine's
+"""Credentials kept out of snapshots, without an engine: the name rule, the engine's
 declared environment, every secret warmctl can know, and the scan on real CRIU images of a
 small process that holds a secret in its environment. The engine's end-to-end side (a probe in
 `snapshot`'s environment, a token the engine reads at start-up) is in test_e2e_secrets.py and

@@ -277,7 +277,7 @@ def test_established_tcp_dumps_and_restores_under_the_hosts_network_lock(tmp_pat
 
 
 def test_established_tcp_without_a_usable_lock_fails_the_dump_and_the_tree_keeps_running(tmp_path):
-    binary = criu.check()
+    criu.check()
     if shutil.which("iptables-restore"):
         pytest.skip("iptables is installed here: CRIU's default lock works (this shows the failure without it)")
     launcher, root = _tcp_tree(tmp_path)

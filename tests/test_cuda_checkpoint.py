@@ -446,7 +446,7 @@ def test_a_restore_slower_than_its_bound_is_reported_and_killed(api, drv, built)
     with pytest.raises(ranks.RankCheckpointError) as e:
         ranks.restore_ranks(pids, restore_timeout_s=0.3, api=api, nvml_path=str(built.full))
     assert time.monotonic() - t0 < 1.4
-    assert f"did not return within 0.3 s" in str(e.value)
+    assert "did not return within 0.3 s" in str(e.value)
     assert e.value.report.timeouts["restore"] == 0.3
     assert all(harness.wait_dead(p) for p in pids)
 
@@ -473,7 +473,7 @@ def test_no_ranks_is_a_no_op():
     assert ranks.restore_ranks([]).phases == {}
 
 
-# ------------------------------------------------------- issue 15: fixes before the GPU run
+# ------------------------------------------------------- fixes before the GPU run
 
 
 def test_a_rank_left_failed_makes_the_rollback_incomplete(api, drv, built):

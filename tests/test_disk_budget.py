@@ -1,4 +1,4 @@
-"""Disk at scale (issue 27, item 4): the kept images' byte budget with least-recently-used
+"""Disk at scale: the kept images' byte budget with least-recently-used
 eviction that never removes an image a running engine uses, images larger than the budget
 restored from and not kept, free space checked before ``up`` writes anything, and ``du``'s
 per-snapshot cost on this node. Real local stores, real files, a real size-limited tmpfs

@@ -1,4 +1,4 @@
-"""Issue 14, item 4: ``kill -9`` of warmctl at every named phase, with the real engine, CRIU and
+"""``kill -9`` of warmctl at every named phase, with the real engine, CRIU and
 store. ``WARMCTL_TEST_KILL_AT_PHASE=NAME`` makes warmctl SIGKILL itself when it reaches phase
 ``NAME`` (:mod:`warmctl.faults`). After each kill: ``verify`` accepts the store, no public port
 is open in front of an engine whose canary did not pass, the next run of the same command
@@ -138,7 +138,7 @@ TIMENS = Path(__file__).resolve().parent / "timens.py"
 
 
 def test_killed_cold_starts_are_cleaned_where_the_boot_time_fraction_is_near_one(wc_env, engine_ports):
-    """Issue 24, item 3, on a host whose boot time has a fraction of 0.99 s (psutil's creation
+    """Crash safety as above, on a host whose boot time has a fraction of 0.99 s (psutil's creation
     times 0.99 s early), made from this one with a time namespace (tests/timens.py): nothing of
     warmctl is told. ``snapshot`` killed during its engine's cold start, twice (the second run's
     pre-flight tears down what the first left), then ``down``: no engine process, port,

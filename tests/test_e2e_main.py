@@ -77,7 +77,7 @@ def test_snapshot_reports_phases(tiny_snapshot, wc_env):
     # nothing of the snapshot's engine is left running or in /dev/shm (semaphores included)
     assert not any(f.path in shm_names() for f in m.files if f.role == "shm")
     assert tiny_snapshot["shm_left"] == set()
-    # which digest is which (issue 27): the profile's at the start, the snapshot's at the end
+    # which digest is which: the profile's at the start, the snapshot's at the end
     prof = m.profile_digest[:19]
     assert f"(profile {prof})" in " ".join(tiny_snapshot["stderr"].split()), tiny_snapshot["stderr"]
     assert f"{tiny_snapshot['digest']} (the snapshot's digest;" in " ".join(tiny_snapshot["stdout"].split())
@@ -200,7 +200,7 @@ def test_up_restore_serves_same_output_as_cold(tiny_snapshot, wc_env, engine_por
     warmctl("down", "tiny", env=wc_env)
     assert (entry / "verified.json").is_file()
 
-    # keep no image (image_cache_bytes = 0, issue 27) and `up -q`: the image is written into the
+    # keep no image (image_cache_bytes = 0) and `up -q`: the image is written into the
     # run directory, restored from (the canary and the completions match) and removed; stdout
     # is the serving line alone, no progress on stderr
     shutil.rmtree(entry)
@@ -419,7 +419,7 @@ def test_up_with_a_key_file_guards_the_public_port_and_down_drains(tiny_snapshot
 
 
 def test_two_concurrent_ups_of_one_name_restore_once(tiny_snapshot, wc_env, engine_ports):
-    """Issue 14, item 5: `up` of one name started twice at once (a scheduler and the boot unit):
+    """`up` of one name started twice at once (a scheduler and the boot unit):
     one restores, the other waits for it and reports "already up" with exit 0; one engine tree."""
     shm0 = shm_names()
     procs = [subprocess.Popen([*WARMCTL, "up", "tiny", "--json"], env=wc_env, stdout=subprocess.PIPE,
@@ -470,7 +470,7 @@ def test_a_concurrent_up_reports_the_first_ones_failure(tiny_snapshot, wc_env, e
 
 
 def test_a_required_file_rewritten_with_the_same_size_is_refused_and_named(tiny_snapshot, wc_env, engine_ports, tmp_path):
-    """Issue 14, item 6: every required file (the venv's and the OS's libraries the engine maps)
+    """Every required file (the venv's and the OS's libraries the engine maps)
     has a content digest in the manifest; a file rewritten in place with other bytes of the
     same size makes `up` refuse, naming it, before anything is written.
 

@@ -1,4 +1,4 @@
-"""An engine that dies comes back in seconds (issue 18): the real ``tiny`` snapshot, its engine
+"""An engine that dies comes back in seconds: the real ``tiny`` snapshot, its engine
 killed with SIGKILL (the root of its process tree)
 
 - under ``warmctl up tiny --foreground`` (what systemd/warmctl-up@.service runs): READY=1

@@ -1,4 +1,4 @@
-"""Secrets and the real engine (issue 26), with real CRIU and the real vLLM engine (CPU build):
+"""Secrets and the real engine, with real CRIU and the real vLLM engine (CPU build):
 a secret the engine itself reads at start-up is found by `snapshot`'s scan (one cold start of a
 ``tiny`` whose warm-up grid is a single cell), and the session's snapshot travels through a
 sealed remote (one restore).

@@ -148,7 +148,7 @@ def test_down_leaves_nothing_in_dev_shm(wx, wc_env):
 def test_weights_outside_image_refused_when_weights_are_packed(wc_env, engine_ports):
     """With float32 weights vLLM's CPU build hands every linear weight to oneDNN, which keeps its
     own packed copy and leaves the parameter empty (on this AVX2 host as on AVX-512 ones; with
-    bfloat16 only AVX-512 hosts do: the case issue 18 found). Those weights cannot leave the
+    bfloat16 only AVX-512 hosts do, a case seen on such a host). Those weights cannot leave the
     image, so the snapshot refuses, saying why and what to set, and leaves nothing behind."""
     name = "tiny-wx32"
     text = tiny_profile(*engine_ports, name=name, extra="\n[checkpoint]\nweights_outside_image = true\n")
@@ -157,7 +157,7 @@ def test_weights_outside_image_refused_when_weights_are_packed(wc_env, engine_po
     (Path(wc_env["WARMCTL_CONFIG"]).parent / "profiles" / f"{name}.toml").write_text(text)
     r = warmctl("snapshot", name, env=wc_env, timeout=1500, check=False)
     assert r.returncode != 0, r.stdout
-    msg = r.stderr.strip().splitlines()[-1]  # one line, however long (issue 18: output for logs)
+    msg = r.stderr.strip().splitlines()[-1]  # one line, however long (output for logs)
     assert msg.startswith("error: weights_outside_image refused:"), r.stderr
     assert "weights_outside_image = false" in msg and "_proj: weight packed by vLLM's CPU GEMM dispatch" in msg, msg
     assert _our_engine_pids(wc_env) == []  # (/dev/shm is shared with other suites' engines: not compared)

@@ -124,7 +124,7 @@ def test_teardown_by_name_when_no_inodes_are_recorded(tmp_path):
 
 
 def test_teardown_strays_kills_only_recorded_identities(tmp_path):
-    """Issue 14 item 1 / issue 19 item 1: with ``strays`` (agent recovery) the teardown kills
+    """With ``strays`` (agent recovery) the teardown kills
     the root named by ``engine.pid`` (the identity set_root wrote before any state existed) and
     a CRIU ``restore.pid`` process created during the recorded restore; never a process for its
     working directory, a stale ``engine.pid`` whose PID is another process now, nor a
@@ -241,7 +241,7 @@ def test_cuda_plan_refuses_a_tree_without_gpu_and_a_snapshot_without_gpu_record(
 
 
 def test_the_engines_sockets_directory_is_its_own_and_goes_with_the_teardown(tmp_path):
-    """Issue 24, item 5: vLLM binds its ZMQ IPC sockets under ``VLLM_RPC_BASE_PATH``; each run
+    """vLLM binds its ZMQ IPC sockets under ``VLLM_RPC_BASE_PATH``; each run
     gives its engine ``<run>/tmp`` (recorded, so down and recovery find it) and the teardown
     removes the sockets and the directory; from a directory a snapshot recorded elsewhere it
     removes nothing but sockets."""

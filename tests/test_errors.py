@@ -1,4 +1,4 @@
-"""Exit codes (issue 14, item 7): every WarmctlError subclass in the package has its own code,
+"""Exit codes: every WarmctlError subclass in the package has its own code,
 given once (warmctl.errors.EXIT_CODES) and listed in docs/exit-codes.md; the agent client turns
 each error a job reports back into the same class with the same code."""
 

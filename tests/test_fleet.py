@@ -17,6 +17,7 @@ from warmctl.catalog import Catalog, Ref
 from warmctl.errors import IntegrityError, SnapshotNotFound
 from warmctl.fleet import copy_entry, entries_to_copy, transfer
 from warmctl.store import open_store
+from warmctl.store import maintenance
 from warmctl.trust import TrustError, generate_keypair
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -96,9 +97,9 @@ def test_tag_moves_on_the_remote_old_snapshot_stays_by_digest_until_gc(nodes, tm
         rc.resolve("tiny", host(gpus=0), nodes["b_trust"], digest=old)
     old_chunks = remote.get_manifest(old).chunk_digests() - remote.get_manifest(new).chunk_digests()
     assert old_chunks
-    rep = remote.gc(keep=rc.referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=rc.referenced_manifests(), grace=0)
     assert rep.manifests_removed == [old] and rep.chunks_removed == len(old_chunks)
-    assert not remote.has_manifest(old) and remote.verify().ok
+    assert not remote.has_manifest(old) and maintenance.verify(remote).ok
     with pytest.raises(SnapshotNotFound, match="no manifest"):
         rc.resolve("tiny", host(), nodes["b_trust"], digest=old)
 
@@ -113,9 +114,9 @@ def test_rm_then_gc_frees_what_nothing_else_names(nodes, tmp_path):
     assert rc.remove_tag("tiny", "latest") == [d] and rc.remove_tag("tiny", "latest") == []
     with pytest.raises(SnapshotNotFound):
         rc.resolve("tiny", host(), nodes["b_trust"])
-    rep = remote.gc(keep=rc.referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=rc.referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d] and remote.list_manifests() == [keep]
-    assert remote.verify().ok  # the kept snapshot lost no chunk
+    assert maintenance.verify(remote).ok  # the kept snapshot lost no chunk
 
 
 def test_a_copy_that_fails_names_nothing_in_the_destination(nodes, tmp_path):
@@ -138,7 +139,7 @@ def test_earlier_tags_layout_is_read_kept_by_gc_and_migrated(nodes, tmp_path):
     assert cat.names() == ["tiny"] and cat.tags("tiny") == ["latest"]
     assert [e.manifest for e in cat.entries("tiny")] == [d]
     assert cat.referenced_manifests() == {d}
-    assert store.gc(keep=cat.referenced_manifests(), grace=0).manifests_removed == []
+    assert maintenance.gc(store, keep=cat.referenced_manifests(), grace=0).manifests_removed == []
     assert cat.migrate() == 1 and cat.migrate() == 0
     assert not store.backend.exists("tags/tiny/latest")
     assert [e.manifest for e in Catalog(open_store(store.location)).entries("tiny")] == [d]

@@ -1,15 +1,14 @@
-"""A full disk during ``pull`` and during ``up``'s materialize (issue 14's fault table), on a
+"""A full disk during ``pull`` and during ``up``'s materialize, on a
 real size-limited tmpfs mounted for the test (skipped where mounting is not allowed): the error
 names the disk and the bytes, nothing is named or kept half-written, and the source stays
 intact."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 
-from tests.test_catalog import host, publish_snapshot
+from tests.test_catalog import host
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
 from warmctl import diskspace
 from warmctl.catalog import Catalog, Ref
@@ -17,12 +16,13 @@ from warmctl.checkpoint.imagecache import ImageCache
 from warmctl.errors import HostError
 from warmctl.fleet import entries_to_copy, transfer
 from warmctl.store import open_store
+from warmctl.store import maintenance
 from warmctl.trust import generate_keypair
 
 
 @pytest.mark.parametrize("precheck", [True, False], ids=["refused-before", "filled-during"])
 def test_full_disk_during_pull_names_the_disk_and_names_nothing(tmp_path, small_fs, monkeypatch, precheck):
-    """Refused before the first chunk (issue 27: the chunks to fetch, 12 MiB, against 6 MiB
+    """Refused before the first chunk (the chunks to fetch, 12 MiB, against 6 MiB
     free); and, with that check out of the way (another writer filling the disk meanwhile), the
     copy failing amid the chunks."""
     if not precheck:
@@ -48,10 +48,10 @@ def test_full_disk_during_pull_names_the_disk_and_names_nothing(tmp_path, small_
     local.close()
     local = open_store(small_fs / "store")
     assert Catalog(local).entries("tiny") == [] and local.list_manifests() == []  # nothing named
-    assert local.verify().ok  # what was written is whole (at worst unreferenced chunks)
+    assert maintenance.verify(local).ok  # what was written is whole (at worst unreferenced chunks)
     tmp = small_fs / "store" / "tmp"
     assert not tmp.exists() or not list(tmp.iterdir())  # no half-written temp file
-    assert remote.verify([d]).ok
+    assert maintenance.verify(remote, [d]).ok
 
 
 def test_full_disk_during_materialize_keeps_no_partial_image(tmp_path, small_fs):
@@ -61,10 +61,10 @@ def test_full_disk_during_materialize_keeps_no_partial_image(tmp_path, small_fs)
     cache = ImageCache(small_fs / "images")
     with pytest.raises(HostError) as e:
         cache.get(store, m, digest)
-    # refused before writing (issue 27): the numbers and the path named
+    # refused before writing: the numbers and the path named
     assert "not enough disk space" in str(e.value) and "needed 12,582,912 bytes" in str(e.value), str(e.value)
     assert str(small_fs) in str(e.value) and "bytes free" in str(e.value)
     assert cache.entries() == [] and not list(cache.root.glob(".partial-*"))
-    assert store.verify([digest]).ok
+    assert maintenance.verify(store, [digest]).ok
     # the same image fits on a larger disk afterwards (nothing of the failed try is in the way)
     assert ImageCache(tmp_path / "images").get(store, m, digest).written

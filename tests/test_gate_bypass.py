@@ -1,4 +1,4 @@
-"""Issue 30's probes, each a regression test against the real gate process: raw sockets on one
+"""Request smuggling and bypass probes, each a regression test against the real gate process: raw sockets on one
 side, an upstream on the other that records, with a strict parser of its own (h11), every
 request that reaches it. A bypass is any request the upstream sees that the gate should not
 have let through."""

@@ -9,7 +9,7 @@ with the same method, path and body; every request that breaks no rule (``Sent.c
 the first that does, reaches it as sent (a gate refusing everything fails); and h11 never fails
 to parse the gate's output.
 
-The streams mix valid requests with the probes of issue 30: header case and whitespace,
+The streams mix valid requests with probes: header case and whitespace,
 percent-encodings (``%0A`` and other control characters, ``%2F``, dot segments, case),
 absolute-form targets, Content-Length / chunked framing with extensions and trailers, CL+TE,
 odd transfer codings, ``Upgrade`` and ``Connection`` variants, bare LF, pipelining, and splits

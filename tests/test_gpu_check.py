@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: What the GPU machine has besides the standard library (issue 15: Python 3.12 with torch,
+#: What the GPU machine has besides the standard library (Python 3.12 with torch,
 #: httpx and psutil; no pydantic).
 GPU_MACHINE_HAS = {"torch", "httpx", "psutil"}
 #: Import names of the distributions in pyproject's dependencies, where they differ.

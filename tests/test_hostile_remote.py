@@ -1,4 +1,4 @@
-"""Issue 31: a hostile remote store (someone who can write its files or objects, but cannot sign)
+"""A hostile remote store (someone who can write its files or objects, but cannot sign)
 can do nothing to a node. Each numbered attack of the issue, against a real directory remote
 (and the moto S3 server where it translates), with two homes: A publishes with its own key, B
 trusts only A's public key and pulls, restores (up to the point where the synthetic snapshot's
@@ -30,6 +30,7 @@ from warmctl.store import StoreLocked, open_store
 from warmctl.store.backend import RetryingBackend
 from warmctl.store.layout import chunk_key
 from warmctl.store.store import Store
+from warmctl.store import maintenance
 from warmctl.trust import TrustError, generate_keypair
 
 T0 = datetime.now(timezone.utc) - timedelta(days=30)
@@ -165,7 +166,7 @@ def test_1_a_symlinked_object_is_never_removed_through(tmp_path):
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(victim)
     Catalog(remote).remove_tag("tiny", "latest")
-    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=Catalog(remote).referenced_manifests(), grace=0)
     assert victim.read_text() == "keep me"
     assert rep.manifests_removed == [d]
     assert link.is_symlink()  # left alone (a warning names it), not followed
@@ -409,7 +410,7 @@ def test_6_bytes_after_a_chunk_frame_are_corruption_for_verify_pull_and_up(tmp_p
     # a few trailing bytes (not enough to break the size bound) are corruption too
     with open(obj, "r+b") as fh:
         fh.truncate(obj.stat().st_size - (2 << 30) + 16)
-    rep = f.remote().verify()
+    rep = maintenance.verify(f.remote())
     assert [p.digest for p in rep.corrupt] == [c.digest] and "follow the zstd frame" in rep.corrupt[0].reason
 
 
@@ -524,7 +525,7 @@ def test_s3_sizes_names_rollback_and_streamed_listing(tmp_path, s3_url):
     new = f.publish(2, T1)
     assert cat.resolve("tiny", f.fp(), b, accepted=acc).digest == new
     # rollback: the old entry and its signature put back, the new one removed
-    hx_old, hx_new = old.split(":")[1], new.split(":")[1]
+    hx_old = old.split(":")[1]
     remote.backend.save(f"catalog/tiny/latest/sha256-{hx_old}.json", old_entry)
     remote.backend.save(f"catalog/tiny/latest/sha256-{hx_old}.sig", old_sig)
     cat.remove("tiny", "latest", new)
@@ -543,7 +544,7 @@ def test_s3_sizes_names_rollback_and_streamed_listing(tmp_path, s3_url):
     c = next(c for fe in remote.get_manifest(old).files for c in fe.chunks)
     blob = remote.backend.load(chunk_key(c.digest))
     remote.backend.save(chunk_key(c.digest), blob + b"\0" * (1 << 20))
-    rep = remote.verify([old])
+    rep = maintenance.verify(remote, [old])
     assert [p.digest for p in rep.corrupt] == [c.digest] and "more than the" in rep.corrupt[0].reason
     # listings are streamed: more than a page (1,000 keys), each yielded as it comes
     rb = remote.backend

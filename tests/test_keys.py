@@ -1,4 +1,4 @@
-"""A new key never silently revokes an old one (issue 18): two homes on one host share one trusted
+"""A new key never silently revokes an old one: two homes on one host share one trusted
 keys directory (as /etc/warmctl/keys), each generates its signing key on first use, and both
 homes' snapshots stay trusted; ``warmctl keys ls`` names keys, files and what each signs;
 ``keys rm`` and ``keys trust`` change trust explicitly. Real stores, real ed25519 keys, the real

@@ -261,12 +261,12 @@ def test_snapshot_on_a_host_without_a_network_lock_stops_before_the_engine_start
 
 
 def test_builtin_models_have_their_own_directories(tmp_path):
-    from warmctl import tinymodel
+    from warmctl import builtinmodels, tinymodel
 
-    llama, moe = (tinymodel.builtin_dir(m, tmp_path) for m in ("builtin:tiny", "builtin:tiny-moe"))
+    llama, moe = (builtinmodels.builtin_dir(m, tmp_path) for m in ("builtin:tiny", "builtin:tiny-moe"))
     assert llama == tinymodel.model_dir(tmp_path) and llama.name.startswith("tiny-llama-")
     assert moe.name.startswith("tiny-moe-") and moe != llama
-    assert tinymodel.builtin_dir("/models/x", tmp_path) is None
+    assert builtinmodels.builtin_dir("/models/x", tmp_path) is None
 
 
 @needs_root
@@ -345,14 +345,14 @@ def test_the_watch_names_a_dead_rank_at_once_and_a_stopped_one_after_its_grace(t
 
 @needs_root
 def test_the_fault_hook_kills_or_stops_each_rank_it_names(tmp_path, monkeypatch):
-    from warmctl import faults
+    from warmctl.checkpoint import rankfaults
 
     launcher, root = _ranks_tree(tmp_path)
     try:
         ranks = layout.live_ranks(root)
-        monkeypatch.setenv(faults.RANK_ENV, "before_dump:Worker_TP0, before_dump:Worker_TP1:STOP,ranks:Worker_TP1")
-        assert faults.kill_rank("warmup", root) == []  # another point: nothing
-        assert faults.kill_rank("before_dump", root) == [ranks["Worker_TP0"].pid, ranks["Worker_TP1"].pid]
+        monkeypatch.setenv(rankfaults.RANK_ENV, "before_dump:Worker_TP0, before_dump:Worker_TP1:STOP,ranks:Worker_TP1")
+        assert rankfaults.kill_rank("warmup", root) == []  # another point: nothing
+        assert rankfaults.kill_rank("before_dump", root) == [ranks["Worker_TP0"].pid, ranks["Worker_TP1"].pid]
         assert not layout.pid_alive(ranks["Worker_TP0"].pid) and layout.stopped(ranks["Worker_TP1"].pid)
     finally:
         kill_tree(ProcessId.of(root))
@@ -364,10 +364,10 @@ def test_a_rank_killed_by_the_hook_while_criu_dumps_fails_the_dump_and_is_named(
     """The ``dump`` point: a real SIGKILL of Worker_TP1 once CRIU has seized the tree (its
     TracerPid is CRIU); CRIU's dump then fails (it cannot finish a task that died), the rest of
     the tree is resumed, and :func:`layout.died` names the rank with its log lines."""
-    from warmctl import faults
+    from warmctl.checkpoint import rankfaults
     from warmctl.errors import CheckpointError
 
-    monkeypatch.setenv(faults.RANK_ENV, "before_dump:Worker_TP0,dump:Worker_TP1")
+    monkeypatch.setenv(rankfaults.RANK_ENV, "before_dump:Worker_TP0,dump:Worker_TP1")
     for attempt in range(5):
         # A small tree's dump can end before the hook's thread, polling every 2 ms, sees the
         # seize (a loaded host delays the thread): the dump then succeeds and kills the tree,
@@ -378,7 +378,7 @@ def test_a_rank_killed_by_the_hook_while_criu_dumps_fails_the_dump_and_is_named(
         tp1 = layout.live_ranks(root)["Worker_TP1"].pid
         img = tmp_path / f"img{attempt}"
         try:
-            with faults.kill_rank_during_dump(root) as killed:
+            with rankfaults.kill_rank_during_dump(root) as killed:
                 criu.dump(root, img)
         except CheckpointError as err:
             e = err
@@ -402,8 +402,8 @@ def test_a_rank_killed_by_the_hook_while_criu_dumps_fails_the_dump_and_is_named(
         assert "rank 1 up" in str(err) and "Worker_TP0" not in str(err)  # its own log lines, not its peer's
         assert layout.died(root, "TP2", before[:1], "the CRIU dump") is None  # a live rank: nothing
 
-        monkeypatch.setenv(faults.RANK_ENV, "before_dump:Worker_TP0")  # no dump point: no thread, nothing killed
-        with faults.kill_rank_during_dump(root) as killed:
+        monkeypatch.setenv(rankfaults.RANK_ENV, "before_dump:Worker_TP0")  # no dump point: no thread, nothing killed
+        with rankfaults.kill_rank_during_dump(root) as killed:
             pass
         assert killed == [] and set(layout.live_ranks(root)) == {"Worker_TP0"}
     finally:

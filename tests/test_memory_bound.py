@@ -1,4 +1,4 @@
-"""Issue 27: warmctl's own memory stays bounded whatever the snapshot's size. A synthetic
+"""warmctl's own memory stays bounded whatever the snapshot's size. A synthetic
 snapshot of 2 GiB (513 chunks of 4 MiB, none zero, each with 256 KiB of random bytes so that
 every stored object is mapped, not read) is published by home A to a directory remote; then, in
 child processes whose peak resident set (``ru_maxrss`` from ``wait4``, this child only, started by a
@@ -18,13 +18,11 @@ engine is started; about 15 s and 2 GiB of disk (page cache) for the image."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import warmctl
 from test_hostile_remote import Fleet
 
 from warmctl.catalog import Catalog, Ref

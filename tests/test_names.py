@@ -1,4 +1,4 @@
-"""One name rule for the CLI and the agent (issue 14, item 7): a name one accepts, the other
+"""One name rule for the CLI and the agent: a name one accepts, the other
 accepts (dots, up to 128 characters), and what one refuses, the other refuses."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No silent skips (issue 14, item 7): what cannot be read is reported, not passed over. An
+"""No silent skips: what cannot be read is reported, not passed over. An
 unreadable manifest stays listed by ``ls`` with why; a corrupt ``state.json`` is a clear error
 for ``down`` and a warning for ``status``; a failing job callback is logged (a damaged cache
 chunk: tests/test_store_cache.py)."""

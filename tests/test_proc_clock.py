@@ -1,4 +1,4 @@
-"""Issue 24: "is this ours" in one clock, on any host.
+"""One clock for "is this ours", on any host.
 
 psutil's ``create_time()`` is the start in ticks since boot plus ``/proc/stat``'s boot time,
 which the kernel gives in whole seconds: on a host whose boot time has a fraction ``f`` it is
@@ -82,7 +82,7 @@ def _wait_ticks(n: int = 3) -> None:
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_injected_boot_fraction_is_what_psutil_reports(host, fraction):
     """The injection itself: psutil's creation time of a process started now is ``fraction``
-    seconds early (to a clock tick), as on the host of issue 24 (0.97 s)."""
+    seconds early (to a clock tick), as on the host where this was found (0.97 s)."""
     host(fraction=fraction)
     t = time.time()
     p = _sleeper()

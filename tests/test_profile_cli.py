@@ -1,4 +1,4 @@
-"""``warmctl profile ls|show|check|command`` (issue 18) through the real entry point; ``profile
+"""``warmctl profile ls|show|check|command`` through the real entry point; ``profile
 diff`` and stale snapshots are in test_profile_drift.py."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_profile_command_is_seed_003_flag_by_flag(home):
     assert not Path(tiny["model"]).exists()  # shown, not built
 
 
-# ----------------------------------------------------------------------------- credentials (issue 26)
+# ----------------------------------------------------------------------------- credentials
 
 PROBE = "sk-probe-7f3a9c1e5d"
 
@@ -152,9 +152,9 @@ def test_profile_check_refuses_credentials_naming_each_field(home):
     assert PROBE not in r.stderr + r.stdout
     js = json.loads(wc("profile", "check", "--json", "creds", env=env).stdout)
     assert js[0]["ok"] is False and len(js[0]["errors"]) == 3 and PROBE not in json.dumps(js)
-    # every command that loads it refuses it too (ProfileError, exit 15), before anything starts
+    # every command that loads it refuses it too (CredentialInProfile, exit 40), before anything starts
     r = wc("snapshot", "creds", env=env)
-    assert r.returncode == 15 and "engine.args.2: --api-key" in r.stderr and PROBE not in r.stderr
+    assert r.returncode == 40 and "engine.args.2: --api-key" in r.stderr and PROBE not in r.stderr
 
 
 URL_PASSWORD = "s3cretPassw0rd-81c4"
@@ -189,7 +189,7 @@ def test_profile_check_snapshot_and_up_refuse_a_credential_inside_a_value(home):
     outs = [out, json.dumps(js)]
     for cmd in (("snapshot", "mirror"), ("up", "mirror")):  # ProfileError (15) before anything starts
         r = wc(*cmd, env=env)
-        assert r.returncode == 15 and "engine.env.HF_ENDPOINT: holds a password in a URL" in r.stderr, r.stderr
+        assert r.returncode == 40 and "engine.env.HF_ENDPOINT: holds a password in a URL" in r.stderr, r.stderr
         outs.append(r.stdout + r.stderr)
     for secret in (URL_PASSWORD, BEARER, HUB_TOKEN):
         assert not [o for o in outs if secret in o]

@@ -1,4 +1,4 @@
-"""Stale snapshots are named (issue 18): when a profile changes, ``warmctl ls``, ``warmctl
+"""Stale snapshots are named: when a profile changes, ``warmctl ls``, ``warmctl
 status``, ``warmctl profile diff``, ``up`` (its reason to cold-start), ``snapshot`` (before it
 starts) and ``GET /v1/snapshots`` (real uvicorn) say the snapshot was made from another version of
 the profile and which fields changed. No engine: the snapshot is a signed manifest in a real

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from warmctl import randmodel, tinymodel
+from warmctl import builtinmodels, randmodel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def test_build_is_deterministic_and_cached_by_recipe(tmp_path, suffix):
 
     name = "builtin:random-llama-2x256" + suffix
     shape = randmodel.parse(name)
-    d = tinymodel.build_builtin(name, tmp_path)
+    d = builtinmodels.build_builtin(name, tmp_path)
     assert d == randmodel.model_dir(tmp_path, shape) and d.name.startswith(f"random-llama-2x256{suffix}-")
     for other in ("builtin:random-llama-3x256", "builtin:random-llama-2x384", "builtin:random-llama-2x256" + ("" if suffix else "-bf16")):
         assert randmodel.model_dir(tmp_path, randmodel.parse(other)) != d  # the recipe names it
@@ -69,4 +69,4 @@ def test_build_is_deterministic_and_cached_by_recipe(tmp_path, suffix):
     randmodel.write_weights(again, shape, chunk_elems=1000)
     assert again.read_bytes() == f.read_bytes()
     mtime = f.stat().st_mtime_ns
-    assert tinymodel.build_builtin(name, tmp_path) == d and f.stat().st_mtime_ns == mtime  # reused
+    assert builtinmodels.build_builtin(name, tmp_path) == d and f.stat().st_mtime_ns == mtime  # reused

@@ -1,4 +1,4 @@
-"""Sealed stores (issue 26, item 4), with real directory remotes and the Ceph RGW the suite runs:
+"""Sealed stores, with real directory remotes and the Ceph RGW the suite runs:
 two homes share a fleet key; A pushes to a sealed remote, which then holds no plaintext of the
 snapshot; B reads it back bit for bit; a host with another key, or none, is refused naming the
 key ids; a flipped byte names the chunk; rotation re-wraps the data key without rewriting an

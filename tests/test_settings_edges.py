@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from test_store_fixtures import snapshot, write_payload
 
-from warmctl.config import ENV_VARS, Settings, load_settings
+from warmctl.config import ENV_VARS, Settings
 from warmctl.store import open_backend, open_store
 from warmctl.store.sealed import load_key, seal_store
 

@@ -1,4 +1,4 @@
-"""``/dev/shm`` accounting (issue 14, item 8) with real files and processes, no engine:
+"""``/dev/shm`` accounting with real files and processes, no engine:
 ``status --orphans`` names a file no live engine holds, with its size, memory, age and the
 processes using it; :func:`warmctl.checkpoint.capture.shm_of` counts what a tree maps or holds
 and what its run recorded; benchmarks exit 1 naming what they leave."""

@@ -29,6 +29,7 @@ from warmctl.store import (
     open_store,
 )
 from warmctl.store import chunks as ck
+from warmctl.store import maintenance
 
 
 @pytest.fixture
@@ -137,11 +138,11 @@ def test_read_file_names_bad_chunk_and_leaves_nothing(tmp_path, payload, damage)
 def test_verify_reports_missing_and_corrupt(tmp_path, payload):
     store = open_store(tmp_path / "store")
     snapshot(store, "tiny", {"pages-1.img": payload})
-    assert store.verify().ok
+    assert maintenance.verify(store).ok
     files = chunk_files(tmp_path / "store")
     files[0].unlink()
     files[1].write_bytes(b"garbage")
-    rep = store.verify()
+    rep = maintenance.verify(store)
     assert not rep.ok and len(rep.missing) == 1 and len(rep.corrupt) == 1
     assert rep.missing[0].location == str(files[0]) and rep.corrupt[0].location == str(files[1])
     assert "(tiny)" in str(rep)
@@ -154,28 +155,28 @@ def test_gc_removes_only_unreferenced(tmp_path, payload):
     d2 = snapshot(store, "b", {"p.img": other})
     store.close()
     before = len(chunk_files(tmp_path / "store"))
-    assert store.gc(grace=0).chunks_removed == 0
+    assert maintenance.gc(store, grace=0).chunks_removed == 0
     cat = Catalog(store)
     assert cat.remove_tag("b", "latest") == [d2]
     store.close()
-    rep = store.gc(keep=cat.referenced_manifests(), grace=3600)  # too young: nothing goes
+    rep = maintenance.gc(store, keep=cat.referenced_manifests(), grace=3600)  # too young: nothing goes
     assert rep.chunks_removed == 0 and rep.manifests_removed == []
-    rep = store.gc(keep=cat.referenced_manifests(), grace=0)
+    rep = maintenance.gc(store, keep=cat.referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d2] and rep.chunks_removed == 1
     assert len(chunk_files(tmp_path / "store")) == before - 1
-    assert store.verify().ok and store.list_manifests() == [d1]
+    assert maintenance.verify(store).ok and store.list_manifests() == [d1]
 
 
 def test_gc_refuses_while_writer_holds_store(tmp_path, payload):
     writer = open_store(tmp_path / "store")
     refs = writer.add_file(payload)  # chunks stored, manifest not yet: gc must not take them
     with pytest.raises(StoreLocked, match="add_file"):
-        open_store(tmp_path / "store").gc(grace=0)
+        maintenance.gc(open_store(tmp_path / "store"), grace=0)
     m = make_manifest(writer, "w", {"p.img": payload})
     assert m.files[0].chunks == refs
     writer.put_manifest(m)
     writer.close()
-    assert open_store(tmp_path / "store").gc(grace=0).chunks_removed == 0
+    assert maintenance.gc(open_store(tmp_path / "store"), grace=0).chunks_removed == 0
 
 
 def test_concurrent_push_and_gc_never_lose_chunks(tmp_path, payload):
@@ -201,7 +202,7 @@ def test_concurrent_push_and_gc_never_lose_chunks(tmp_path, payload):
     gcs = locked = 0
     while t.is_alive():
         try:
-            open_store(dst_dir).gc(grace=0)
+            maintenance.gc(open_store(dst_dir), grace=0)
             gcs += 1
         except StoreLocked:
             locked += 1
@@ -210,8 +211,8 @@ def test_concurrent_push_and_gc_never_lose_chunks(tmp_path, payload):
     assert not errors, errors
     assert done == [0, 1, 2, 3] and gcs + locked > 0
     dst = open_store(dst_dir)
-    assert dst.gc(grace=0).chunks_removed == 0
-    rep = dst.verify()
+    assert maintenance.gc(dst, grace=0).chunks_removed == 0
+    rep = maintenance.verify(dst)
     assert rep.ok and rep.manifests_checked == 4, str(rep)
 
 
@@ -222,7 +223,7 @@ def test_stale_lock_of_dead_process_is_ignored(tmp_path, payload):
     )
     assert proc.returncode == 0
     assert list((tmp_path / "store" / "locks").iterdir()), "the killed writer left its lock"
-    rep = open_store(tmp_path / "store").gc(grace=0)
+    rep = maintenance.gc(open_store(tmp_path / "store"), grace=0)
     assert rep.locks_removed == 1 and rep.chunks_removed == 4
 
 
@@ -237,7 +238,7 @@ def test_push_pull_local_resumes(tmp_path, payload):
     chunk_files(tmp_path / "b")[0].unlink()
     third = pull(a, open_store(tmp_path / "b"), "tiny", "latest")
     assert third.chunks_copied == 1
-    assert b.verify().ok and tag_of(b, "tiny", "latest") == d
+    assert maintenance.verify(b).ok and tag_of(b, "tiny", "latest") == d
 
 
 class FlakyBackend(Backend):
@@ -330,7 +331,7 @@ def test_digest_helpers():
 
 
 def test_a_lock_whose_pid_is_another_process_now_is_stale(tmp_path):
-    """Issue 24: a lock taken on this host names its holder by PID and start ticks; a PID that
+    """A lock taken on this host names its holder by PID and start ticks; a PID that
     is alive but started at another moment (reused) is a gone holder, the live holder is not."""
     import json as _json
     import socket
@@ -347,7 +348,7 @@ def test_a_lock_whose_pid_is_another_process_now_is_stale(tmp_path):
     (tmp_path / "store" / "locks").mkdir(parents=True, exist_ok=True)
     (tmp_path / "store" / "locks" / "reused").write_text(_json.dumps(
         {**me, "start": me["start"] - 1, "kind": "exclusive", "time": time.time(), "purpose": "a killed gc"}))
-    assert s.gc(grace=0).locks_removed == 1  # not refused as a live exclusive lock
+    assert maintenance.gc(s, grace=0).locks_removed == 1  # not refused as a live exclusive lock
 
 
 def _ten_chunk_store(tmp_path: Path):
@@ -384,7 +385,7 @@ def test_copy_into_a_local_store_commits_bounded_batches_before_the_manifest(tmp
     sizes = [n for e, n in events if e == "commit" and n]
     assert sum(sizes) == 10 and len(sizes) >= 3 and all(n >= 3 for n in sizes[:-1]), events
     assert events[-1] == ("manifest", 10), events  # every chunk visible before the manifest
-    assert dst.verify().ok and list((tmp_path / "dst" / "tmp").iterdir()) == []
+    assert maintenance.verify(dst).ok and list((tmp_path / "dst" / "tmp").iterdir()) == []
     events.clear()
     dst2 = open_store(tmp_path / "dst2")
     copy_manifest(src, dst2, d, workers=1, commit_chunks=1000, commit_seconds=0.0)  # due at each save (one worker)
@@ -408,6 +409,6 @@ def test_a_copy_that_fails_keeps_the_chunks_verified_so_far(tmp_path):
         copy_manifest(src, dst, d, workers=1, commit_chunks=1000, commit_seconds=float("inf"))
     have = len(chunk_files(tmp_path / "dst"))
     assert have == len(refs) - 1 and dst.list_manifests() == []  # one worker: every chunk before the victim
-    assert list((tmp_path / "dst" / "tmp").iterdir()) == [] and dst.verify().ok
+    assert list((tmp_path / "dst" / "tmp").iterdir()) == [] and maintenance.verify(dst).ok
     path.write_bytes(good)
-    assert copy_manifest(src, dst, d).chunks_copied == 1 and dst.verify().ok
+    assert copy_manifest(src, dst, d).chunks_copied == 1 and maintenance.verify(dst).ok

@@ -31,6 +31,7 @@ from warmctl.store import (
     chunk_key,
     open_store,
 )
+from warmctl.store import maintenance
 from warmctl.store.backend import ForwardingBackend
 from warmctl.store.chunkio import ChunkBuffers, load_verified
 from warmctl.store.chunks import frame_bound
@@ -128,7 +129,7 @@ def test_a_reader_killed_before_its_fill_commits_leaves_temporary_files_gc_remov
     left = _tmp_files(tmp_path / "cache")
     assert chunk_files(tmp_path / "cache") == [] and len(left) == 8
     cache = open_store(tmp_path / "cache")
-    assert cache.verify().ok
+    assert maintenance.verify(cache).ok
     src.read_file(refs, tmp_path / "again.img", cache=cache)  # the next read completes the cache
     assert (tmp_path / "again.img").read_bytes() == f.read_bytes()
     assert _blobs(tmp_path / "cache") == _blobs(tmp_path / "remote")
@@ -136,7 +137,7 @@ def test_a_reader_killed_before_its_fill_commits_leaves_temporary_files_gc_remov
     old = time.time() - 2 * 3600
     for p in left:
         os.utime(p, (old, old))
-    rep = cache.gc()
+    rep = maintenance.gc(cache)
     assert rep.tmp_removed == 8 and _tmp_files(tmp_path / "cache") == []
     assert rep.chunks_too_new == 8  # the committed chunks (no manifest names them here) are within gc's grace
 
@@ -157,7 +158,7 @@ def test_damaged_cache_entry_is_refetched_from_the_remote_and_rewritten(tmp_path
         src.read_file(refs, tmp_path / "again.img", cache=open_store(tmp_path / "cache"))
     assert (tmp_path / "again.img").read_bytes() == f.read_bytes()
     assert victim.read_bytes() == good == (tmp_path / "remote" / chunk_key(refs[1].digest)).read_bytes()
-    # not in silence (issue 14, item 7): one warning naming the chunk, the bad copy and the source
+    # not in silence: one warning naming the chunk, the bad copy and the source
     (w,) = [r.getMessage() for r in caplog.records if refs[1].digest in r.getMessage()]
     assert str(victim) in w and "is bad" in w and str(tmp_path / "remote") in w
 

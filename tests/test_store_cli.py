@@ -48,7 +48,7 @@ def test_push_pull_verify_gc_du(tmp_path, monkeypatch, s3_url):
     res = r.invoke(app, ["pull", "tiny:latest", "--all", "--from", s3_url, "--store", str(other)])
     assert res.exit_code == 0, res.output
     assert tag_of(open_store(other), "tiny", "latest") == d
-    # an unsigned entry is never named locally (issue 31)
+    # an unsigned entry is never named locally
     assert r.invoke(app, ["push", "tiny:unsigned", "--to", s3_url]).exit_code == 0
     res = r.invoke(app, ["pull", "tiny:unsigned", "--all", "--from", s3_url, "--store", str(other)])
     assert isinstance(res.exception, TrustError) and "is unsigned" in str(res.exception)

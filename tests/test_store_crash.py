@@ -1,4 +1,4 @@
-"""Crash safety of the local store (issue 14, item 2): a real ``warmctl`` writer (push, gc) is
+"""Crash safety of the local store: a real ``warmctl`` writer (push, gc) is
 killed with SIGKILL at every write point of the local backend in turn
 (``WARMCTL_FAULT_KILL_AT_WRITE=N``, :mod:`warmctl.store.local`), and after each kill the store
 passes ``verify``, every catalog entry and signature names a stored manifest, and the next run
@@ -25,6 +25,7 @@ from warmctl.catalog import Ref
 from warmctl.store import open_store
 from warmctl.store.chunks import is_zero_chunk
 from warmctl.store.local import FAULT_ENV, LocalBackend
+from warmctl.store import maintenance
 from warmctl.trust import generate_keypair, sign_manifest
 
 CH = 64 * 1024
@@ -61,7 +62,7 @@ def assert_consistent(root: Path) -> None:
     """What ``warmctl verify`` checks (every manifest's chunks present and intact), plus: every
     catalog entry and every signature names a manifest that is stored and verifies."""
     with open_store(root) as s:
-        rep = s.verify()
+        rep = maintenance.verify(s)
         assert rep.ok, str(rep)
         stored = set(s.list_manifests())
         for e in Catalog(s).all_entries():
@@ -135,7 +136,7 @@ def test_gc_killed_at_every_write_leaves_a_verifiable_store(tmp_path):
         assert_consistent(work)
         if n % 3 == 0:
             with open_store(work) as s:
-                s.gc(keep=Catalog(s).referenced_manifests(), grace=0)
+                maintenance.gc(s, keep=Catalog(s).referenced_manifests(), grace=0)
             assert_consistent(work)
 
     kills = _kill_at_every_write(["gc", "--grace", "0", "--store", str(work)], fresh, tmp_path, after)
@@ -233,7 +234,7 @@ def _state(pid: int) -> str:
 
 
 def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_data(tmp_path):
-    """Issue 14, item 3, as the issue says: a writer (a real ``warmctl push``) is paused by
+    """A writer (a real ``warmctl push``) is paused by
     SIGSTOP past its lock's lifetime (3 s here, ``WARMCTL_LOCK_STALE_S``) at one write point after
     another, ``warmctl gc --grace 0`` runs meanwhile (and judges the lock stale), the writer is
     resumed (SIGCONT): either it fails cleanly (LockLost, its own exit code, no traceback) or every

@@ -41,6 +41,7 @@ from warmctl.store import (BackendUnavailable, ObjectNotFound, RetryingBackend, 
                            open_store)
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
+from warmctl.store import maintenance
 from warmctl.trust import generate_keypair
 
 pytestmark = pytest.mark.oci
@@ -123,8 +124,8 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     art = _artifact(oci, f"manifest-{d[7:]}")
     assert art["artifactType"] == ocimod.SNAPSHOT_TYPE and art["mediaType"] == ocimod.OCI_MANIFEST
     assert art["layers"][0]["digest"] == d and art["layers"][0]["mediaType"] == ocimod.MANIFEST_LAYER
-    packs = [l for l in art["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
-    indexes = [l for l in art["layers"] if l["mediaType"] == ocimod.INDEX_LAYER]
+    packs = [lay for lay in art["layers"] if lay["mediaType"] == ocimod.PACK_LAYER]
+    indexes = [lay for lay in art["layers"] if lay["mediaType"] == ocimod.INDEX_LAYER]
     assert len(packs) == len(indexes) >= 3  # 8 chunks of ~4 MiB in packs of <= 10 MiB (+ one chunk)
     assert all(p["size"] <= 10 * MiB + 4 * MiB + 1024 for p in packs)
     tags = _backend(*parse_url(oci)).tags()
@@ -138,7 +139,7 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     _store(oci).read_file(a.get_manifest(d).files[0].chunks, tmp_path / "direct.img")  # ranged GETs from packs
     assert (tmp_path / "direct.img").read_bytes() == f.read_bytes()
     assert pull(_store(oci), b, "tiny").chunks_copied == 0
-    v = _store(oci).verify()
+    v = maintenance.verify(_store(oci))
     assert v.ok and v.chunks_checked == 8, str(v)
 
     # a second snapshot sharing most chunks uploads only the new ones (chunk-level dedup)
@@ -147,19 +148,19 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
     rep2 = push(a, _store(oci), "tiny", "v2")
     assert rep2.chunks_total == 7 and rep2.chunks_copied == 1
     art2 = _artifact(oci, f"manifest-{d2[7:]}")
-    assert {l["digest"] for l in art2["layers"] if l["mediaType"] == ocimod.PACK_LAYER} <= {p["digest"] for p in packs} | {
-        l["digest"] for l in art2["layers"][-1:]}
+    assert {lay["digest"] for lay in art2["layers"] if lay["mediaType"] == ocimod.PACK_LAYER} <= {p["digest"] for p in packs} | {
+        lay["digest"] for lay in art2["layers"][-1:]}
 
     remote = _store(oci)
     assert sorted((e.tag, e.manifest) for e in Catalog(remote).all_entries()) == sorted([("latest", d), ("v2", d2)])
     assert Catalog(remote).remove_tag("tiny", "latest") == [d]
-    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=Catalog(remote).referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d]
     assert sorted(remote.list_manifests()) == [d2]
     # what v2 still needs is intact, the text-only pack is gone
     b2 = open_store(tmp_path / "b2")
     assert pull(_store(oci), b2, "tiny", "v2").chunks_copied == 7
-    assert _store(oci).verify().ok
+    assert maintenance.verify(_store(oci)).ok
 
 
 def test_two_homes_each_with_its_own_key(oci, tmp_path):
@@ -249,7 +250,7 @@ def _pushed_layer(oci: str, tmp_path, seed: int, media: str) -> tuple[str, dict]
     a = open_store(tmp_path / "a")
     d = snapshot(a, "tiny", {"p.img": f})
     push(a, _store(oci), "tiny")
-    return d, next(l for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == media)
+    return d, next(lay for lay in _artifact(oci, f"manifest-{d[7:]}")["layers"] if lay["mediaType"] == media)
 
 
 def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
@@ -337,7 +338,7 @@ def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
     r = _warmctl(home_b, oci, "pull", "tiny", "--all", env_extra={"WARMCTL_KEYS_DIR": str(home_b / "keys")})
     assert r.returncode == 0, r.stderr
     assert tag_of(open_store(home_b / "store"), "tiny") == d
-    packs = [l["digest"] for l in _artifact(oci, f"manifest-{d[7:]}")["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
+    packs = [lay["digest"] for lay in _artifact(oci, f"manifest-{d[7:]}")["layers"] if lay["mediaType"] == ocimod.PACK_LAYER]
     r = _warmctl(home_b, oci, "rm", "tiny")
     assert r.returncode == 0, r.stderr
     assert tag_of(open_store(oci, settings=_settings()), "tiny") is None and tag_of(open_store(home_b / "store"), "tiny") is None
@@ -371,7 +372,7 @@ def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, 
             d = snapshot(a, "tiny", {"p.img": f})
             push(a, _store(url), "tiny")
             art = _artifact(url, f"manifest-{d[7:]}")
-            packs = [l["digest"] for l in art["layers"] if l["mediaType"] == ocimod.PACK_LAYER]
+            packs = [lay["digest"] for lay in art["layers"] if lay["mediaType"] == ocimod.PACK_LAYER]
             assert len(packs) >= 3
             before = len(origin.access_log())
             for node in ("b", "c"):
@@ -457,7 +458,7 @@ def test_a_new_snapshot_under_the_same_tag_moves_it_and_gc_frees_the_old(oci, tm
     remote = _store(oci)
     assert tag_of(remote, "tiny") == d2 and [e.manifest for e in Catalog(remote).entries("tiny", "latest")] == [d2]
     assert sorted(remote.list_manifests()) == sorted([d1, d2])  # d1 by digest, until gc
-    rep = remote.gc(keep=Catalog(remote).referenced_manifests(), grace=0)
+    rep = maintenance.gc(remote, keep=Catalog(remote).referenced_manifests(), grace=0)
     assert rep.manifests_removed == [d1] and rep.chunks_removed == 2
     b = open_store(tmp_path / "b")
     assert pull(_store(oci), b, "tiny").chunks_copied == 2 and tag_of(b, "tiny") == d2

@@ -38,6 +38,7 @@ from warmctl.store import (
     chunk_key,
     open_store,
 )
+from warmctl.store import maintenance
 
 pytestmark = pytest.mark.s3
 
@@ -99,7 +100,7 @@ def test_push_pull_verify_round_trip_with_multipart_chunks(s3, tmp_path):
     # straight from the RGW too (no local copy)
     _remote(ep, prefix).read_file(chunks, tmp_path / "direct.img")
     assert (tmp_path / "direct.img").read_bytes() == f.read_bytes()
-    v = _remote(ep, prefix).verify()
+    v = maintenance.verify(_remote(ep, prefix))
     assert v.ok and v.manifests_checked == 1 and v.chunks_checked == 3, str(v)
     assert pull(_remote(ep, prefix), b, "tiny", "latest").chunks_copied == 0
 
@@ -151,7 +152,7 @@ def test_chunk_deleted_or_damaged_on_rgw_is_named(s3, tmp_path):
     client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{chunk_key(gone)}")
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/{chunk_key(bad)}", Body=b"not a zstd frame")
 
-    v = _remote(ep, prefix).verify()
+    v = maintenance.verify(_remote(ep, prefix))
     assert not v.ok
     assert [(p.digest, p.location) for p in v.missing] == [(gone, gone_at)]
     assert [(p.digest, p.location) for p in v.corrupt] == [(bad, bad_at)]

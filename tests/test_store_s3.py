@@ -25,6 +25,7 @@ from warmctl.store import (
     chunk_key,
     open_store,
 )
+from warmctl.store import maintenance
 
 pytestmark = pytest.mark.s3
 CH = 256 * 1024  # small chunks: many objects, fast tests
@@ -52,7 +53,7 @@ def test_s3_store_round_trip(s3_url, tmp_path):
         assert tag_of(s, "tiny", "latest") == d and s.list_manifests() == [d]
         s.read_file(s.get_manifest(d).files[0].chunks, tmp_path / "out" / "a.img")
         assert (tmp_path / "out" / "a.img").read_bytes() == f.read_bytes()
-        assert s.verify().ok
+        assert maintenance.verify(s).ok
         assert s.location == s3_url + "/"
 
 
@@ -109,13 +110,13 @@ def test_damaged_s3_object_is_named_and_nothing_half_written(s3_url, moto_endpoi
     assert victim in str(ei.value) and f"s3://{bucket}/{key}" in str(ei.value)
     assert tag_of(dst, "tiny", "latest") is None and dst.list_manifests() == []
     assert not (tmp_path / "dst" / chunk_key(victim)).exists()
-    rep = open_store(s3_url).verify()
+    rep = maintenance.verify(open_store(s3_url))
     assert [p.digest for p in rep.corrupt] == [victim]
     # pushing again repairs nothing by itself (the object exists) -- but verify names it, and
     # removing it lets a push restore it:
     c.delete_object(Bucket=bucket, Key=key)
     push(local, open_store(s3_url), "tiny", "latest")
-    assert open_store(s3_url).verify().ok
+    assert maintenance.verify(open_store(s3_url)).ok
 
 
 def _proxied(s3_url, proxy, **kw) -> Store:
@@ -137,7 +138,7 @@ def test_pull_survives_server_faults_mid_pull(s3_url, moto_endpoint, tmp_path, l
         assert sum(proxy.faults.values()) == 10 and src.backend.retries >= 10
         assert set(proxy.faults) <= set(modes) and len(proxy.faults) >= 2
         dst = open_store(tmp_path / "dst")
-        assert dst.verify().ok
+        assert maintenance.verify(dst).ok
         dst.read_file(dst.get_manifest(d).files[0].chunks, tmp_path / "r.img")
         assert (tmp_path / "r.img").read_bytes() == f.read_bytes()
     finally:
@@ -206,7 +207,7 @@ def test_killed_pull_resumes_fetching_only_missing(s3_url, moto_endpoint, tmp_pa
 
     local, d, f = local_snap
     push(local, open_store(s3_url), "tiny", "latest")
-    total = local.verify().chunks_checked
+    total = maintenance.verify(local).chunks_checked
     proxy = FaultProxy(moto_endpoint).start()
     try:
         proxy.fault = _paced(GAP)
@@ -229,18 +230,18 @@ def test_killed_pull_resumes_fetching_only_missing(s3_url, moto_endpoint, tmp_pa
         assert pending <= COMMIT_SECONDS / GAP + 1, (pending, have)
         dst = open_store(dst_dir)
         assert tag_of(dst, "tiny", "latest") is None and dst.list_manifests() == []
-        assert dst.verify().ok  # what is visible is whole
+        assert maintenance.verify(dst).ok  # what is visible is whole
         before = proxy.gets()
         proxy.fault = None
         rep = pull(_proxied(s3_url, proxy), dst, "tiny", "latest")
         assert proxy.gets() - before == total - have == rep.chunks_copied
-        assert tag_of(dst, "tiny", "latest") == d and dst.verify().ok
+        assert tag_of(dst, "tiny", "latest") == d and maintenance.verify(dst).ok
         # the killed puller's lock is recognised as dead; gc can run and removes its temporary
         # files (once an hour old: aged here)
         old = time.time() - 7200
         for t in _tmp_files(dst_dir):
             os.utime(t, (old, old))
-        g = dst.gc(grace=0)
+        g = maintenance.gc(dst, grace=0)
         assert g.chunks_removed == 0 and g.tmp_removed == pending and _tmp_files(dst_dir) == []
     finally:
         proxy.stop()

@@ -28,6 +28,7 @@ from warmctl.store import (
     manifest_key,
     open_store,
 )
+from warmctl.store import maintenance
 
 pytestmark = pytest.mark.s3
 CH = 64 * 1024  # small chunks: dozens of objects in a few MiB
@@ -39,7 +40,7 @@ def remote_snap(s3_url, tmp_path):
     (s3 url, digest, the file, number of stored chunks, their stored bytes)."""
     f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH), ("zero", 4 * CH)], seed=7)
     local = open_store(tmp_path / "local", chunk_size=CH)
-    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it (issue 31)
+    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it
     d = snapshot(local, "tiny", {"pages-1.img": f}, signer=kp.private)
     rep = push(local, open_store(s3_url), "tiny", "latest")
     local.close()
@@ -63,7 +64,7 @@ def _pull(url, dst, env):
 def _check_restored(dst, digest, f, tmp_path):
     store = open_store(dst)
     assert Catalog(store).newest("tiny") == digest
-    assert store.verify().ok
+    assert maintenance.verify(store).ok
     store.read_file(store.get_manifest(digest).files[0].chunks, tmp_path / "restored.img")
     assert (tmp_path / "restored.img").read_bytes() == f.read_bytes()
 
@@ -120,7 +121,7 @@ def test_pull_gives_up_after_window_then_rerun_fetches_only_missing(remote_snap,
 def test_push_survives_endpoint_down_for_3_s(s3_url, moto_endpoint, tmp_path):
     f = write_payload(tmp_path / "pages-1.img", [("random", 48 * CH)], seed=8)
     local = open_store(tmp_path / "local", chunk_size=CH)
-    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it (issue 31)
+    kp = generate_keypair(tmp_path / "node" / "keys", "publisher")  # the node's keys_dir trusts it
     d = snapshot(local, "tiny", {"pages-1.img": f}, signer=kp.private)
     local.close()
     proxy = TcpProxy(moto_endpoint).start()
@@ -135,7 +136,7 @@ def test_push_survives_endpoint_down_for_3_s(s3_url, moto_endpoint, tmp_path):
     assert len(re.findall(r"not answering", r.stderr)) == 1 and "answering again" in r.stderr, r.stderr
     assert "48/48 chunks copied" in r.stderr
     remote = open_store(s3_url)  # straight to moto
-    assert Catalog(remote).newest("tiny") == d and remote.verify().ok
+    assert Catalog(remote).newest("tiny") == d and maintenance.verify(remote).ok
 
 
 def _backend(endpoint, url, window=0.5, **kw):

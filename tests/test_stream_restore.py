@@ -3,7 +3,6 @@ while the image is still being written (no engine: a small process holding 48 Mi
 pseudo-random memory that checks its own digest every 0.1 s)."""
 
 import os
-import shutil
 import subprocess
 import sys
 import threading

@@ -1,4 +1,4 @@
-"""The shipped systemd units keep what was found to work under a real systemd (issue 18: a
+"""The shipped systemd units keep what was found to work under a real systemd (a
 Debian 12 systemd-nspawn root, ../shared/tools/systemd-root.sh; results in docs/operations.md):
 warmctl-up@ is a Type=notify unit around ``up --foreground`` that systemd restarts on failure,
 and neither unit withholds what CRIU's restore needs (CAP_SYS_TIME for the time namespace)."""

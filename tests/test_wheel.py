@@ -1,4 +1,4 @@
-"""The wheel works on a node installed the way docs/operations.md says (issue 18): built from a
+"""The wheel works on a node installed the way docs/operations.md says: built from a
 copy of this checkout, installed into a fresh venv outside the repository, run from a directory
 that is not the repository. It carries every module and the shipped profiles.
 

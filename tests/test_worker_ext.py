@@ -116,7 +116,7 @@ def test_load_names_a_truncated_or_malformed_file(tmp_path):
 
 def test_load_puts_non_contiguous_parameters_back_through_their_strides(tmp_path):
     """A parameter that is a strided view (transposed, or a slice with a storage offset) has no
-    flat view (``.view(-1)`` raises); the load copies into its strides, in place (issue 15)."""
+    flat view (``.view(-1)`` raises); the load copies into its strides, in place."""
     torch.manual_seed(1)
     m = torch.nn.Module()
     m.t = torch.nn.Parameter(torch.randn(8, 4).t(), requires_grad=False)  # shape (4, 8), strides (1, 4)

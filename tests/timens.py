@@ -3,7 +3,7 @@
 
 Inside it the boot instant is ``OFFSET`` seconds earlier, so ``/proc/stat``'s whole-second
 ``btime`` loses another fraction: psutil's creation times there are off by
-:func:`boot_fraction` of it (issue 24: a host whose boot time's fraction is near 1 s, made from
+:func:`boot_fraction` of it (a host whose boot time's fraction is near 1 s, made from
 any host, with no hook in warmctl). Every process the command starts shares the namespace.
 ``unshare --boottime`` takes whole seconds only, hence this. Exits with the command's status
 (a command killed by a signal kills this the same way).

@@ -285,7 +285,7 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         return "cpu", f"host CPU lacks {shown}, recorded at snapshot ({snap.cpu.model or '?'} vs host {host.cpu.model or '?'})"
     if snap.rank_cpus and host.cpus_allowed:
-        from warmctl.checkpoint.affinity import parse_cpu_list
+        from warmctl.parallel import parse_cpu_list
         from warmctl.checkpoint.layout import host_problems
 
         short = host_problems(snap.rank_cpus, parse_cpu_list(host.cpus_allowed))
@@ -455,7 +455,7 @@ class ProfileRecord(BaseModel):
 
 
 class Accepted:
-    """What this node accepted, for rollback protection (issue 31; docs/store-format.md, section
+    """What this node accepted, for rollback protection (docs/store-format.md, section
     10, "No rollback"): per name, tag and kind of host (:func:`compat_key`), the newest
     signed entry a resolve chose, as ``ROOT/<name>/<tag>/<compat hex>.json`` =
     ``{"manifest", "created", "accepted", "catalog"}``. An entry older than that (by its signed
@@ -676,7 +676,7 @@ class Catalog:
                 log.warning("skipping unreadable catalog entry %s: %s", where, str(err).splitlines()[0])
                 continue
             # its content must say where it lives: an entry copied under another name, tag or
-            # digest is not used (issue 31: an entry under tiny/latest saying "other")
+            # digest is not used (an entry under tiny/latest saying "other")
             if (e.name, e.tag) != (name, tag) or not _DIGEST_RE.match(e.manifest) or \
                     info.key != _entry_key(name, tag, e.manifest):
                 log.warning("skipping catalog entry %s: it names %s:%s -> %s, which is not where it lives",

@@ -1,4 +1,4 @@
-"""Free space checked before writing (issue 27, "Disk at scale"): ``up`` and ``pull`` add up
+"""Free space checked before writing: ``up`` and ``pull`` add up
 what they will write on each filesystem and refuse, naming the numbers, before writing anything.
 
 What a command will write is known from the manifest before the first byte moves: the
@@ -165,12 +165,11 @@ class NodeReport:
     filesystems: list[dict]
 
 
-def node_report(store, cache, names: dict[str, list[str]] | None = None, budget_setting: str = "") -> NodeReport:
-    """What the local ``store`` (:meth:`warmctl.store.Store.du`) and the image ``cache``
-    (:class:`warmctl.checkpoint.imagecache.ImageCache`) take on this node, per snapshot
-    (``names``: digest -> ``name:tag`` labels). Reads the store's chunk listing and every
-    manifest; never raises for a damaged store (missing chunks are counted)."""
-    rep = store.du(names=names)
+def node_report(rep, store_location: str, cache, budget_setting: str = "") -> NodeReport:
+    """What the local store at ``store_location`` (``rep``: its
+    :func:`warmctl.store.maintenance.du`, a :class:`warmctl.store.DuReport`) and the image
+    ``cache`` (:class:`warmctl.checkpoint.imagecache.ImageCache`) take on this node, per
+    snapshot. Never raises for a damaged store (its missing chunks are counted in ``rep``)."""
     entries = {e.digest: e for e in cache.entries()}
     rows = []
     for r in rep.rows:
@@ -182,7 +181,7 @@ def node_report(store, cache, names: dict[str, list[str]] | None = None, budget_
         rows.append(NodeRow(e.digest, "", [], 0, 0, 0, 0, 0, e.bytes, e.in_use, e.bytes))
     seen: set[int] = set()
     fs = []
-    for p in (Path(store.location), cache.root):
+    for p in (Path(store_location), cache.root):
         try:
             sp = space(p)
         except OSError:
@@ -190,7 +189,7 @@ def node_report(store, cache, names: dict[str, list[str]] | None = None, budget_
         if sp.dev not in seen:
             seen.add(sp.dev)
             fs.append({"path": str(sp.at), "free": sp.free, "size": sp.size})
-    return NodeReport(rows, store.location, rep.total_stored, _shared_once(rep), rep.unreferenced, rep.chunk_count,
+    return NodeReport(rows, store_location, rep.total_stored, _shared_once(rep), rep.unreferenced, rep.chunk_count,
                       str(cache.root), sum(r.image for r in rows), cache.budget, budget_setting, fs)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from warmctl.profile import Profile, ProfileError, describe_diff, diff_profiles, find_profile, load_profile_file
 
 if TYPE_CHECKING:
+    from warmctl.catalog import CatalogEntry
     from warmctl.config import Settings
 
 
@@ -111,7 +112,7 @@ class DriftCache:
 
 
 def against_newest(store_url: str | Path, profile: Profile, tag: str | None = None,
-                   profile_file: Path | None = None, *, settings: "Settings | None" = None) -> tuple[object, Drift] | None:
+                   profile_file: Path | None = None, *, settings: "Settings | None" = None) -> tuple[CatalogEntry, Drift] | None:
     """``(catalog entry, Drift)`` of the newest snapshot of ``profile.name`` (of ``tag``, or of any
     tag) in the catalog of the store at ``store_url`` against ``profile``; None when there is
     none. Only reads (no lock is taken). ``settings``: as for :func:`warmctl.store.open_store`."""

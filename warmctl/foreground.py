@@ -66,7 +66,7 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 
 
 def _healthy(port: int) -> bool:
-    import httpx  # after READY=1, not before (issue 12)
+    import httpx  # after READY=1, not before
 
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200

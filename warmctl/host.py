@@ -346,31 +346,6 @@ def read_amd_gpus(root: str | Path | None = None) -> tuple[list[GpuInfo], str | 
 
 # --------------------------------------------------------------------------- CRIU
 
-#: Where CRIU looks for plugins when neither ``--libdir`` nor ``$CRIU_LIBS_DIR`` names a
-#: directory: its build-time ``CR_PLUGIN_DEFAULT`` (``criu/include/plugin.h``), which
-#: ``criu --help`` prints; this is the fallback when the help text does not say.
-CRIU_PLUGIN_DEFAULT = "/usr/lib/criu/"
-_CRIU_LIBDIR_HELP = re.compile(r"--libdir\s+path to a plugin directory \(by default ([^)\s]+)\)")
-
-
-def criu_plugin_dir(criu: str = "criu") -> Path:
-    """CRIU's plugin directory, as CRIU itself picks it (``criu/plugin.c``): ``$CRIU_LIBS_DIR``,
-    else the default its ``--help`` prints for ``--libdir``, else :data:`CRIU_PLUGIN_DEFAULT`."""
-    env = os.environ.get("CRIU_LIBS_DIR")
-    if env:
-        return Path(env)
-    exe = shutil.which(criu) or shutil.which(criu, path=os.pathsep.join(["/usr/local/sbin", "/usr/sbin", "/sbin"]))
-    if exe:
-        try:
-            out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10)
-            m = _CRIU_LIBDIR_HELP.search(out.stdout + out.stderr)
-            if m:
-                return Path(m.group(1))
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return Path(CRIU_PLUGIN_DEFAULT)
-
-
 def criu_plugins(directory: Path) -> list[str]:
     """Sorted names of the ``*.so`` files in ``directory`` (``[]`` when it does not exist)."""
     try:
@@ -415,7 +390,7 @@ def _normalise(name: str) -> str:
 def _name_version(d) -> tuple[str, str]:
     """(Name, Version) of an installed distribution: the first ``Name:`` and ``Version:`` lines
     of its metadata's header, as ``d.metadata["Name"]`` and ``d.version`` give them, without
-    parsing the whole file as e-mail (200 distributions: 30 ms instead of 280 ms, issue 12)."""
+    parsing the whole file as e-mail (200 distributions: 30 ms instead of 280 ms)."""
     text = d.read_text("METADATA") or d.read_text("PKG-INFO") or ""
     name = version = ""
     for line in text.split("\n"):
@@ -441,7 +416,7 @@ def _env_facts(python: str | Path | None) -> tuple[list[tuple[str, str]], str]:
 
         raise HostError(f"cannot list the distributions of the engine's Python {python}: {e}") from None
     data = json.loads(out.stdout)
-    return [tuple(x) for x in data["dists"]], data["python"]  # type: ignore[misc]
+    return [tuple(x) for x in data["dists"]], data["python"]
 
 
 def environment_digest(dists: list[tuple[str, str]]) -> str:
@@ -476,10 +451,12 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> Host
     if not gpus:
         agpus, adriver, source, areason = read_amd_gpus()
         if agpus:
+            from warmctl.checkpoint.criu import criu_plugin_dir
+
             plugin_dir = criu_plugin_dir(criu)
             gpus, driver, cuda, reason = agpus, adriver, None, None
             amd = {"gpu_source": source, "criu_plugin_dir": str(plugin_dir), "criu_plugins": criu_plugins(plugin_dir)}
-        elif not areason.startswith("no AMD GPU in the KFD topology"):
+        elif areason and not areason.startswith("no AMD GPU in the KFD topology"):
             reason = f"{reason}; {areason}"
     dists, pyver = _env_facts(python)
     u = os.uname()
@@ -503,7 +480,7 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> Host
 
 def _cpus_allowed() -> str | None:
     """The kernel CPU list of the CPUs this process may use, None when it cannot be read."""
-    from warmctl.checkpoint.affinity import cpu_list
+    from warmctl.parallel import cpu_list
 
     try:
         return cpu_list(os.sched_getaffinity(0))

@@ -50,9 +50,9 @@ from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
-from warmctl import enginelock, faults, fleet
+from warmctl import enginelock, fleet
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, CatalogError
-from warmctl.checkpoint import capture, criu, layout
+from warmctl.checkpoint import capture, criu, layout, rankfaults
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
@@ -206,7 +206,7 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
 
 def _healthy(port: int) -> bool:
     """True if the engine on loopback ``port`` answers ``/health`` with 200 within 5 s."""
-    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback (issue 12)
+    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback
 
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
@@ -281,7 +281,7 @@ def escape(text: str) -> str:
 
 def restoring_line(ref: str, res) -> str:
     """``snapshot REF = DIGEST, created DATE (AGE ago), signed by key K``: what ``up`` says it
-    restores (issue 31: the digest and the age, so a rollback is visible)."""
+    restores (the digest and the age, so a rollback is visible)."""
     created = res.manifest.created
     age = (datetime.now(timezone.utc) - created).total_seconds()
     ago = f"{age / 86400:.1f} days" if age >= 86400 else f"{age / 3600:.1f} h" if age >= 3600 else f"{max(age, 0) / 60:.0f} min"
@@ -500,7 +500,7 @@ def _check_ranks(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
     lay = m.restore.layout
     if lay is None:
         return
-    faults.kill_rank("ranks", run.root_pid)  # a test's kill -9 of one restored rank (WARMCTL_TEST_KILL_RANK)
+    rankfaults.kill_rank("ranks", run.root_pid)  # a test's kill -9 of one restored rank (WARMCTL_TEST_KILL_RANK)
     with reporter.phase("ranks", f"checking {len(lay.ranks)} rank(s): {lay.describe()}"):
         back = layout.check_restored(run.root_pid, lay, run.log_path)
     assert run.state is not None
@@ -569,7 +569,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
                 reporter.info(f"snapshot {profile.name}:{tag} = {digest}")
             except Exception as e:  # noqa: BLE001 - the engine keeps serving when it still can
                 snapshot_error = _snapshot_failed(run, profile, record, tag, e)
-                run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  (shown by `up` and `status`)
+                run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  # shown by `up` and `status`
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
         _open_gate(run, profile, host_, port, reporter, gate_args)
     except BaseException:

@@ -196,7 +196,7 @@ class RankRecord(_Recorded):
     @field_validator("cpus")
     @classmethod
     def _cpus_ok(cls, v: str) -> str:
-        from warmctl.checkpoint.affinity import parse_cpu_list
+        from warmctl.parallel import parse_cpu_list
 
         if v:
             parse_cpu_list(v)
@@ -227,7 +227,7 @@ class ParallelLayout(_Recorded):
 
     def sizes(self) -> str:
         """``"TP2"``, ``"TP2 x PP2"``, ``"TP2, EP2"``; ``"TP1"`` for one rank."""
-        from warmctl.checkpoint.layout import describe_sizes
+        from warmctl.parallel import describe_sizes
 
         return describe_sizes(self.tp, self.pp, self.dp, self.ep)
 
@@ -299,7 +299,7 @@ class RestoreInfo(_Recorded):
     @field_validator("cpu_affinity")
     @classmethod
     def _affinity_ok(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
-        from warmctl.checkpoint.affinity import parse_cpu_list
+        from warmctl.parallel import parse_cpu_list
 
         for cpus in v:
             parse_cpu_list(cpus)

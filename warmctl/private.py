@@ -1,4 +1,4 @@
-"""Private files under warmctl's home: directories 0700, files 0600 (issue 19).
+"""Private files under warmctl's home: directories 0700, files 0600.
 
 The agent runs as root; its records (``run/NAME/state.json``, ``run/NAME/engine.pid``, the
 agent's jobs and token) say which processes and files it may kill and remove, so nobody else

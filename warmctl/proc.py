@@ -8,7 +8,7 @@ records a process as :class:`ProcessId` -- PID, its **start time in clock ticks 
 it had when recorded -- and signals it only while the PID still has that start time and
 executable.
 
-**One clock** (issue 24). The kernel stores a process's start once, as ``CLOCK_BOOTTIME``
+**One clock**. The kernel stores a process's start once, as ``CLOCK_BOOTTIME``
 truncated to clock ticks (1 tick = 1/``SC_CLK_TCK`` s, 10 ms on Linux); it never changes and no
 wall-clock step moves it. Identity compares those integers exactly. "Created after a record
 was written" compares them with a ``CLOCK_BOOTTIME`` reading taken when the record was written
@@ -23,7 +23,7 @@ The clocks are read only through :func:`start_ticks`, :func:`boot_clock`, :func:
 and :func:`boot_id` (the boundary the tests inject host quirks at).
 
 Every signal warmctl sends to a process goes through :func:`signal_process`,
-:func:`kill_tree` or :func:`kill_child` (issue 14, item 1); each checks the identity first and
+:func:`kill_tree` or :func:`kill_child`; each checks the identity first and
 refuses otherwise (returns False, sends nothing). A bare PID is refused (``TypeError``).
 """
 

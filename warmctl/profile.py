@@ -96,7 +96,7 @@ class EngineSpec(_Strict):
     @field_validator("args")
     @classmethod
     def _parallel_sizes_ok(cls, v: list[str]) -> list[str]:
-        from warmctl.checkpoint.layout import sizes_of  # the ranks' layout (TP, PP, DP, EP) must parse
+        from warmctl.parallel import sizes_of  # the ranks' layout (TP, PP, DP, EP) must parse
 
         sizes_of(v)
         return v
@@ -215,7 +215,7 @@ class Profile(_Strict):
     Beyond each field's own rules: a CPU profile (``hardware.gpu_count = 0``) with expert
     parallel (``--enable-expert-parallel`` in ``engine.args``) is refused, naming the flag, the
     crash of the CPU build's ranks and the alternative (tensor parallel without it;
-    :func:`warmctl.checkpoint.layout.cpu_build_problems`), so no command starts such an engine.
+    :func:`warmctl.parallel.cpu_build_problems`), so no command starts such an engine.
     """
 
     name: str = Field(pattern=NAME_PATTERN)  # the one name rule (warmctl.names)
@@ -229,7 +229,7 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _cpu_build_runs_it(self) -> "Profile":
-        from warmctl.checkpoint.layout import cpu_build_problems
+        from warmctl.parallel import cpu_build_problems
 
         problems = cpu_build_problems(list(self.engine.args), self.hardware.gpu_count)
         if problems:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from functools import cached_property
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from warmctl import faults
 from warmctl.manifest import Phase
@@ -69,13 +69,13 @@ class ConsoleReporter(Reporter):
     def __init__(self, quiet: bool = False) -> None:
         super().__init__()
         self.quiet = quiet
-        self._status = None
+        self._status: Any = None  # rich's Status while a phase runs on a terminal
 
     @cached_property
     def console(self):
-        """The stderr console (:func:`warmctl.cli.output.err`), made on first use: a quiet
-        reporter (``up --json``) never imports rich (issue 12)."""
-        from warmctl.cli.output import err
+        """The stderr console (:func:`warmctl.console.err`), made on first use: a quiet
+        reporter (``up --json``) never imports rich."""
+        from warmctl.console import err
 
         return err()
 

@@ -40,9 +40,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl import credentials, enginelock, faults, fleet, host, trust
+from warmctl import credentials, enginelock, fleet, host, trust
 from warmctl.catalog import Catalog, Ref
-from warmctl.checkpoint import affinity, capture, criu, filedigest, layout
+from warmctl.checkpoint import affinity, capture, criu, filedigest, layout, rankfaults
 from warmctl.config import Settings
 from warmctl.engine import cold
 from warmctl.engine.plan import CheckpointPlan
@@ -235,7 +235,7 @@ def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayo
     listening ports (it holds no rank-to-rank connection: CRIU dumps it as before)."""
     sizes = layout.profile_sizes(profile)
     _record_shm(run)  # a rank found dead below leaves semaphores only it mapped: the teardown needs their inodes
-    faults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 / SIGSTOP of a rank (WARMCTL_TEST_KILL_RANK)
+    rankfaults.kill_rank("before_dump", run.root_pid)  # a test's kill -9 / SIGSTOP of a rank (WARMCTL_TEST_KILL_RANK)
     gpus = None
     if profile.hardware.gpu_count:
         from warmctl.checkpoint import nvml
@@ -273,7 +273,7 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
                            path=criu_lock):
         shm_before = capture.shm_names()
         try:
-            with faults.kill_rank_during_dump(run.root_pid):  # a test's kill -9 of a rank amid the dump
+            with rankfaults.kill_rank_during_dump(run.root_pid):  # a test's kill -9 of a rank amid the dump
                 out.gpu = plan.dump(run, leave_running, criu_bin)
         except CheckpointError as e:
             lost = layout.died(run.root_pid, lay.sizes() if lay is not None else "the", ranks_before,

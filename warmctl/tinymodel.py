@@ -60,32 +60,6 @@ def model_dir(models_root: Path, kind: str = "llama") -> Path:
     return Path(models_root) / f"tiny-{kind}-{recipe_id()}"
 
 
-def builtin_dir(model: str, models_root: Path) -> Path | None:
-    """:func:`model_dir` of a ``builtin:`` model name (:data:`BUILTIN`; for
-    ``builtin:random-llama-<L>x<H>``, :func:`warmctl.randmodel.model_dir`), None for any other."""
-    kind = BUILTIN.get(model)
-    if kind is None:
-        from warmctl import randmodel
-
-        shape = randmodel.parse(model)
-        return None if shape is None else randmodel.model_dir(models_root, shape)
-    return model_dir(models_root, kind)
-
-
-def build_builtin(model: str, models_root: Path) -> Path | None:
-    """Build the ``builtin:`` model ``model`` under ``models_root`` if missing (:func:`build`,
-    or :func:`warmctl.randmodel.build` for ``builtin:random-llama-<L>x<H>``); its directory, or
-    None when ``model`` is not a builtin name."""
-    d = builtin_dir(model, models_root)
-    if d is None:
-        return None
-    if model in BUILTIN:
-        return build(d, BUILTIN[model])
-    from warmctl import randmodel
-
-    return randmodel.build(d, randmodel.parse(model))
-
-
 def build(dest: Path, kind: str = "llama") -> Path:
     """Build the tiny model into ``dest`` (atomically: a temp dir renamed into place).
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import Manifest
-from warmctl.store.backend import ObjectNotFound, load_limited
+from warmctl.store.backend import load_limited
 from warmctl.store.layout import MAX_SIGNATURE_BYTES
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SIGNATURE_DOMAIN = b"warmctl/manifest-signature/v1\n"
 SIGNATURE_FORMAT = 1
 SIGNATURES_PREFIX = "signatures/"
-#: Prefix of a signed catalog entry's message (issue 31: names are signed, like manifests).
+#: Prefix of a signed catalog entry's message (names are signed, like manifests).
 ENTRY_SIGNATURE_DOMAIN = b"warmctl/catalog-entry-signature/v1\n"
 #: The entry fields an entry signature covers: everything a node acts on (the path it lives at
 #: repeats name, tag and manifest; ``created`` orders entries and is what rollback protection
@@ -333,8 +333,8 @@ def verify_manifest(
     2. Integrity: the stored manifest's bytes hash to ``digest`` (``store.get_manifest`` checks;
        the parsed manifest's canonical digest is compared again here).
     3. With ``verify_chunks``: every chunk the manifest names is read back and re-hashed
-       (``store.verify([digest])``), so a changed, truncated, missing or swapped chunk raises
-       here. Reads from the store (``pull``, ``read_file``) check each chunk anyway, so ``up``
+       (:func:`warmctl.store.maintenance.verify` of ``[digest]``), so a changed, truncated,
+       missing or swapped chunk raises here. Reads from the store (``pull``, ``read_file``) check each chunk anyway, so ``up``
        need not pay for this; it is for audits and for a store that is materialized directly.
 
     ``insecure=True`` (the CLI's ``--insecure-skip-verify``) turns a failed *trust* step into a
@@ -369,7 +369,9 @@ def verify_manifest(
 
 
 def _verify_chunks(store: Any, digest: str) -> None:
-    rep = store.verify([digest])
+    from warmctl.store import maintenance
+
+    rep = maintenance.verify(store, [digest])
     problems = [*rep.bad_manifests, *(str(p) for p in rep.missing), *(str(p) for p in rep.corrupt)]
     if problems:
         raise IntegrityError(f"snapshot {digest} in {store.location}: " + "; ".join(problems[:5])
@@ -468,7 +470,7 @@ def check_entry(entry: Any, sigs: EntrySignatures | None, trusted: dict[str, tup
 def install_public_key(public: str | Path, keys_dir: str | Path, stem: str) -> tuple[Path, bool]:
     """Trust the public key in file ``public`` by writing it into ``keys_dir`` as
     ``<stem>-<key id>.pub`` (mode 0644): a file named by its key's id, so a second key never
-    replaces a first one (issue 18: a second home on one host overwrote the first's
+    replaces a first one (a second home on one host overwrote the first's
     ``local-<hostname>.pub`` and every snapshot of the first then failed ``up``).
 
     Returns ``(path, installed)``: ``installed`` is False when the key is trusted already (by

@@ -177,7 +177,7 @@ def _err(status: int, code: str, message: str, holder: str | None = None, header
                         headers=headers)
 
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
 }
 NOT_FOUND = {404: {"model": ErrorBody, "description": "No such object"}}
@@ -213,7 +213,7 @@ class AgentState:
         The answer is taken by one background thread at a time, never on the request's own
         time: ``lifecycle.status`` probes each engine's ``/health`` for up to 2 s, and a
         status storm (a scheduler fleet polling an engine whose ``/health`` hangs) must not
-        hold the agent's worker threads (issue 19: 60 pollers starved ``/healthz``). A caller
+        hold the agent's worker threads (60 pollers starved ``/healthz``). A caller
         gets the last answer at once and, when it is older than :data:`STATUS_TTL_S`
         (stamped when the probes *finished*), starts one refresh; only when there is no
         answer yet (start, or after :meth:`forget_status`) does it wait for the refresh, up
@@ -387,7 +387,7 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         msgs = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
         return _err(422, "unprocessable", msgs)
 
-    v1 = dict(dependencies=[Depends(auth)], responses=ERRORS)
+    v1: dict[str, Any] = dict(dependencies=[Depends(auth)], responses=ERRORS)
     s = settings
 
     # -- probes and metrics --------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The agent's outermost ASGI layer: authentication and a body-size cap before any body byte
-is read (issue 19, item 2).
+is read.
 
 FastAPI reads and parses a request's JSON body before it runs the route's dependencies, so an
 auth dependency alone lets anyone make the agent read and parse a body of any size (measured

@@ -14,6 +14,7 @@ at every state or phase change (atomic rename), so a restarted agent knows what 
 
 from __future__ import annotations
 
+import builtins  # the method JobManager.list hides the builtin inside the class
 import collections
 import json
 import logging
@@ -230,7 +231,7 @@ class JobManager:
         """Load jobs written by an earlier agent process. Jobs that were queued or running are
         marked ``interrupted`` (and rewritten); returns those interrupted jobs.
 
-        Only records this agent wrote are read (issue 19): the jobs directory and each
+        Only records this agent wrote are read: the jobs directory and each
         ``j-*.json`` must be real (no symbolic link), owned by the agent's user and not
         writable by others, the job's id must match :data:`JOB_ID_PATTERN` and its file be
         ``ID.json``. Anything else is logged and left untouched; the agent's own left-over
@@ -303,7 +304,7 @@ class JobManager:
             jid = self._held.get(resource)
             return self._slots[jid].job.model_copy(deep=True) if jid else None
 
-    def events_since(self, job_id: str, after: int, timeout: float) -> tuple[list[Event], bool]:
+    def events_since(self, job_id: str, after: int, timeout: float) -> tuple[builtins.list[Event], bool]:
         """Events of ``job_id`` with ``seq > after``, waiting up to ``timeout`` seconds for one.
         Returns (events, ended). Raises KeyError for an unknown job."""
         with self._lock:
@@ -322,7 +323,7 @@ class JobManager:
 
     # ---------------------------------------------------------------- running
 
-    def submit(self, kind: JobKind, target: str, resources: list[str], fn: Callable[["JobReporter", Job], dict[str, Any] | None],
+    def submit(self, kind: JobKind, target: str, resources: builtins.list[str], fn: Callable[["JobReporter", Job], dict[str, Any] | None],
                params: dict[str, Any] | None = None,
                reporter_factory: Callable[[str], JobReporter] | None = None) -> Job:
         """Start ``fn(reporter, job)`` in a worker thread as a new job holding ``resources``.
@@ -426,7 +427,7 @@ class JobManager:
                 s.cond.wait(left if left is not None else 1.0)
             return s.job.model_copy(deep=True)
 
-    def running(self) -> list[Job]:
+    def running(self) -> builtins.list[Job]:
         with self._lock:
             return [s.job.model_copy(deep=True) for s in self._slots.values() if s.job.live]
 

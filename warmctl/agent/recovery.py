@@ -1,7 +1,7 @@
 """What the agent does at start: re-adopt engines that still run, clean up what a
 half-finished operation left behind, and report it.
 
-Recovery acts only on records it wrote (issue 19): ``<home>/run`` and every ``run/NAME``
+Recovery acts only on records it wrote: ``<home>/run`` and every ``run/NAME``
 must be real directories (no symbolic links) owned by the agent's user and not writable by
 group or others, ``NAME`` must follow the one name rule (:data:`warmctl.catalog.NAME_RE`),
 and ``state.json`` / ``engine.pid`` / ``restore.pid`` in it must be regular files with the

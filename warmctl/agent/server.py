@@ -4,7 +4,7 @@ bearer token file, and systemd's readiness notification.
 ``run`` serves the app on ``host:port`` (127.0.0.1:7420 by default), with TLS when a
 certificate and key are given; an address beyond loopback without TLS is refused unless
 ``insecure_no_tls`` (``--insecure-no-tls``) says so. Against hostile or broken clients
-(issue 19) every connection must send its request headers within :data:`HEADER_TIMEOUT_S`
+ every connection must send its request headers within :data:`HEADER_TIMEOUT_S`
 (uvicorn has no such timeout: its keep-alive timer only runs *between* requests, measured:
 50 connections sending a header byte every few seconds stayed open for 60 s), at most
 :data:`MAX_CONNECTIONS` connections are open at once (more are closed on arrival), at most
@@ -128,7 +128,7 @@ def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections
     class GuardedHttpProtocol(HttpToolsProtocol):
         _header_timer = None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 self.logger.warning("closing a connection from %s: %d connections are open (the limit)",

@@ -1,4 +1,4 @@
-"""Benchmarks leave ``/dev/shm`` as they found it (issue 14, item 8).
+"""Benchmarks leave ``/dev/shm`` as they found it.
 
 Every benchmark that starts an engine (``benchmarks/*.py``: agent_load, cpu_binding, fleet_up,
 gate_overhead, lazy_restore, restore_vs_cold, up_vs_raw) runs its ``main()`` under

@@ -28,36 +28,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from warmctl.parallel import cpu_list, parse_cpu_list
 from warmctl.proc import nspid, tree_pids
-
-
-def cpu_list(cpus) -> str:
-    """``{0, 1, 2, 3, 8}`` -> ``"0-3,8"`` (the kernel's CPU list syntax)."""
-    out, run = [], []
-    for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
-def parse_cpu_list(s: str) -> set[int]:
-    """``"0-3,8"`` -> ``{0, 1, 2, 3, 8}``. Raises ValueError on anything else."""
-    cpus: set[int] = set()
-    for part in s.split(","):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"not a CPU list: {s!r}")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"not a CPU list: {s!r}")
-        cpus.update(range(a, b + 1))
-    return cpus
 
 
 def tree_threads(root_pid: int):

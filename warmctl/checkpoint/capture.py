@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +67,7 @@ class TreeFiles:
     required: dict[str, int] = field(default_factory=dict)  # path -> size in bytes
 
 
-def referenced_files(root_pid: int, exclude: list[Path] = ()) -> TreeFiles:
+def referenced_files(root_pid: int, exclude: Sequence[Path] = ()) -> TreeFiles:
     """Classify every file the tree of ``root_pid`` maps or has open.
 
     ``exclude``: paths (files or directories) never bundled (e.g. the engine's own log, which
@@ -166,7 +167,7 @@ def remove_by_inode(inodes) -> list[Path]:
     never by a name another snapshot may share.
     """
     wanted = {tuple(x) for x in inodes}
-    removed = []
+    removed: list[Path] = []
     if not wanted:
         return removed
     for p in SHM.iterdir():
@@ -266,7 +267,7 @@ def package_owned(paths: list[str], info_dir: Path = DPKG_INFO) -> set[str]:
     return found
 
 
-def bundled_target_problems(paths: list[str], protected: list[Path] = (), info_dir: Path = DPKG_INFO) -> list[str]:
+def bundled_target_problems(paths: list[str], protected: Sequence[Path] = (), info_dir: Path = DPKG_INFO) -> list[str]:
     """Why each of ``paths`` (absolute destinations of bundled files) may not be written, one
     line each (empty: all may). A path is refused when it, or where it resolves to through
     symlinks, is under :data:`PROTECTED_DIRS` (bar :data:`WRITABLE_UNDER_PROTECTED`) or one

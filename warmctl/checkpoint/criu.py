@@ -10,7 +10,7 @@ CRIU's plugins are kept out of the way: every dump and restore runs with ``--lib
 a fresh directory (:func:`_plugin_libdir`), empty unless the caller names plugins, so a host's
 CRIU plugins (``/usr/lib/criu``, ``$CRIU_LIBS_DIR``) are never loaded unasked. An AMD profile
 names ``amdgpu_plugin.so`` (the plan's ``criu_plugins``): the directory then holds a link to
-that one plugin in the host's plugin directory (:func:`warmctl.host.criu_plugin_dir`), and
+that one plugin in the host's plugin directory (:func:`criu_plugin_dir`), and
 nothing else. Why: CRIU 4.x's ``cuda_plugin`` records itself in the
 image and, at restore, restores and unlocks every CUDA process inside ``criu restore``, before
 warmctl's free-GPU-memory check and GPU remapping (:mod:`warmctl.checkpoint.ranks`); warmctl
@@ -214,18 +214,41 @@ def host_lock(timeout_s: float = 900.0, on_wait=None, path: str | Path | None = 
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+#: Where CRIU looks for plugins when neither ``--libdir`` nor ``$CRIU_LIBS_DIR`` names a
+#: directory: its build-time ``CR_PLUGIN_DEFAULT`` (``criu/include/plugin.h``), which
+#: ``criu --help`` prints; this is the fallback when the help text does not say.
+CRIU_PLUGIN_DEFAULT = "/usr/lib/criu/"
+_CRIU_LIBDIR_HELP = re.compile(r"--libdir\s+path to a plugin directory \(by default ([^)\s]+)\)")
+
+
+def criu_plugin_dir(criu: str = "criu") -> Path:
+    """CRIU's plugin directory, as CRIU itself picks it (``criu/plugin.c``): ``$CRIU_LIBS_DIR``,
+    else the default its ``--help`` prints for ``--libdir``, else :data:`CRIU_PLUGIN_DEFAULT`."""
+    env = os.environ.get("CRIU_LIBS_DIR")
+    if env:
+        return Path(env)
+    exe = shutil.which(criu) or shutil.which(criu, path=os.pathsep.join(["/usr/local/sbin", "/usr/sbin", "/sbin"]))
+    if exe:
+        try:
+            out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=10)
+            m = _CRIU_LIBDIR_HELP.search(out.stdout + out.stderr)
+            if m:
+                return Path(m.group(1))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return Path(CRIU_PLUGIN_DEFAULT)
+
+
 @contextmanager
 def _plugin_libdir(plugins: Sequence[str] = (), binary: str | None = None) -> Iterator[list[str]]:
     """CRIU options that load exactly ``plugins`` (file names such as ``amdgpu_plugin.so``):
     ``["--libdir", <fresh directory>]`` holding a symbolic link to each, in the host's CRIU
-    plugin directory (:func:`warmctl.host.criu_plugin_dir`); no plugins: an empty directory, so
+    plugin directory (:func:`criu_plugin_dir`); no plugins: an empty directory, so
     none loads. The directory is removed afterwards. Raises :class:`HostError` naming the
     plugin directory when a plugin is not there."""
     d = tempfile.mkdtemp(prefix="warmctl-criu-plugins-" if plugins else "warmctl-criu-noplugins-")
     try:
         if plugins:
-            from warmctl.host import criu_plugin_dir
-
             src = criu_plugin_dir(binary or "criu")
             for name in plugins:
                 if not (src / name).is_file():

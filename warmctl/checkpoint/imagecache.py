@@ -1,4 +1,4 @@
-"""Verified CRIU images kept between ``up``\\ s of one snapshot (issue 12).
+"""Verified CRIU images kept between ``up``\\ s of one snapshot.
 
 Without this, every ``up`` rewrote the whole CRIU image (2.7 GiB for ``tiny``) from the store
 into a run directory, restored from it and deleted it: seconds of copying and hashing per
@@ -30,7 +30,7 @@ verified copy in the entry (``shm/``), copied region by region so their holes st
 decompressing and verifying them from the store took 200-500 ms). Bundled files are written
 back from the store when missing or changed, as before.
 
-Budget (issue 27): the entries may take :attr:`ImageCache.budget` bytes on disk (allocated
+Budget: the entries may take :attr:`ImageCache.budget` bytes on disk (allocated
 blocks: holes count nothing; the ``image_cache_bytes`` setting, by default half the filesystem
 holding the cache). Before an entry is written, the least recently used entries are removed
 until it fits; an entry in use by a running engine of this home (its state names the digest
@@ -450,7 +450,7 @@ class ImageCache:
     def entries(self) -> list[CacheEntry]:
         """Every entry, most recently used first (by ``used.json``'s sequence number, then by
         the time of last use; an entry never marked by its marker's mtime)."""
-        out = []
+        out: list[CacheEntry] = []
         if not self.root.is_dir():
             return out
         try:

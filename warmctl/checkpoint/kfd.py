@@ -156,7 +156,7 @@ def amdsmi_facts() -> tuple[dict[int, dict[str, Any]], str | None]:
     says why (not importable, init failed, a query failed). Never raises. One
     ``amdsmi_init`` / ``amdsmi_shut_down`` per call."""
     try:
-        import amdsmi  # type: ignore[import-not-found]
+        import amdsmi
     except Exception as e:  # ImportError, or the package present without its libamd_smi.so (OSError)
         return {}, f"amdsmi not importable ({type(e).__name__}: {e})"
     try:

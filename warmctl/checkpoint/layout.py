@@ -32,10 +32,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from warmctl.checkpoint.affinity import cpu_list, parse_cpu_list
 from warmctl.errors import CheckpointError, HostError
+from warmctl.parallel import Sizes, sizes_of
 from warmctl.proc import nspid, pid_alive, tree_pids
 
 if TYPE_CHECKING:
@@ -47,10 +48,6 @@ RANK_TITLE = re.compile(r"^VLLM::((?:Worker|EngineCore)(?:_[A-Z]+\d+)*)\b")
 #: The variable vLLM's CPU build reads for each rank's OpenMP thread binding.
 BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"
 
-_FLAGS = {"tp": ("--tensor-parallel-size", "-tp"), "pp": ("--pipeline-parallel-size", "-pp"),
-          "dp": ("--data-parallel-size", "-dp")}
-_EP_FLAGS = ("--enable-expert-parallel", "-ep")
-
 
 class RankError(CheckpointError):
     """A rank of the layout is missing, dead, or not what was recorded (before a dump or after
@@ -59,116 +56,6 @@ class RankError(CheckpointError):
     def __init__(self, message: str, ranks: list[str]):
         super().__init__(message)
         self.ranks = ranks
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The parallel sizes of an engine: ``tp``, ``pp``, ``dp`` (each >= 1) and ``ep`` (expert
-    parallel on: the experts are split over the TP x DP ranks, vLLM's EP size)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: bool = False
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in all: TP x PP x DP."""
-        return self.tp * self.pp * self.dp
-
-    @property
-    def ep_size(self) -> int:
-        """Ranks the experts are split over: TP x DP with expert parallel, else 1."""
-        return self.tp * self.dp if self.ep else 1
-
-    @property
-    def multi_process(self) -> bool:
-        """True when the ranks are worker processes of their own (more than one rank)."""
-        return self.world_size > 1
-
-    def roles(self) -> list[str]:
-        """The role (process title without ``VLLM::``) of every rank, in vLLM's rank order
-        (DP, PP, TP): ``["EngineCore"]`` for one rank (:func:`discover` takes ``Worker``
-        instead where the rank has a worker process of its own), ``["Worker_TP0", "Worker_TP1"]`` at TP2,
-        ``["EngineCore_DP0", "EngineCore_DP1"]`` at DP2 alone."""
-        if not self.multi_process:
-            return ["EngineCore"]
-        if self.tp * self.pp == 1:  # data parallel alone: each engine core runs its one rank itself
-            return [f"EngineCore_DP{d}" for d in range(self.dp)]
-        out = []
-        for d in range(self.dp):
-            for p in range(self.pp):
-                for t in range(self.tp):
-                    name = "Worker" + (f"_DP{d}" if self.dp > 1 else "") + (f"_PP{p}" if self.pp > 1 else "")
-                    name += f"_TP{t}" if self.tp > 1 else ""
-                    name += f"_EP{d * self.tp + t}" if self.ep else ""
-                    out.append(name)
-        return out
-
-    def describe(self) -> str:
-        """:func:`describe_sizes` of these sizes."""
-        return describe_sizes(self.tp, self.pp, self.dp, self.ep_size)
-
-
-def describe_sizes(tp: int, pp: int, dp: int, ep: int) -> str:
-    """``"TP2"``, ``"TP2 x PP2"``, ``"TP2, EP2"`` (``ep``: ranks the experts are split over,
-    1: none); ``"TP1"`` for one rank."""
-    parts = [f"{k}{v}" for k, v in (("TP", tp), ("PP", pp), ("DP", dp)) if v > 1]
-    return (" x ".join(parts) or "TP1") + (f", EP{ep}" if ep > 1 else "")
-
-
-def sizes_of(args: list[str]) -> Sizes:
-    """The :class:`Sizes` ``vllm serve`` gets from ``args`` (``--tensor-parallel-size N``,
-    ``-tp N``, ``--tensor-parallel-size=N``, the same for PP and DP, ``--enable-expert-parallel``).
-    Raises ValueError naming the flag when its value is not a positive integer."""
-    vals = {"tp": 1, "pp": 1, "dp": 1}
-    ep = False
-    i = 0
-    while i < len(args):
-        a = args[i]
-        flag, eq, inline = a.partition("=")
-        for key, names in _FLAGS.items():
-            if flag in names:
-                if eq:
-                    v = inline
-                elif i + 1 < len(args):
-                    v = args[i + 1]
-                    i += 1
-                else:
-                    raise ValueError(f"{flag} needs a value")
-                if not v.isdigit() or int(v) < 1:
-                    raise ValueError(f"{flag} {v!r}: a positive integer is needed")
-                vals[key] = int(v)
-        if flag in _EP_FLAGS:
-            ep = inline.lower() not in ("false", "0") if eq else True
-        i += 1
-    return Sizes(ep=ep, **vals)
-
-
-#: Why the CPU build refuses expert parallel (measured, docs/design.md "Expert parallel"): its
-#: MoE kernel (``CPUUnquantizedExperts.apply`` -> ``cpu_fused_moe``) ignores the expert map, so
-#: a rank holding only its share of the experts indexes the others' weights out of bounds.
-CPU_EP_CRASH = ("with vllm-cpu 0.32.0 the engine starts (ranks Worker_TP0_EP0, Worker_TP1_EP1), then its ranks die "
-                "of SIGSEGV in the CPU MoE kernel (csrc/cpu/cpu_fused_moe.cpp:242, fused_moe_impl) on the first "
-                "request, a 16-token prefill: vLLM's CPU experts ignore the expert map, so a rank holding half the "
-                "experts indexes the other half's weights (measured 2026-12-01 with builtin:tiny-moe at TP2, "
-                "docs/design.md \"Expert parallel\")")
-
-
-def cpu_build_problems(args: list[str], gpu_count: int) -> list[str]:
-    """What the CPU build of vLLM (``gpu_count`` 0) cannot run among the engine ``args``, one
-    sentence each naming the flag: expert parallel (``--enable-expert-parallel``/``-ep``), whose
-    ranks crash at the first request (:data:`CPU_EP_CRASH`); the alternative is the same model
-    at tensor parallel without the flag (``profiles/tiny-moe-tp2.toml``). [] on GPU profiles and
-    for arguments the CPU build runs. Raises ValueError as :func:`sizes_of` does."""
-    sizes = sizes_of(args)
-    if gpu_count or not sizes.ep:
-        return []
-    alt = f" at {describe_sizes(sizes.tp, sizes.pp, sizes.dp, 1)}" if sizes.multi_process else ""
-    return [f"engine.args: --enable-expert-parallel does not run on the CPU build of vLLM (hardware.gpu_count = 0): "
-            f"{CPU_EP_CRASH}. Drop the flag to serve the mixture-of-experts model{alt} without expert parallel "
-            "(every rank holds every expert, its weights split by tensor parallel; profiles/tiny-moe-tp2.toml), "
-            "or set hardware.gpu_count for a GPU host"]
 
 
 def profile_sizes(profile: "Profile") -> Sizes:
@@ -585,7 +472,7 @@ def listening(root_pid: int) -> list[tuple[str, int]]:
 
 
 def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: str | None,
-           listen: list[tuple[str, int]] = ()) -> "ParallelLayout":
+           listen: Sequence[tuple[str, int]] = ()) -> "ParallelLayout":
     """The manifest's ``restore.layout`` for ``ranks`` (:func:`discover`); ``listen``: the
     tree's listening sockets (:func:`listening`)."""
     from warmctl.manifest import ParallelLayout, RankRecord
@@ -611,7 +498,7 @@ def require_ports_free(lay: "ParallelLayout", what: str) -> None:
     """Pre-flight of a restore: every TCP port the snapshot's tree listened on
     (``layout.listen``) is free here, else :class:`HostError` naming the port and the process
     that holds it (another engine's rank, say): CRIU would restore the socket bound to it."""
-    from warmctl.gate import require_port_free
+    from warmctl.ports import require_port_free
 
     for a in lay.listen:
         ip, _, port = a.rpartition(":")

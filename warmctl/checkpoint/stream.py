@@ -1,5 +1,5 @@
 """A streamed restore: ``criu restore --stream`` reads the CRIU image while it is still being
-fetched, verified and written (issue 27: a fresh node restored only after its whole image was
+fetched, verified and written (a fresh node restored only after its whole image was
 on disk, one phase after the other).
 
 CRIU's image streaming interface (CRIU 4.2, ``criu/img-streamer.c``, ``images/img-streamer.proto``;

@@ -80,8 +80,8 @@ def _click_command(argv: list[str]):
 
 def _exit(code: int | str | None) -> None:
     """End the process as the interpreter would, minus its teardown of every module and object:
-    that teardown took 0.3-0.4 s after each ``warmctl up`` on the 2-core development host
-    (issue 12), and this process keeps nothing that needs it. What an orderly exit owes is
+    that teardown took 0.3-0.4 s after each ``warmctl up`` on the 2-core development host,
+    and this process keeps nothing that needs it. What an orderly exit owes is
     done first: non-daemon threads are joined, ``atexit`` handlers run, stdout and stderr are
     flushed. ``code`` as for :class:`SystemExit` (None = 0; a string is printed, exit 1)."""
     import atexit

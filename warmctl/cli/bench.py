@@ -17,7 +17,7 @@ from warmctl.cli import output as _output
 from warmctl.errors import EngineError
 
 # httpx and the consoles are made by the command that runs, not when `warmctl` registers its
-# commands (issue 12: every `warmctl` paid for httpx here).
+# commands (every `warmctl` paid for httpx here).
 
 
 def resolve_target(target: str) -> str:

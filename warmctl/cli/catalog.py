@@ -43,7 +43,7 @@ def _size(n: int) -> str:
 
 def _say(line: str) -> None:
     """Print ``line`` on stdout as it is (no markup, highlighting or wrapping). The console is
-    made per call, not when the commands are registered (issue 12: no rich for `--help`)."""
+    made per call, not when the commands are registered (no rich for `--help`)."""
     _out(highlight=False, soft_wrap=True, markup=False).print(line)
 
 

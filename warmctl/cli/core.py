@@ -16,7 +16,7 @@ from warmctl.errors import WarmctlError
 
 # The library (config, profile, progress: pydantic models) is imported by the command that runs,
 # not when the commands are registered: `--help`, `version` and the other areas' commands stay
-# cheap (issue 12).
+# cheap.
 
 
 def _human(n: float) -> str:
@@ -187,7 +187,7 @@ def register(app: typer.Typer) -> None:
                           lambda line: _err().print(line, markup=False, highlight=False))
             raise typer.Exit(code)
         rep = ConsoleReporter(quiet=json_out or quiet)
-        if settings.agent_url:  # a configured agent does the work (issue 5); same output
+        if settings.agent_url:  # a configured agent does the work; same output
             from warmctl.client import AgentClient
             res = AgentClient.from_settings(settings).up(req, rep, check=False)
             _show_up(res, json_out, quiet)
@@ -241,7 +241,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.config import load_settings
 
         settings = load_settings()
-        if settings.agent_url:  # a configured agent does the work (issue 5); same output
+        if settings.agent_url:  # a configured agent does the work; same output
             from warmctl.client import AgentClient
             st = AgentClient.from_settings(settings).down(name, now=now)
         else:
@@ -282,7 +282,7 @@ def register(app: typer.Typer) -> None:
                   [(str(f.path), _human(f.size), _human(f.allocated), _age(f.age_s), ", ".join(map(str, f.users)) or "none")
                    for f in files], title="/dev/shm files no live engine holds")
             return
-        if settings.agent_url:  # a configured agent answers (issue 5); same output
+        if settings.agent_url:  # a configured agent answers; same output
             from warmctl.client import AgentClient
             rows = AgentClient.from_settings(settings).status(name)
         else:

@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
         files = key_files(s.keys_dir)
         signs = signed_snapshots(s)
         mine = _home_key(s)
-        rows = [{"key_id": kid, "file": str(p), "trusted": True, "signs": signs.get(kid, []), "this_home": kid == mine}
+        rows: list[dict[str, Any]] = [{"key_id": kid, "file": str(p), "trusted": True, "signs": signs.get(kid, []), "this_home": kid == mine}
                 for kid, p in files]
         trusted = {kid for kid, _ in files}
         rows += [{"key_id": kid, "file": None, "trusted": False, "signs": snaps, "this_home": kid == mine}

@@ -1,6 +1,6 @@
 """Output for people and for logs: one place that decides how the CLI writes.
 
-Rules (issue 18), applied by every command:
+Rules, applied by every command:
 
 - **Terminal or not.** A stream is a terminal when ``isatty()`` says so. Not a terminal
   (systemd's journal, CI, a pipe): nothing is hard-wrapped (a long path or digest stays on its
@@ -21,58 +21,19 @@ set later apply), :func:`table` for tabular results, :func:`emit_json` for ``--j
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterable, Sequence
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or `up --json` (issue 12)
+from warmctl.console import console, err, is_terminal, no_color, out  # noqa: F401 - the consoles, re-exported
+
+if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or `up --json`
     from rich.console import Console
 
 #: The ``--json`` option: ``flag: bool = JsonOpt`` in a command's signature.
 JsonOpt: Any = typer.Option(False, "--json", help="Print the result as JSON on stdout (schema: docs/cli-json.md).")
-
-
-def is_terminal(stream: IO[str] | None) -> bool:
-    """Whether ``stream`` is an interactive terminal (False for None or a closed stream)."""
-    try:
-        return bool(stream is not None and stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-def no_color() -> bool:
-    """``NO_COLOR`` is set to a non-empty value (https://no-color.org)."""
-    return bool(os.environ.get("NO_COLOR"))
-
-
-def console(stderr: bool = False, **kwargs: Any) -> Console:
-    """A rich console on stdout (or stderr) that follows the rules above: on a non-terminal,
-    ``soft_wrap`` (no hard line breaks); with NO_COLOR, no styles at all. ``kwargs`` go to
-    :class:`rich.console.Console` (they win)."""
-    stream = sys.stderr if stderr else sys.stdout
-    opts: dict[str, Any] = {"stderr": stderr}
-    if not is_terminal(stream):
-        opts["soft_wrap"] = True
-    if no_color():
-        opts["color_system"] = None
-        opts["no_color"] = True
-    opts.update(kwargs)
-    from rich.console import Console
-
-    return Console(**opts)
-
-
-def out(**kwargs: Any) -> Console:
-    """:func:`console` on stdout."""
-    return console(False, **kwargs)
-
-
-def err(**kwargs: Any) -> Console:
-    """:func:`console` on stderr."""
-    return console(True, **kwargs)
 
 
 def emit_json(obj: Any) -> None:

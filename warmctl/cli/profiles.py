@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
 from warmctl.cli.output import JsonOpt, emit_json
 from warmctl.errors import SnapshotNotFound
 
-if TYPE_CHECKING:  # config and profile (pydantic models) are imported by the command that runs (issue 12)
+if TYPE_CHECKING:  # config and profile (pydantic models) are imported by the command that runs
     from warmctl.profile import Profile
 
 
@@ -50,12 +50,12 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     ranks' default CPU binding, the CPU build's PYTHONPATH); raises
     :class:`warmctl.errors.HostError` when the ranks' binding cannot be satisfied here. A
     ``builtin:`` model is shown at the path it is built to on first use."""
-    from warmctl import tinymodel
+    from warmctl import builtinmodels
     from warmctl.engine.vllm import engine_env, engine_environment, vllm_command, wrapped_command
     from warmctl.engine.cold import launch_env
 
     m = profile.engine.model
-    model = str(d) if (d := tinymodel.builtin_dir(m, models_dir)) is not None else m
+    model = str(d) if (d := builtinmodels.builtin_dir(m, models_dir)) is not None else m
     inner = vllm_command(profile, model)
     ours = {**engine_env(profile), **launch_env(profile)}
     inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
@@ -96,7 +96,7 @@ def stored_profile_problems(url: str) -> list[dict]:
             refs.setdefault(e.manifest, []).append(f"{e.name}:{e.tag}")
         names = cat.names()
     except WarmctlError as e:
-        return [{"store": url, "object": store.location(), "kind": "catalog", "name": None, "refs": [], "field": None,
+        return [{"store": url, "object": store.location, "kind": "catalog", "name": None, "refs": [], "field": None,
                  "problem": f"unreadable: {e}"}]
     for name in names:
         where = store.backend.location(f"{CATALOG_PREFIX}{name}/profile.json")
@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.profile import ProfileError, find_profile, load_profile_file
 
         settings = load_settings()
-        results = []
+        results: list[dict[str, Any]] = []
         for f in files:
             try:
                 path = find_profile(f, settings.profile_dirs)

@@ -200,10 +200,12 @@ def register(app: typer.Typer) -> None:
 
         Exits 5 when anything is missing or corrupt.
         """
+        from warmctl.store import maintenance
+
         s = _remote(store, "--store") if store else _local(None)
         digests = _digests(s, refs)
         with byte_progress("verify", None) as advance:
-            rep = s.verify(digests, progress=advance)
+            rep = maintenance.verify(s, digests, progress=advance)
         if json_out:
             emit_json({"store": s.location, "ok": rep.ok, **dataclasses.asdict(rep)})
         else:
@@ -227,12 +229,13 @@ def register(app: typer.Typer) -> None:
         or snapshot is writing to the store.
         """
         from warmctl.catalog import Catalog
+        from warmctl.store import maintenance
 
         s = _remote(store, "--store") if store else _local(None)
         cat = Catalog(s)
         if not dry_run:
             cat.migrate()
-        rep = s.gc(keep=cat.referenced_manifests(), grace=grace, dry_run=dry_run)
+        rep = maintenance.gc(s, keep=cat.referenced_manifests(), grace=grace, dry_run=dry_run)
         verb = "would remove" if dry_run else "removed"
         gone = None
         if store is None:  # the local store's gc also drops kept images of snapshots it no longer holds
@@ -301,10 +304,11 @@ def register(app: typer.Typer) -> None:
         filesystems holding them. With --store: that store's figures only.
         """
         from warmctl.catalog import Catalog
+        from warmctl.store import maintenance
 
         s = _remote(store, "--store") if store else _local(None)
+        rep = maintenance.du(s, names=Catalog(s).names_of())
         if store is not None:
-            rep = s.du(names=Catalog(s).names_of())
             if json_out:
                 emit_json({"store": s.location, **dataclasses.asdict(rep), "images": None})
                 return
@@ -323,7 +327,7 @@ def register(app: typer.Typer) -> None:
 
         settings = load_settings()
         cache = ImageCache.for_settings(settings)
-        node = node_report(s, cache, Catalog(s).names_of(), budget_setting=str(settings.image_cache_bytes))
+        node = node_report(rep, s.location, cache, budget_setting=str(settings.image_cache_bytes))
         if json_out:
             rows = [dataclasses.asdict(r) for r in node.rows]
             emit_json({"store": s.location, "rows": rows, "total_stored": node.store_bytes,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from warmctl import tinymodel
+from warmctl import builtinmodels
 from warmctl.checkpoint import layout
 from warmctl.engine import canary, vllm, warmup
 from warmctl.engine.run import EngineRun
@@ -28,7 +28,7 @@ def resolve_model(profile: Profile, models_dir: Path) -> str:
     :data:`warmctl.tinymodel.BUILTIN`; ``random-llama-<L>x<H>``: :mod:`warmctl.randmodel`) under
     ``models_dir`` on first use. Raises :class:`EngineError` if a model path does not exist."""
     m = profile.engine.model
-    if (d := tinymodel.build_builtin(m, models_dir)) is not None:
+    if (d := builtinmodels.build_builtin(m, models_dir)) is not None:
         return str(d)
     if m.startswith("/") or m.startswith("."):
         if not Path(m).exists():
@@ -132,7 +132,7 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
     import threading
     import time
 
-    from warmctl import faults
+    from warmctl.checkpoint import rankfaults
 
     watch = layout.RankWatch(run.root_pid, layout.profile_sizes(profile), run.log_path)
     cells_done = [0]
@@ -165,7 +165,7 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
                     raise e
                 return out.get("value")
             if hook and cells_done[0] >= 1:
-                faults.kill_rank(hook, run.root_pid)  # a test's kill -9 / SIGSTOP of one rank
+                rankfaults.kill_rank(hook, run.root_pid)  # a test's kill -9 / SIGSTOP of one rank
                 hook = None
             if (err := watch.problem(what)) is not None:
                 raise err

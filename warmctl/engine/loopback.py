@@ -4,7 +4,7 @@
 Why not httpx, which the rest of warmctl uses (agent client, benchmarks, vLLM's sleep API):
 ``import httpx`` also imports httpx's own command-line client (click, pygments, rich's
 progress, table and syntax modules), 45-120 ms of every ``up`` on the 2-core development host
-(issue 12, ``python -X importtime``). A GET and a JSON POST to ``http://127.0.0.1:PORT`` need
+(``python -X importtime``). A GET and a JSON POST to ``http://127.0.0.1:PORT`` need
 none of it.
 """
 

@@ -355,9 +355,9 @@ class EngineRun:
             shutil.rmtree(self.unkept_image, ignore_errors=True)
             rep.removed_scratch = True
         rep.removed_tmp = self.remove_tmp()
-        for f in (self.pidfile, self.criu_pidfile, self.lazy_pidfile, self.lazy_failed):
-            if f.is_file() and not f.is_symlink():
-                f.unlink(missing_ok=True)
+        for pf in (self.pidfile, self.criu_pidfile, self.lazy_pidfile, self.lazy_failed):
+            if pf.is_file() and not pf.is_symlink():
+                pf.unlink(missing_ok=True)
         if self.state is not None:
             remove_state(self.run_dir, self.name)
             self.state = None

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Literal
 
 from warmctl.errors import EngineError
 
-if TYPE_CHECKING:  # imported by the client that uses it: `up` of a snapshot without kept weights never does (issue 12)
+if TYPE_CHECKING:  # imported by the client that uses it: `up` of a snapshot without kept weights never does
     import httpx
 
 SleepLevel = Literal[0, 1, 2]

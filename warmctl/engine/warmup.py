@@ -34,7 +34,7 @@ def run_grid(base_url: str, model: str, spec: WarmupSpec,
     ``progress(done, total, cell)`` is called after each cell. Raises :class:`EngineError`
     naming the cell if any request fails (a warm-up that fails would snapshot a cold shape).
     """
-    import httpx  # here, not at the top: `up` imports this module (cold path) without warming up (issue 12)
+    import httpx  # here, not at the top: `up` imports this module (cold path) without warming up
 
     cells = spec.cells()
     t0 = time.monotonic()

@@ -15,7 +15,7 @@ the parameter it came from. Buffers (rotary caches and the like) stay in the pro
 vLLM's own sleep level 2 keeps them.
 
 Weights the engine computes with *outside* its parameters cannot be taken out, and saving then
-refuses (:func:`outside_parameters`, issue 18) instead of leaving them silently in the image.
+refuses (:func:`outside_parameters`) instead of leaving them silently in the image.
 The case known: vLLM's CPU build (``process_weights_after_loading`` of unquantized linear
 layers, ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``) hands each linear
 weight to a GEMM library that keeps its own packed copy -- oneDNN (``create_onednn_mm``: on

@@ -30,8 +30,8 @@ gate needs: no asyncio, no HTTP parser.
 from warmctl.gate.drain import drain
 from warmctl.gate.files import GateConfigError, private_file_problem, read_keys, tls_context
 from warmctl.gate.lazy import LazyWatch
-from warmctl.gate.process import (PendingGate, gate_enforces, policy_args, port_free, prestart, require_port_free,
-                                  settings_args, start)
+from warmctl.gate.process import PendingGate, gate_enforces, policy_args, prestart, settings_args, start
+from warmctl.ports import port_free, require_port_free
 
 __all__ = ["GateConfigError", "LazyWatch", "PendingGate", "drain", "gate_enforces", "policy_args", "port_free",
            "prestart", "private_file_problem", "read_keys", "require_port_free", "settings_args", "start",

@@ -9,7 +9,6 @@ overlaps the restore) and tells it to listen only once the canary passed
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,38 +18,6 @@ from warmctl.errors import HostError
 from warmctl.gate.files import GateConfigError, read_keys, tls_context
 from warmctl.gate.lazy import LazyWatch
 from warmctl.proc import kill_child
-
-
-def port_free(host: str, port: int) -> bool:
-    """True if a TCP listener could bind ``host:port`` now (SO_REUSEADDR, like uvicorn)."""
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def require_port_free(host: str, port: int, what: str) -> None:
-    """Raise :class:`HostError` naming ``what`` and the holder's PID if ``host:port`` is taken."""
-    if port_free(host, port):
-        return
-    holder = _port_holder(port)
-    raise HostError(f"{what} {host}:{port} is already in use{holder}; free it or choose another port")
-
-
-def _port_holder(port: int) -> str:
-    try:
-        import psutil
-
-        for c in psutil.net_connections(kind="tcp"):
-            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
-                return f" (by pid {c.pid}, {psutil.Process(c.pid).name()})"
-    except Exception:  # noqa: BLE001 - best effort decoration of an error message
-        pass
-    return ""
 
 
 def policy_args(api_key_file: Path | None = None, tls_cert: Path | None = None, tls_key: Path | None = None,
@@ -79,8 +46,8 @@ def policy_args(api_key_file: Path | None = None, tls_cert: Path | None = None, 
     if (tls_cert is None) != (tls_key is None):
         raise GateConfigError("TLS needs both a certificate file and a private-key file (gate_tls_cert, gate_tls_key)")
     if tls_cert is not None:
-        tls_context(tls_cert, tls_key)  # type: ignore[arg-type]
-        args += ["--tls-cert", str(Path(tls_cert).absolute()), "--tls-key", str(Path(tls_key).absolute())]  # type: ignore[arg-type]
+        tls_context(tls_cert, tls_key)
+        args += ["--tls-cert", str(Path(tls_cert).absolute()), "--tls-key", str(Path(tls_key).absolute())]
     for p in public_paths if public_paths is not None else ():
         args += ["--public-path", p]
     if public_paths is not None and not public_paths:
@@ -144,7 +111,7 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
 class PendingGate:
     """A gate process started ahead of time (:func:`prestart`) that does not listen until
     :meth:`open`: its interpreter start-up and imports (~0.2-0.9 s on a loaded 2-core host)
-    overlap the restore instead of delaying the public port after the canary (issue 12).
+    overlap the restore instead of delaying the public port after the canary.
     It holds no socket before :meth:`open`, and exits without ever listening if the process
     that started it closes its stdin (exits, or calls :meth:`cancel`)."""
 

@@ -163,7 +163,8 @@ async def engine_routes(host: str, port: int, timeout_s: float = 30.0) -> list[s
 
     class Response:
         def __init__(self) -> None:
-            self.body, self.done = [], False
+            self.body: list[bytes] = []
+            self.done = False
 
         def on_body(self, b: bytes) -> None:
             self.body.append(b)

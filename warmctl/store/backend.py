@@ -376,24 +376,24 @@ class RetryingBackend(ForwardingBackend):
         self._call("save", key, lambda: self.inner.save(key, data))
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        return self._call("load", key, lambda: self.inner.load(key, offset, length))  # type: ignore[return-value]
+        return self._call("load", key, lambda: self.inner.load(key, offset, length))
 
     def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
-        return self._call("load", key, lambda: self.inner.load_into(key, buf, limit))  # type: ignore[return-value]
+        return self._call("load", key, lambda: self.inner.load_into(key, buf, limit))
 
     def stat(self, key: str) -> ObjectInfo:
-        return self._call("stat", key, lambda: self.inner.stat(key))  # type: ignore[return-value]
+        return self._call("stat", key, lambda: self.inner.stat(key))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """The inner listing, streamed (a listing of any length holds one page at a time, not
-        every key: issue 31); a transient failure midway restarts it after the retry wait and
+        every key, however many a hostile remote holds); a transient failure midway restarts it after the retry wait and
         skips the keys already yielded (only their names are remembered)."""
         seen: set[str] = set()
         first: float | None = None
         while True:
             it = self._call("list", prefix, lambda: _Peeked(self.inner.list(prefix)))
             try:
-                for o in it:  # type: ignore[attr-defined]
+                for o in it:
                     if o.key not in seen:
                         seen.add(o.key)
                         yield o

@@ -99,12 +99,12 @@ class CachingBackend(Backend):
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         if self._cached(key) and offset == 0 and length is None:  # only whole objects are kept
-            return self._from_cache(key, lambda b: b.load(key))  # type: ignore[return-value]
+            return self._from_cache(key, lambda b: b.load(key))
         return self.remote.load(key, offset, length)
 
     def load_into(self, key: str, buf: bytearray, limit: int | None = None) -> memoryview:
         if self._cached(key):
-            return self._from_cache(key, lambda b: b.load_into(key, buf, limit))  # type: ignore[return-value]
+            return self._from_cache(key, lambda b: b.load_into(key, buf, limit))
         return self.remote.load_into(key, buf, limit)
 
     def keep(self, key: str, data: bytes | memoryview) -> None:

@@ -125,7 +125,7 @@ def compress(data: bytes | memoryview) -> bytes:
 def frame_bound(size: int) -> int:
     """The most bytes a chunk object holding ``size`` bytes may have: zstd's compress bound
     (``ZSTD_COMPRESSBOUND``: ``size + size/256`` plus a margin for small inputs) and room for
-    the frame header and checksum. A larger object is refused unread (issue 31: a chunk padded
+    the frame header and checksum. A larger object is refused unread (a chunk padded
     with gigabytes after its frame)."""
     return size + (size >> 8) + (((128 << 10) - size) >> 11 if size < (128 << 10) else 0) + 1024
 

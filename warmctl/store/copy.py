@@ -162,7 +162,7 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
         if not dst.has_manifest(digest):  # pragma: no cover - would mean to_bytes is not canonical
             dst.backend.save(manifest_key(digest), data)
     # Attachments of the manifest (signatures, see warmctl.trust) travel with it.
-    # Each must be what the store writes there (a small JSON object; issue 31: a "signature" that
+    # Each must be what the store writes there (a small JSON object; a "signature" that
     # was a link to /etc/shadow travelled onward): anything else is left behind, with a warning.
     for prefix in attachment_prefixes(digest):
         for o in src.backend.list(prefix):

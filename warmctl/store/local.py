@@ -106,7 +106,7 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 class LocalBackend(Backend):
     """Objects as files under ``root`` (created on first save). ``fsync``: sync each object.
 
-    The root is a wall (issue 31): every path below it is walked one component at a time with
+    The root is a wall: every path below it is walked one component at a time with
     directory file descriptors (``openat`` with ``O_NOFOLLOW``), so no symbolic link inside the
     store is ever followed, for reads, writes, listings and removals alike; only regular files
     are read or removed as objects (a FIFO, device, socket, directory or link where an object or

@@ -51,7 +51,7 @@ LOST_AFTER = 5 / 6
 
 #: A lock's recorded lifetime counts up to this many seconds (a lock claiming a longer one, or
 #: a time ahead of its object's mtime by more than :data:`CLOCK_SKEW`, was not written by a
-#: warmctl: issue 31, a forged lock that would hold every writer off).
+#: warmctl: a forged lock that would hold every writer off).
 MAX_LIFETIME = 600.0
 CLOCK_SKEW = 60.0
 

@@ -3,7 +3,8 @@
 Owns what reads the whole store at once: re-hashing every chunk of a set of manifests
 (:func:`verify`), removing what no manifest (or no manifest the catalog names)
 references under the exclusive lock (:func:`gc`), and space accounting per manifest
-(:func:`du`). ``Store.verify``/``gc``/``du`` are thin methods calling these.
+(:func:`du`). Each takes a :class:`~warmctl.store.store.Store` from outside, as restic's
+``prune``/``check`` work on a repository: :mod:`warmctl.store.store` never imports this module.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ def du(store: Store, names: dict[str, list[str]] | None = None) -> DuReport:
     manifests = {d: store.get_manifest(d) for d in store.list_manifests()}
     refcount: dict[str, int] = {}
     for m in manifests.values():
-        for c in m.chunk_digests():
-            refcount[c] = refcount.get(c, 0) + 1
+        for digest in m.chunk_digests():
+            refcount[digest] = refcount.get(digest, 0) + 1
     rows = []
     for d, m in manifests.items():
         logical = stored = unique = zero = missing = 0

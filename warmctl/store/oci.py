@@ -632,13 +632,13 @@ class OCIBackend(Backend):
             raise IntegrityError(f"{what}: its first layer is not manifest {digest}; refused")
         packs = {}
         sizes = {x.get("digest"): x.get("size") for x in layers if isinstance(x, dict) and x.get("mediaType") == INDEX_LAYER}
-        for i, l in enumerate(layers):
-            if isinstance(l, dict) and l.get("mediaType") == PACK_LAYER:
-                idx = (l.get("annotations") or {}).get(INDEX_ANNOTATION)
+        for i, lay in enumerate(layers):
+            if isinstance(lay, dict) and lay.get("mediaType") == PACK_LAYER:
+                idx = (lay.get("annotations") or {}).get(INDEX_ANNOTATION)
                 isize = sizes.get(idx)
                 if not isinstance(idx, str) or not isinstance(isize, int):
-                    raise IntegrityError(f"{what}: pack {l.get('digest')} (layer {i}) names no index layer; refused")
-                packs[l["digest"]] = (idx, isize, int(l.get("size", 0)))
+                    raise IntegrityError(f"{what}: pack {lay.get('digest')} (layer {i}) names no index layer; refused")
+                packs[lay["digest"]] = (idx, isize, int(lay.get("size", 0)))
         a = _Artifact(oci, int(layers[0].get("size", 0)), _mtime((doc.get("annotations") or {}).get(CREATED)), packs)
         with self._mu:
             self._artifacts[digest] = a

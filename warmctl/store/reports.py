@@ -24,7 +24,7 @@ class ChunkProblem:
 
 @dataclass
 class VerifyReport:
-    """Result of :meth:`Store.verify`: counts (bytes uncompressed) and every problem found."""
+    """Result of :func:`warmctl.store.maintenance.verify`: counts (bytes uncompressed) and every problem found."""
 
     manifests_checked: int = 0
     chunks_checked: int = 0
@@ -50,7 +50,7 @@ class VerifyReport:
 
 @dataclass
 class GcReport:
-    """Result of :meth:`Store.gc` (bytes are stored, i.e. compressed, sizes)."""
+    """Result of :func:`warmctl.store.maintenance.gc` (bytes are stored, i.e. compressed, sizes)."""
 
     manifests_kept: int = 0
     manifests_removed: list[str] = field(default_factory=list)
@@ -83,7 +83,7 @@ class DuRow:
 
 @dataclass
 class DuReport:
-    """Result of :meth:`Store.du`: a row per manifest plus store totals (bytes)."""
+    """Result of :func:`warmctl.store.maintenance.du`: a row per manifest plus store totals (bytes)."""
 
     rows: list[DuRow]
     total_stored: int

@@ -96,7 +96,7 @@ def s3_endpoint_from_env() -> str | None:
 
 def _load_sdk() -> None:
     """Import boto3, botocore and urllib3 into this module on first use, not at import: they
-    cost ~130 ms, and every CLI command imports the store package (issue 12: ``warmctl up``
+    cost ~130 ms, and every CLI command imports the store package (``warmctl up``
     from a local store never needs them)."""
     global boto3, botocore, bx, urllib3
     import boto3

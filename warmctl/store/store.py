@@ -7,8 +7,9 @@ catalog entry that names it; a crash at any point leaves at worst unreferenced c
 unnamed manifest, which gc removes. The pieces around
 the core have modules of their own: key layout (:mod:`~warmctl.store.layout`), the parallel
 chunk I/O engine and its verify-and-refetch loop (:mod:`~warmctl.store.chunkio`), the read
-cache (:mod:`~warmctl.store.cache`), verify/gc/du (:mod:`~warmctl.store.maintenance`),
-copying between stores (:mod:`~warmctl.store.copy`) and report types (:mod:`~warmctl.store.reports`).
+cache (:mod:`~warmctl.store.cache`) and report types (:mod:`~warmctl.store.reports`). What works on
+a whole store from outside, verify/gc/du (:mod:`~warmctl.store.maintenance`) and copying between
+stores (:mod:`~warmctl.store.copy`), takes a :class:`Store`; this module imports neither.
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ from warmctl.errors import IntegrityError, WarmctlError
 from warmctl.manifest import ChunkRef, Manifest, sha256_digest
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
-from warmctl.store import maintenance
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.cache import CachingBackend
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
 from warmctl.store.chunkio import FileWatch, kept
 from warmctl.store.chunkio import read_files as _read_files
 from warmctl.store.layout import MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, attachment_prefixes, chunk_key, manifest_key
-from warmctl.store.reports import DuReport, Fetched, GcReport, VerifyReport
+from warmctl.store.reports import Fetched
 
 _open_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
@@ -422,19 +422,3 @@ class Store:
             for a in self.backend.list(prefix):
                 self.backend.remove(a.key)
         self.backend.remove(manifest_key(digest))
-
-    # -- maintenance (warmctl.store.maintenance)
-
-    def verify(self, digests: Iterable[str] | None = None, progress: Progress | None = None) -> VerifyReport:
-        """Re-hash every chunk of the given manifests (default: all); see :func:`maintenance.verify`."""
-        return maintenance.verify(self, digests, progress)
-
-    def gc(self, keep: Iterable[str] | None = None, grace: float = 300.0, dry_run: bool = False) -> GcReport:
-        """Remove manifests outside ``keep`` (``None``: keep every manifest) and chunks no kept
-        manifest uses, under the exclusive lock; see :func:`maintenance.gc`."""
-        return maintenance.gc(self, keep, grace, dry_run)
-
-    def du(self, names: dict[str, list[str]] | None = None) -> DuReport:
-        """Space per manifest (see :class:`~warmctl.store.reports.DuRow`; ``names``: digest ->
-        the catalog's ``name:tag`` labels); see :func:`maintenance.du`."""
-        return maintenance.du(self, names)
