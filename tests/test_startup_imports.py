@@ -42,6 +42,9 @@ NOT_ON_UP_PATH = bench.NOT_ON_UP_PATH
 #: development VMs: 0.19 s before its imports were trimmed, 0.16 s after (docs/benchmarks.md);
 #: the 0.15 s aimed at is not reached (what is left: typer/click, pydantic, the modules `up` runs)
 BUDGET_S = 0.175
+#: CPU seconds of a bare interpreter on those VMs (19-21 ms): a slower machine's budget grows by
+#: the ratio of its bare interpreter to this, so the test holds the up path's weight, not the CPU's
+BARE_REF_S = 0.020
 #: at most this many runs; the test stops at the first under budget (a loaded host slows some)
 BUDGET_RUNS = 15
 
@@ -113,12 +116,13 @@ def test_up_path_import_time_within_budget(tmp_path):
     for _ in range(BUDGET_RUNS):
         bare.append(bench.run_once(bench.SIDES["bare"], env, tmp_path)[1])
         up.append(bench.run_once(bench.UP_CODE, env, tmp_path)[1])
-        if min(up) - min(bare) <= BUDGET_S:
+        budget = BUDGET_S * max(1.0, min(bare) / BARE_REF_S)
+        if min(up) - min(bare) <= budget:
             break
     extra = min(up) - min(bare)
-    assert extra <= BUDGET_S, (f"the up path used {extra * 1000:.0f} ms of CPU over a bare interpreter (best of "
-                               f"{len(up)}; budget {BUDGET_S * 1000:.0f} ms): python benchmarks/up_imports.py shows "
-                               f"its slowest imports")
+    assert extra <= budget, (f"the up path used {extra * 1000:.0f} ms of CPU over a bare interpreter (best of "
+                             f"{len(up)}; budget {budget * 1000:.0f} ms, the bare interpreter {min(bare) * 1000:.0f} "
+                             f"ms): python benchmarks/up_imports.py shows its slowest imports")
 
 
 def test_a_top_level_command_builds_only_itself_and_a_group_the_whole_tree(tmp_path):
