@@ -255,10 +255,10 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
         found.manifest, found.digest, found.entry = res.manifest, res.digest, res.entry
         found.insecure = res.verification.insecure
         for r in res.skipped:
-            reporter.info(f"[yellow]{escape(fleet.fallback_line(r))}[/]")
+            reporter.warn(fleet.fallback_line(r))
         if res.verification.warning:
-            reporter.info(f"[bold red]{escape(res.verification.warning)}[/]")
-        reporter.info(escape(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res)))
+            reporter.warn(res.verification.warning, severe=True)
+        reporter.info(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res))
     except SnapshotNotFound as e:
         found.reason = str(e)
     except BaseException:
@@ -272,11 +272,6 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
             f"snapshot {name}:{tag} ({found.digest[:19]})")
         found.manifest = None
     return found
-
-
-def escape(text: str) -> str:
-    """``text`` safe to print as console markup (a store's text may hold ``[...]``)."""
-    return text.replace("[", "\\[")
 
 
 def restoring_line(ref: str, res) -> str:
@@ -363,7 +358,7 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
         if fill is not None and not served:  # the verified chunks are kept for the next try, or none at all
             err = fill.settle()
             if err is not None:
-                reporter.info(f"[yellow]the fetched chunks were not kept in the local store: {escape(str(err))}[/]")
+                reporter.warn(f"the fetched chunks were not kept in the local store: {err}")
     timings = _timings(reporter)
     _serving(run, timings)
     fetched = found.fetched.as_dict()
@@ -400,8 +395,7 @@ def _commit_fetched(fill: CacheFill | None, reporter: Reporter) -> bool:
     with reporter.phase("commit", f"making the {len(fill)} fetched chunk(s) durable in the local store"):
         err = fill.settle()
     if err is not None:
-        reporter.info(f"[yellow]the fetched chunks were not kept in the local store, nor the snapshot named there: "
-                      f"{escape(str(err))}[/]")
+        reporter.warn(f"the fetched chunks were not kept in the local store, nor the snapshot named there: {err}")
         return False
     return True
 
@@ -414,12 +408,12 @@ def _keep_locally(found: _Found, reporter: Reporter, settings: Settings) -> None
     if found.entry is None or found.cache is None:
         return
     if found.insecure:
-        reporter.info("[yellow]the restored snapshot is not named in the local store: its signature was not verified[/]")
+        reporter.warn("the restored snapshot is not named in the local store: its signature was not verified")
         return
     try:
         fleet.copy_entry(found.store, found.cache, found.entry, keys_dir=settings.keys_dir)
     except Exception as e:  # noqa: BLE001 - the engine serves: never a traceback after the port opened
-        reporter.info(f"[yellow]the restored snapshot is not named in the local store: {escape(str(e))}[/]")
+        reporter.warn(f"the restored snapshot is not named in the local store: {e}")
 
 
 def restore_pages(settings: Settings, binary: str, plugins: tuple[str, ...], reporter: Reporter) -> str:
@@ -482,7 +476,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                 run.adopt_restored(pid)
                 rebind(run, m, reporter)
                 if lazy.oom_note:
-                    reporter.info(f"[yellow]{lazy.oom_note}[/]")
+                    reporter.warn(lazy.oom_note)
                 return img, lazy, None
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins,
@@ -544,9 +538,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
     require_port_free(host_, port, "public port")
     gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the start
     cold.preflight(profile, settings.run_dir)
-    from rich.markup import escape
-
-    reporter.info(f"[yellow]cold start:[/] {escape(reason)}")
+    reporter.warn(f"cold start: {reason}")
     if snapshot_after:
         snap.require_ranks_checkpointable(profile, settings)
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)

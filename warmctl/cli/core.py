@@ -82,8 +82,12 @@ def register(app: typer.Typer) -> None:
         push_to = settings.remote_store if push is not False else None
         if push and not push_to:
             raise WarmctlError("--push: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
-        rep.info(f"snapshot of [bold]{prof.name}[/] (profile {prof.digest()[:19]}) into {settings.store_dir}"
-                 + (f", then published to {push_to}" if push_to else ""))
+        if not quiet:  # the CLI renders: markup here, never in the pipeline's messages
+            from rich.markup import escape
+
+            rep.console.print(f"snapshot of [bold]{escape(prof.name)}[/] (profile {prof.digest()[:19]}) into "
+                              + escape(f"{settings.store_dir}" + (f", then published to {push_to}" if push_to else "")),
+                              highlight=False)
         res = run_snapshot(prof, settings, rep, tag=tag, push_to=push_to)
         from warmctl.engine.vllm import PHASE_NAMES
 
