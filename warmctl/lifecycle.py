@@ -61,9 +61,8 @@ from warmctl.engine import canary, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
 from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
-from warmctl.gate import LazyWatch
 from warmctl.gate import drain as drain_gate
-from warmctl.gate import gate_enforces, require_port_free, settings_args
+from warmctl.gate import GateConfig, LazyWatch, require_port_free
 from warmctl.gate import prestart as prestart_gate
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
@@ -298,7 +297,7 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
     plan = CheckpointPlan.of(prof, settings)
     host_, port = _public(prof, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
-    gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
+    gate = GateConfig.from_settings(settings).check()  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
     binary = criu.check(settings.criu, settings.xtile_perm_lib)
     lay = m.restore.layout
@@ -313,11 +312,11 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
                     tmp_dir=m.restore.tmp_dir or False)
     run.dir.mkdir(parents=True, exist_ok=True)
     # the gate's interpreter starts now, beside the restore; it listens only once opened
-    pending_gate = prestart_gate(host_, port, prof.engine.port, run.gate_log, args=gate_args)
+    pending_gate = prestart_gate(host_, port, prof.engine.port, run.gate_log, config=gate)
     st = EngineState(name=found.name, phase="restoring", source="restore", manifest_digest=digest,
                      started_at=run.started_at, profile_digest=m.profile_digest, internal_port=prof.engine.port,
                      public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
-                     **gate_enforces(gate_args), restore_pages=pages,
+                     **gate.enforces, restore_pages=pages,
                      log_path=str(run.log_path))
     images = ImageCache.for_settings(settings)
     img = None
@@ -502,11 +501,11 @@ def _check_ranks(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
 
 
 def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,
-               gate_args: list[str]) -> None:
+               gate: GateConfig) -> None:
     """The "gate" phase: the public port opens in front of ``run`` (:mod:`warmctl.gate`;
-    ``gate_args``: its key/TLS/route options, :func:`warmctl.gate.settings_args`)."""
+    ``gate``: what it enforces, checked)."""
     with reporter.phase("gate", f"opening {host_}:{port}"):
-        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log, args=gate_args))
+        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log, config=gate))
 
 
 def _timings(reporter: Reporter) -> dict[str, float]:
@@ -536,7 +535,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
     assert profile is not None
     host_, port = _public(profile, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
-    gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the start
+    gate = GateConfig.from_settings(settings).check()  # a bad key/certificate file fails here, before the start
     cold.preflight(profile, settings.run_dir)
     reporter.warn(f"cold start: {reason}")
     if snapshot_after:
@@ -549,7 +548,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
         run.record(EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(),
                                started_at=run.started_at, internal_port=profile.engine.port, public_host=host_,
                                public_port=port, served_model_name=profile.engine.served_model_name,
-                               **gate_enforces(gate_args),
+                               **gate.enforces,
                                log_path=str(run.log_path)))
         record = cold.warm_and_record(run, profile, reporter)
         run.state.layout = layout.profile_sizes(profile).describe()  # type: ignore[union-attr]
@@ -563,7 +562,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
                 snapshot_error = _snapshot_failed(run, profile, record, tag, e)
                 run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  # shown by `up` and `status`
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
-        _open_gate(run, profile, host_, port, reporter, gate_args)
+        _open_gate(run, profile, host_, port, reporter, gate)
     except BaseException:
         run.teardown()
         raise
