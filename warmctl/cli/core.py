@@ -12,19 +12,12 @@ import warmctl
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _err
 from warmctl.cli.output import out as _out
+from warmctl.diskspace import human as _human
 from warmctl.errors import WarmctlError
 
 # The library (config, profile, progress: pydantic models) is imported by the command that runs,
 # not when the commands are registered: `--help`, `version` and the other areas' commands stay
 # cheap.
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _age(seconds: float) -> str:
