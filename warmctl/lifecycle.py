@@ -57,7 +57,7 @@ from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.contract import UpRequest, UpResult
-from warmctl.engine import canary, vllm
+from warmctl.engine import canary, loopback, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
 from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
@@ -191,7 +191,7 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
     st = existing.state
     assert st is not None
     if existing.alive() and existing.gate is not None and existing.gate.alive() and st.phase == "serving":
-        if not _healthy(st.internal_port):
+        if not loopback.healthy(st.internal_port):
             raise EngineError(f"{name} is running (pid {st.root_pid}) but its /health does not answer on "
                               f"127.0.0.1:{st.internal_port}; `warmctl down {name}` first")
         if digest is not None and st.manifest_digest != digest:
@@ -201,16 +201,6 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
                         lazy_copy=_lazy_copy(st))
     existing.teardown(strays=True)  # under the name's lock its owner is gone; strays: a root known
     return None                     # only by engine.pid / restore.pid (identity-checked)
-
-
-def _healthy(port: int) -> bool:
-    """True if the engine on loopback ``port`` answers ``/health`` with 200 within 5 s."""
-    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback
-
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @dataclass
@@ -645,12 +635,7 @@ def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = 
         healthy = False
         alive = st.engine_alive()
         if probe and alive:
-            import httpx
-
-            try:
-                healthy = httpx.get(f"http://127.0.0.1:{st.internal_port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                pass
+            healthy = loopback.healthy(st.internal_port, timeout_s=2)
         shm = capture.shm_of(st.root_pid if alive else None, st.shm_inodes, [] if st.shm_inodes else st.shm_files)
         lazy_copy = _lazy_copy(st)
         try:
