@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from warmctl.errors import CheckpointError, HostError
+from warmctl.flock import lock_exclusive
 from warmctl.proc import ProcessId, kill_child
 
 SHM = Path("/dev/shm")
@@ -206,19 +207,10 @@ def host_lock(timeout_s: float = 900.0, on_wait=None, path: str | Path | None = 
     lock_path = Path(path or LOCK_PATH)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as f:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited and on_wait:
-                    on_wait()
-                waited = True
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"another CRIU dump/restore held {lock_path} for {timeout_s:.0f} s") from None
-                time.sleep(0.2)
+        try:
+            lock_exclusive(f, on_wait, timeout_s)
+        except TimeoutError:
+            raise CheckpointError(f"another CRIU dump/restore held {lock_path} for {timeout_s:.0f} s") from None
         try:
             yield
         finally:
