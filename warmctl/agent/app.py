@@ -41,6 +41,18 @@ from .service import AgentState
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """Start-up (with ``app.state.run_startup``): load jobs, recover engines, start the
+    restart supervisor; shut-down: stop the supervisor."""
+    agent: AgentState = app.state.agent
+    if app.state.run_startup:
+        await asyncio.to_thread(agent.start)
+        agent.supervisor.start()
+    yield
+    agent.supervisor.stop()
+
+
 def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_startup: bool = True) -> FastAPI:
     """The agent's ASGI app over ``settings``; its :class:`~.service.AgentState` is ``app.state.agent``.
 
@@ -49,16 +61,6 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
     jobs and recovers engines (:meth:`AgentState.start`) and starts the restart supervisor
     before it serves.
     """
-    agent = AgentState(settings, token, tls)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        if run_startup:
-            await asyncio.to_thread(agent.start)
-            agent.supervisor.start()
-        yield
-        agent.supervisor.stop()
-
     app = FastAPI(
         dependencies=[Depends(strict_query)],
         # first of the app's own middleware: nothing of a request is read before its checks
@@ -66,11 +68,12 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
         title="warmctl agent",
         version=warmctl.__version__,
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else "",
-        lifespan=lifespan,
+        lifespan=_lifespan,
         docs_url=None,  # /docs and /redoc load scripts from a public CDN fleet nodes cannot reach
         redoc_url=None,
     )
-    app.state.agent = agent
+    app.state.agent = AgentState(settings, token, tls)
+    app.state.run_startup = run_startup
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
