@@ -16,11 +16,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .jobs import Job
 from .models import ErrorBody
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorBody, "description": "Missing or wrong bearer token"},
-}
-NOT_FOUND = {404: {"model": ErrorBody, "description": "No such object"}}
-CONFLICT = {409: {"model": ErrorBody, "description": "Another job holds the engine or port (named in `holder`)"}}
+#: a route's documented answers besides its 2xx one (FastAPI's ``responses``)
+Responses = dict[int | str, dict[str, Any]]
+
+ERRORS: Responses = {401: {"model": ErrorBody, "description": "Missing or wrong bearer token"}}
+NOT_FOUND: Responses = {404: {"model": ErrorBody, "description": "No such object"}}
+CONFLICT: Responses = {409: {"model": ErrorBody,
+                             "description": "Another job holds the engine or port (named in `holder`)"}}
 
 
 class ApiError(Exception):

@@ -17,6 +17,8 @@ from .recovery import RecoveryReport
 NAME_PATTERN = TAG_PATTERN = names.NAME_PATTERN  # the one name rule, the CLI's too (warmctl.names)
 JOB_PATTERN = r"^j-[0-9a-f]{12}$"
 
+LazyCopy = Literal["running", "done"] | None
+
 EngineViewPhase = Literal["down", "pending", "starting", "restoring", "health", "canary", "serving",
                           "failed", "dead", "stopping"]
 
@@ -65,7 +67,7 @@ class EngineView(BaseModel):
     shm_count: int = 0
     shm_bytes: int = 0
     #: a lazy restore's background copy of pages: ``running``, ``done``, or null (eager, cold)
-    lazy_copy: Literal["running", "done"] | None = None
+    lazy_copy: LazyCopy = None
     #: why the gate took the engine down (its lazy-pages daemon died before the copy ended)
     failure: str | None = None
 

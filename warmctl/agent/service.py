@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from warmctl import lifecycle
 from warmctl.config import Settings
@@ -19,7 +19,7 @@ from warmctl.errors import WarmctlError
 from .errors import ApiError
 from .jobs import Conflict, Job, JobManager, JobReporter, PhaseRecord
 from .metrics import Metrics
-from .models import EngineView
+from .models import EngineView, LazyCopy
 from .recovery import RecoveryReport, recover
 from .supervise import Supervisor
 
@@ -146,7 +146,8 @@ class AgentState:
         if st is not None:
             v.state, v.engine_alive, v.gate_alive, v.healthy = st.state, st.engine_alive, st.gate_alive, st.healthy
             v.shm_count, v.shm_bytes = st.shm_count, st.shm_bytes
-            v.lazy_copy, v.failure = st.lazy_copy, st.failure or None
+            v.lazy_copy = cast(LazyCopy, st.lazy_copy)  # "running", "done" or None (lifecycle._lazy_copy)
+            v.failure = st.failure or None
             v.phase = st.state.phase
             if st.state.phase == "serving" and not (st.engine_alive and st.gate_alive):
                 v.phase = "dead"

@@ -33,12 +33,13 @@ def snapshots(agent: Agent) -> list[SnapshotView]:
             hs = HostFingerprint.model_validate(e.host).summary()
         except ValueError:
             hs = "(unreadable fingerprint)"
-        d = cache.drift(e.name, e.profile_digest, m.profile if m else None)
+        manifest = None if isinstance(m, str) else m  # a str: why the manifest cannot be read
+        d = cache.drift(e.name, e.profile_digest, manifest.profile if manifest else None)
         out.append(SnapshotView(name=e.name, tag=e.tag, digest=e.manifest, size=e.size, created=e.created.isoformat(),
                                 profile_digest=e.profile_digest, host=hs, profile_current=d.current,
                                 profile_changes=d.as_json()["changes"],
-                                layout=None if isinstance(m, str) or m.restore.layout is None
-                                else m.restore.layout.model_dump(mode="json")))
+                                layout=None if manifest is None or manifest.restore.layout is None
+                                else manifest.restore.layout.model_dump(mode="json")))
     return out
 
 
