@@ -258,6 +258,14 @@ def test_token_file(tmp_path):
     p.write_text("\n")
     with pytest.raises(HostError, match="empty"):
         read_token(p)
+    # the client reads the same file with the same reader, minus the mode check (a copy elsewhere)
+    p.write_text("  client-token-0123  \nsecond line\n")
+    p.chmod(0o644)
+    settings = Settings(home=tmp_path, agent_url="http://127.0.0.1:9", agent_token_file=p)
+    assert AgentClient.from_settings(settings).http.headers["authorization"] == "Bearer client-token-0123"
+    p.write_text("")
+    with pytest.raises(HostError, match=f"agent token file {p} is empty"):
+        AgentClient.from_settings(settings)
 
 
 def test_sd_notify_datagram(tmp_path):

@@ -89,3 +89,35 @@ def test_a_failure_in_this_holder_is_recorded_and_raised(tmp_path):
         assert not held.waited
     assert held.previous.op == "down" and held.previous.ok is False and held.previous.message == "boom"
     assert enginelock.lock_path(tmp_path, "tiny").exists()
+
+
+def test_the_one_flock_helper_waits_reports_and_times_out(tmp_path):
+    """``flock.lock_exclusive``: free at once (no wait), busy (``on_wait`` once, then the lock
+    when the holder lets go, or ``TimeoutError``), and the CRIU host lock's error built on it."""
+    from warmctl.checkpoint import criu
+    from warmctl.errors import CheckpointError
+    from warmctl.flock import lock_exclusive
+
+    p = tmp_path / "l.lock"
+    p.touch()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, sys, time
+f = open({str(p)!r}); fcntl.flock(f, fcntl.LOCK_EX); print("held", flush=True); time.sleep(1.5)"""],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waits: list[int] = []
+        with open(p) as f:
+            with pytest.raises(TimeoutError):
+                lock_exclusive(f, lambda: waits.append(1), timeout_s=0.3)
+            with pytest.raises(CheckpointError, match=rf"held {p} for 0 s"):
+                with criu.host_lock(timeout_s=0.3, path=p):
+                    pass
+            t0 = time.monotonic()
+            assert lock_exclusive(f, lambda: waits.append(2)) is True  # blocks until the holder exits
+            assert time.monotonic() - t0 > 0.2 and waits == [1, 2]
+        with open(p) as f:
+            assert lock_exclusive(f, lambda: waits.append(3), timeout_s=0) is False and waits == [1, 2]
+    finally:
+        holder.kill()
+        holder.wait()

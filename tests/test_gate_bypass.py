@@ -44,9 +44,9 @@ def gated(upstream, engine_pid, tmp_path_factory):
     keys.chmod(0o600)
     port = free_port()
     log = d / "gate.log"
-    pid = gate.start("127.0.0.1", port, upstream.port, engine_pid, log, args=gate.policy_args(
+    pid = gate.start("127.0.0.1", port, upstream.port, engine_pid, log, config=gate.GateConfig(
         api_key_file=keys, limits={"head_timeout_s": 2, "body_timeout_s": 2, "body_min_rate": 100,
-                                   "keep_alive_s": 5}))
+                                   "keep_alive_s": 5}).check())
     yield port, log
     subprocess.run(["kill", str(pid)], check=False)
 

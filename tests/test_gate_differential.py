@@ -219,8 +219,8 @@ def setup(tmp_path_factory):
     keys.chmod(0o600)
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
     port = free_port()
-    pid = gate.start("127.0.0.1", port, up.port, engine.pid, d / "gate.log", args=gate.policy_args(
-        api_key_file=keys, limits={"head_timeout_s": 1, "body_timeout_s": 0.5, "keep_alive_s": 2}))
+    pid = gate.start("127.0.0.1", port, up.port, engine.pid, d / "gate.log", config=gate.GateConfig(
+        api_key_file=keys, limits={"head_timeout_s": 1, "body_timeout_s": 0.5, "keep_alive_s": 2}).check())
     yield up, port, d / "gate.log"
     subprocess.run(["kill", str(pid)], check=False)
     engine.kill()

@@ -148,7 +148,7 @@ def start_gate(upstream, engine_pid, tmp_path):
     def _start(**kw) -> Gated:
         port = _free_port()
         kw.setdefault("allow_paths", ["/echo", "/big"])  # the test upstream's own routes
-        pid = gate.start("127.0.0.1", port, upstream[0], engine_pid, tmp_path / "gate.log", args=gate.policy_args(**kw))
+        pid = gate.start("127.0.0.1", port, upstream[0], engine_pid, tmp_path / "gate.log", config=gate.GateConfig(**kw).check())
         made.append(Gated(pid, port, tmp_path / "gate.log"))
         return made[-1]
 
@@ -452,23 +452,51 @@ def test_sigterm_closes_the_listener_and_lets_a_stream_finish(start_gate, key_fi
     assert _reap(g.pid, 10)  # and it exits once the stream is done, well before drain_s
 
 
+def _parsed(argv: list[str]) -> "gate.GateConfig":
+    """``argv`` read back as the gate process reads it (:mod:`warmctl.gate.__main__`'s parser)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    gate.GateConfig.add_arguments(ap)
+    return gate.GateConfig.from_args(ap.parse_args(argv))
+
+
+def test_a_gate_config_survives_its_command_line(tmp_path):
+    """What ``up`` builds is what the gate process parses back: every field, the defaults too."""
+    from warmctl.config import Settings
+
+    keys, cert, key = tmp_path / "keys", tmp_path / "c.pem", tmp_path / "k.pem"
+    full = gate.GateConfig(api_key_file=keys, tls_cert=cert, tls_key=key, allow_paths=["/v1/rerank", "/x/{name}"],
+                           public_paths=["/health", "/v1/models"], deny_paths=["/v1/completions"], drain_s=2.5,
+                           limits={"head_timeout_s": 1.5, "body_timeout_s": 3, "body_min_rate": 10, "keep_alive_s": 7})
+    for c in (full, gate.GateConfig(), gate.GateConfig(public_paths=[]), gate.GateConfig(drain_s=0),
+              gate.GateConfig.from_settings(Settings(home=tmp_path / "home"))):
+        assert _parsed(c.to_argv()) == c, c
+    assert _parsed([]) == gate.GateConfig()
+    assert full.enforces == {"gate_api_key": True, "gate_tls": True}
+    assert gate.GateConfig().enforces == {"gate_api_key": False, "gate_tls": False}
+    assert gate.GateConfig(public_paths=[]).public == () and gate.GateConfig().public == ("/health",)
+    with pytest.raises(HostError, match="gate_deny_paths"):
+        gate.GateConfig(deny_paths=["no-slash"]).check()
+
+
 def test_bad_key_or_certificate_files_are_clear_errors(tmp_path):
     with pytest.raises(HostError, match="cannot read"):
-        gate.policy_args(api_key_file=tmp_path / "missing")
+        gate.GateConfig(api_key_file=tmp_path / "missing").check()
     (tmp_path / "empty").write_text("# none yet\n")
     (tmp_path / "empty").chmod(0o600)
     with pytest.raises(HostError, match="no key"):
-        gate.policy_args(api_key_file=tmp_path / "empty")
+        gate.GateConfig(api_key_file=tmp_path / "empty").check()
     (tmp_path / "spaced").write_text("two words\n")
     (tmp_path / "spaced").chmod(0o600)
     with pytest.raises(HostError, match="line 1"):
-        gate.policy_args(api_key_file=tmp_path / "spaced")
+        gate.GateConfig(api_key_file=tmp_path / "spaced").check()
     (tmp_path / "c.pem").write_text("not a certificate")
     (tmp_path / "c.pem").chmod(0o600)
     with pytest.raises(HostError, match="c.pem"):
-        gate.policy_args(tls_cert=tmp_path / "c.pem", tls_key=tmp_path / "c.pem")
+        gate.GateConfig(tls_cert=tmp_path / "c.pem", tls_key=tmp_path / "c.pem").check()
     with pytest.raises(HostError, match="both"):
-        gate.policy_args(tls_cert=tmp_path / "c.pem")
+        gate.GateConfig(tls_cert=tmp_path / "c.pem").check()
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o601])
@@ -477,15 +505,15 @@ def test_key_files_open_to_group_or_others_are_refused(tmp_path, mode):
     keys.write_text(f"{KEY_A}\n")
     keys.chmod(mode)
     with pytest.raises(HostError, match=rf"API key file {keys}: mode {mode:04o} .*run: chmod 600 {keys}"):
-        gate.policy_args(api_key_file=keys)
+        gate.GateConfig(api_key_file=keys).check()
     _, cert, tls_key, _ = _make_ca_and_cert(tmp_path)
     tls_key.chmod(mode)
     with pytest.raises(HostError, match=rf"TLS private key {tls_key}: mode {mode:04o} .*run: chmod 600 {tls_key}"):
-        gate.policy_args(tls_cert=cert, tls_key=tls_key)
+        gate.GateConfig(tls_cert=cert, tls_key=tls_key).check()
     keys.chmod(0o400)
     tls_key.chmod(0o400)
-    assert "--api-key-file" in gate.policy_args(api_key_file=keys, tls_cert=cert, tls_key=tls_key)
-    # the gate process itself refuses too (started by hand, without policy_args)
+    assert "--api-key-file" in gate.GateConfig(api_key_file=keys, tls_cert=cert, tls_key=tls_key).check().to_argv()
+    # the gate process itself refuses too (started by hand, without a checked GateConfig)
     keys.chmod(mode)
     r = subprocess.run([sys.executable, "-m", "warmctl.gate", "--listen", f"127.0.0.1:{_free_port()}",
                         "--upstream", "127.0.0.1:9", "--api-key-file", str(keys)], capture_output=True, text=True,
@@ -504,7 +532,7 @@ def test_key_files_of_another_user_are_refused(tmp_path):
         keys.chmod(0o600)
         os.chown(keys, 65534, 65534)
         with pytest.raises(HostError, match=rf"API key file {keys}: it belongs to uid 65534.*run: chown 0 {keys}"):
-            gate.policy_args(api_key_file=keys)
+            gate.GateConfig(api_key_file=keys).check()
 
 
 def test_a_reload_that_finds_a_bad_mode_keeps_the_old_keys(start_gate, key_file):

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from warmctl.engine import canary
-from warmctl.engine.loopback import Connection, LoopbackError
+from warmctl.engine.loopback import Connection, LoopbackError, healthy
 from warmctl.errors import EngineError
 from warmctl.profile import CanarySpec
 
@@ -101,3 +101,17 @@ def test_canary_run_over_loopback(server):
     assert [c.token_ids for c in rec.completions] == [[7, 8, 9], [7, 8, 9]]
     with pytest.raises(EngineError, match="canary request to .* failed: .*HTTP 500"):
         canary.run(url, CanarySpec(prompts=["boom"], max_tokens=1, logprobs=0), "m")
+
+
+def test_the_one_health_probe(server):
+    """``healthy``: 200 on ``/health`` within the timeout, else False (no listener, a stalled one)."""
+    srv, _ = server
+    assert healthy(srv.server_address[1]) is True
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert healthy(closed) is False
+    with socket.socket() as mute:  # accepts (backlog) and never answers: the timeout ends it
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(1)
+        assert healthy(mute.getsockname()[1], timeout_s=0.3) is False

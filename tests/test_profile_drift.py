@@ -144,6 +144,13 @@ def test_stale_snapshot_is_named_by_ls_status_diff_up_snapshot_and_the_agent(hom
         (view,) = r.json()
         assert view["digest"] == d and view["profile_current"] is False
         assert {"field": "canary.max_tokens", "snapshot": 16, "profile": 12} in view["profile_changes"]
+        # a name whose manifest cannot be read is still listed (not a 500), without its layout
+        (root / "home" / "store" / "manifests" / "sha256" / d.split(":", 1)[1]).unlink()
+        r = httpx.get(f"http://127.0.0.1:{sock.getsockname()[1]}/v1/snapshots",
+                      headers={"Authorization": "Bearer t0ken-for-tests"}, timeout=10)
+        assert r.status_code == 200, r.text
+        (view,) = r.json()
+        assert view["digest"] == d and view["layout"] is None, view
     finally:
         server.should_exit = True
         thread.join(10)

@@ -108,7 +108,7 @@ def live(tmp_path):
 def _held_up(live: LiveAgent, outcome) -> tuple[threading.Event, object]:
     """A live ``up`` job of ``tiny`` with the parameters of a default request, which ends with
     ``outcome()`` once someone follows its events: the client's (or the CLI's) POST joins it
-    (:func:`warmctl.agent.app.create_app`'s ``join_same``), so what comes back went through the
+    (:meth:`warmctl.agent.service.AgentState.submit`'s ``join_same``), so what comes back went through the
     agent's job result, its event stream and the client's parser."""
     followed = threading.Event()
     jobs = live.agent.jobs

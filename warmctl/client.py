@@ -26,6 +26,7 @@ from warmctl.config import Settings
 from warmctl.contract import Failure, UpRequest, UpResult
 from warmctl.errors import HostError, WarmctlError
 from warmctl.manifest import Phase
+from warmctl.private import read_token
 from warmctl.progress import Reporter
 from warmctl.state import EngineState
 
@@ -67,17 +68,6 @@ def _error_for(err: dict[str, Any]) -> WarmctlError:
     return JobFailed(err.get("type", "error"), err.get("message", ""), int(code) if code is not None else None)
 
 
-def read_token_file(path: Path) -> str:
-    """First line of ``path``, stripped. Raises :class:`HostError` when unreadable or empty."""
-    try:
-        text = Path(path).read_text().strip()
-    except OSError as e:
-        raise HostError(f"agent token file {path}: {e.strerror}") from None
-    if not text:
-        raise HostError(f"agent token file {path} is empty")
-    return text.splitlines()[0].strip()
-
-
 class AgentClient:
     """Client for the agent at ``url`` (``http[s]://host:port``) with bearer ``token``.
 
@@ -103,7 +93,7 @@ class AgentClient:
         if not settings.agent_url:
             raise HostError("no agent configured (set agent_url or $WARMCTL_AGENT_URL)")
         tf = settings.agent_token_file or settings.home / "agent" / "token"
-        return cls(settings.agent_url, read_token_file(tf), **kw)
+        return cls(settings.agent_url, read_token(tf, private=False), **kw)
 
     def close(self) -> None:
         self.http.close()

@@ -72,12 +72,13 @@ def margin(size: int) -> int:
 
 
 def human(n: float) -> str:
-    """``n`` bytes in binary units (``1.5 GiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """``n`` bytes in binary units, one decimal (``512 B``, ``1.5 GiB``, ``1,536.0 TiB``): the
+    one byte formatter, for messages and the CLI's tables alike."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:,.1f} TiB"
 
 
 def shortfall(needs: list[Need], freed: dict[int, int] | None = None) -> list[tuple[Space, int, list[Need]]]:

@@ -21,7 +21,6 @@ engine like any crash's leftovers and tries itself.
 
 from __future__ import annotations
 
-import fcntl
 import importlib
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from warmctl.errors import WarmctlError
+from warmctl.flock import lock_exclusive
 
 
 @dataclass
@@ -119,14 +119,7 @@ def hold(run_dir: Path, name: str, op: str, on_wait: Callable[[Outcome | None], 
     p.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        waited = False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            waited = True
-            if on_wait is not None:
-                on_wait(_read(fd))
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        waited = lock_exclusive(fd, on_wait=None if on_wait is None else lambda: on_wait(_read(fd)))
         held = Held(waited, _read(fd))
         mine = Outcome(op=op, pid=os.getpid(), started_at=time.time())
         _write(fd, mine)

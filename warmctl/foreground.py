@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from warmctl.engine.loopback import healthy
 from warmctl.progress import ConsoleReporter
 from warmctl.sdnotify import notify, watchdog_interval_s
 
@@ -63,15 +64,6 @@ class NotifyingReporter(ConsoleReporter):
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
     raise Stopped(signum)
-
-
-def _healthy(port: int) -> bool:
-    import httpx  # after READY=1, not before
-
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[NotifyingReporter], object],
@@ -120,7 +112,7 @@ def watch(name: str, settings, say: Callable[[str], None], *, interval_s: float 
                 why = f"its process tree died (root pid {run_.state.root_pid})"
             elif run_.gate is None or not run_.gate.alive():
                 why = f"its gate died (public port {run_.state.public_port} closed)"
-            elif _healthy(port):
+            elif healthy(port):
                 notify("WATCHDOG=1")
                 bad_since = None
             else:

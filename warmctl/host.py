@@ -354,23 +354,15 @@ def criu_plugins(directory: Path) -> list[str]:
         return []
 
 
-_CRIU_VERSION = re.compile(r"Version:\s*(\S+)")
-
-
 def criu_version(criu: str = "criu") -> str | None:
     """Version string of ``criu --version`` (``4.2.1``); ``None`` when the binary is not found,
     fails, or prints no ``Version:`` line. ``criu`` is a name looked up in ``$PATH`` (plus
     ``/usr/local/sbin`` and ``/usr/sbin``) or a path.
     """
+    from warmctl.checkpoint.criu import version_string
+
     exe = shutil.which(criu) or shutil.which(criu, path=os.pathsep.join(["/usr/local/sbin", "/usr/sbin", "/sbin"]))
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = _CRIU_VERSION.search(out.stdout + out.stderr)
-    return m.group(1) if m and out.returncode == 0 else None
+    return version_string(exe) if exe is not None else None
 
 
 # --------------------------------------------------------------------------- Python environment

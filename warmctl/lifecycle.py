@@ -57,13 +57,12 @@ from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
 from warmctl.config import Settings
 from warmctl.contract import UpRequest, UpResult
-from warmctl.engine import canary, vllm
+from warmctl.engine import canary, loopback, vllm
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import LAZY_FAILED, EngineRun
 from warmctl.errors import EngineError, HostError, IntegrityError, SnapshotNotFound, WarmctlError
-from warmctl.gate import LazyWatch
 from warmctl.gate import drain as drain_gate
-from warmctl.gate import gate_enforces, require_port_free, settings_args
+from warmctl.gate import GateConfig, LazyWatch, require_port_free
 from warmctl.gate import prestart as prestart_gate
 from warmctl.gate import start as start_gate
 from warmctl.host import HostFingerprint, fingerprint
@@ -192,7 +191,7 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
     st = existing.state
     assert st is not None
     if existing.alive() and existing.gate is not None and existing.gate.alive() and st.phase == "serving":
-        if not _healthy(st.internal_port):
+        if not loopback.healthy(st.internal_port):
             raise EngineError(f"{name} is running (pid {st.root_pid}) but its /health does not answer on "
                               f"127.0.0.1:{st.internal_port}; `warmctl down {name}` first")
         if digest is not None and st.manifest_digest != digest:
@@ -202,16 +201,6 @@ def _adopt_or_clear(name: str, settings: Settings, digest: str | None = None) ->
                         lazy_copy=_lazy_copy(st))
     existing.teardown(strays=True)  # under the name's lock its owner is gone; strays: a root known
     return None                     # only by engine.pid / restore.pid (identity-checked)
-
-
-def _healthy(port: int) -> bool:
-    """True if the engine on loopback ``port`` answers ``/health`` with 200 within 5 s."""
-    import httpx  # only here and in status(): `up`'s health poll and canary use warmctl.engine.loopback
-
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @dataclass
@@ -255,10 +244,10 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
         found.manifest, found.digest, found.entry = res.manifest, res.digest, res.entry
         found.insecure = res.verification.insecure
         for r in res.skipped:
-            reporter.info(f"[yellow]{escape(fleet.fallback_line(r))}[/]")
+            reporter.warn(fleet.fallback_line(r))
         if res.verification.warning:
-            reporter.info(f"[bold red]{escape(res.verification.warning)}[/]")
-        reporter.info(escape(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res)))
+            reporter.warn(res.verification.warning, severe=True)
+        reporter.info(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res))
     except SnapshotNotFound as e:
         found.reason = str(e)
     except BaseException:
@@ -272,11 +261,6 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
             f"snapshot {name}:{tag} ({found.digest[:19]})")
         found.manifest = None
     return found
-
-
-def escape(text: str) -> str:
-    """``text`` safe to print as console markup (a store's text may hold ``[...]``)."""
-    return text.replace("[", "\\[")
 
 
 def restoring_line(ref: str, res) -> str:
@@ -303,7 +287,7 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
     plan = CheckpointPlan.of(prof, settings)
     host_, port = _public(prof, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
-    gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the restore
+    gate = GateConfig.from_settings(settings).check()  # a bad key/certificate file fails here, before the restore
     require_port_free("127.0.0.1", prof.engine.port, "engine port")
     binary = criu.check(settings.criu, settings.xtile_perm_lib)
     lay = m.restore.layout
@@ -318,11 +302,11 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
                     tmp_dir=m.restore.tmp_dir or False)
     run.dir.mkdir(parents=True, exist_ok=True)
     # the gate's interpreter starts now, beside the restore; it listens only once opened
-    pending_gate = prestart_gate(host_, port, prof.engine.port, run.gate_log, args=gate_args)
+    pending_gate = prestart_gate(host_, port, prof.engine.port, run.gate_log, config=gate)
     st = EngineState(name=found.name, phase="restoring", source="restore", manifest_digest=digest,
                      started_at=run.started_at, profile_digest=m.profile_digest, internal_port=prof.engine.port,
                      public_host=host_, public_port=port, served_model_name=prof.engine.served_model_name,
-                     **gate_enforces(gate_args), restore_pages=pages,
+                     **gate.enforces, restore_pages=pages,
                      log_path=str(run.log_path))
     images = ImageCache.for_settings(settings)
     img = None
@@ -363,7 +347,7 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
         if fill is not None and not served:  # the verified chunks are kept for the next try, or none at all
             err = fill.settle()
             if err is not None:
-                reporter.info(f"[yellow]the fetched chunks were not kept in the local store: {escape(str(err))}[/]")
+                reporter.warn(f"the fetched chunks were not kept in the local store: {err}")
     timings = _timings(reporter)
     _serving(run, timings)
     fetched = found.fetched.as_dict()
@@ -400,8 +384,7 @@ def _commit_fetched(fill: CacheFill | None, reporter: Reporter) -> bool:
     with reporter.phase("commit", f"making the {len(fill)} fetched chunk(s) durable in the local store"):
         err = fill.settle()
     if err is not None:
-        reporter.info(f"[yellow]the fetched chunks were not kept in the local store, nor the snapshot named there: "
-                      f"{escape(str(err))}[/]")
+        reporter.warn(f"the fetched chunks were not kept in the local store, nor the snapshot named there: {err}")
         return False
     return True
 
@@ -414,12 +397,12 @@ def _keep_locally(found: _Found, reporter: Reporter, settings: Settings) -> None
     if found.entry is None or found.cache is None:
         return
     if found.insecure:
-        reporter.info("[yellow]the restored snapshot is not named in the local store: its signature was not verified[/]")
+        reporter.warn("the restored snapshot is not named in the local store: its signature was not verified")
         return
     try:
         fleet.copy_entry(found.store, found.cache, found.entry, keys_dir=settings.keys_dir)
     except Exception as e:  # noqa: BLE001 - the engine serves: never a traceback after the port opened
-        reporter.info(f"[yellow]the restored snapshot is not named in the local store: {escape(str(e))}[/]")
+        reporter.warn(f"the restored snapshot is not named in the local store: {e}")
 
 
 def restore_pages(settings: Settings, binary: str, plugins: tuple[str, ...], reporter: Reporter) -> str:
@@ -482,7 +465,7 @@ def _materialize_and_restore(run: EngineRun, st: EngineState, found: _Found, ima
                 run.adopt_restored(pid)
                 rebind(run, m, reporter)
                 if lazy.oom_note:
-                    reporter.info(f"[yellow]{lazy.oom_note}[/]")
+                    reporter.warn(lazy.oom_note)
                 return img, lazy, None
             run.adopt_restored(criu.restore(img.images, run.criu_pidfile, log_file=run.restore_log,
                                             binary=settings.criu, work_dir=run.dir, plugins=plugins,
@@ -508,11 +491,11 @@ def _check_ranks(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
 
 
 def _open_gate(run: EngineRun, prof: Profile, host_: str, port: int, reporter: Reporter,
-               gate_args: list[str]) -> None:
+               gate: GateConfig) -> None:
     """The "gate" phase: the public port opens in front of ``run`` (:mod:`warmctl.gate`;
-    ``gate_args``: its key/TLS/route options, :func:`warmctl.gate.settings_args`)."""
+    ``gate``: what it enforces, checked)."""
     with reporter.phase("gate", f"opening {host_}:{port}"):
-        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log, args=gate_args))
+        run.set_gate(start_gate(host_, port, prof.engine.port, run.root_pid, run.gate_log, config=gate))
 
 
 def _timings(reporter: Reporter) -> dict[str, float]:
@@ -542,11 +525,9 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
     assert profile is not None
     host_, port = _public(profile, settings, u.request.port, u.request.host)
     require_port_free(host_, port, "public port")
-    gate_args = settings_args(settings)  # a bad key/certificate file fails here, before the start
+    gate = GateConfig.from_settings(settings).check()  # a bad key/certificate file fails here, before the start
     cold.preflight(profile, settings.run_dir)
-    from rich.markup import escape
-
-    reporter.info(f"[yellow]cold start:[/] {escape(reason)}")
+    reporter.warn(f"cold start: {reason}")
     if snapshot_after:
         snap.require_ranks_checkpointable(profile, settings)
     run = EngineRun(settings.run_dir, profile.name, profile.engine.port)
@@ -557,7 +538,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
         run.record(EngineState(name=profile.name, phase="canary", source="cold", profile_digest=profile.digest(),
                                started_at=run.started_at, internal_port=profile.engine.port, public_host=host_,
                                public_port=port, served_model_name=profile.engine.served_model_name,
-                               **gate_enforces(gate_args),
+                               **gate.enforces,
                                log_path=str(run.log_path)))
         record = cold.warm_and_record(run, profile, reporter)
         run.state.layout = layout.profile_sizes(profile).describe()  # type: ignore[union-attr]
@@ -571,7 +552,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
                 snapshot_error = _snapshot_failed(run, profile, record, tag, e)
                 run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  # shown by `up` and `status`
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
-        _open_gate(run, profile, host_, port, reporter, gate_args)
+        _open_gate(run, profile, host_, port, reporter, gate)
     except BaseException:
         run.teardown()
         raise
@@ -654,12 +635,7 @@ def _status_with_shm(settings: Settings, name: str | None = None, probe: bool = 
         healthy = False
         alive = st.engine_alive()
         if probe and alive:
-            import httpx
-
-            try:
-                healthy = httpx.get(f"http://127.0.0.1:{st.internal_port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                pass
+            healthy = loopback.healthy(st.internal_port, timeout_s=2)
         shm = capture.shm_of(st.root_pid if alive else None, st.shm_inodes, [] if st.shm_inodes else st.shm_files)
         lazy_copy = _lazy_copy(st)
         try:

@@ -192,4 +192,4 @@ def rebind(run: EngineRun, m: Manifest, reporter: Reporter) -> None:
     :mod:`warmctl.checkpoint.affinity`); say what could not be."""
     done = affinity.apply(run.root_pid, m.restore.cpu_affinity)
     if note := done.note():
-        reporter.info(f"[yellow]CPU binding: {note}[/]")
+        reporter.warn(f"CPU binding: {note}")

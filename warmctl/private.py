@@ -6,6 +6,7 @@ on the host may read or plant them. :func:`private_dir` creates (or tightens) a 
 :func:`write_private` replaces a file atomically with mode 0600, and :func:`trusted` is the
 test recovery applies before it believes a record: a regular file or directory (never a
 symbolic link), owned by this process's user, not writable by group or others.
+:func:`read_token` reads (or creates) the agent's bearer token file, for the agent and its client.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+
+from warmctl.errors import HostError
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -75,3 +78,33 @@ def untrusted(path: Path | str, *, kind: str = "file") -> str | None:
 def trusted(path: Path | str, *, kind: str = "file") -> bool:
     """True if :func:`untrusted` finds nothing against ``path``."""
     return untrusted(path, kind=kind) is None
+
+
+def read_token(path: Path | str, *, create: bool = False, private: bool = True) -> str:
+    """The bearer token in the agent's token file ``path``: its first line, stripped.
+
+    ``create``: a missing file is created with a fresh random token (32 bytes, URL-safe
+    base64), mode 0600, its directory 0700. ``private``: refuse a file readable by group or
+    others (mode & 0o077): a token anyone on the host can read protects nothing (the agent
+    checks it; a client reading a copy elsewhere does not). Raises :class:`HostError` naming
+    the file when it is unreadable, empty, or (``private``) open to others."""
+    path = Path(path)
+    if create and not path.exists():
+        import secrets  # only here: ~15 ms of imports every other user of this module skips
+
+        private_dir(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except OSError as e:
+        raise HostError(f"agent token file {path}: {e.strerror}") from None
+    if private and st.st_mode & 0o077:
+        raise HostError(f"agent token file {path} is readable by group or others (mode {st.st_mode & 0o777:o}); "
+                        f"chmod 600 {path}")
+    token = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not token:
+        raise HostError(f"agent token file {path} is empty")
+    return token

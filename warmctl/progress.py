@@ -2,6 +2,10 @@
 
 Pipelines take a :class:`Reporter`; the CLI passes one that draws on the terminal, the agent
 one that feeds a job's log and progress. The base class only records phase timings.
+
+Messages are plain text: a pipeline never writes console markup. How a line looks (a warning
+in yellow) is the renderer's business (:class:`ConsoleReporter`), chosen by the method that
+reported it (:meth:`Reporter.info` or :meth:`Reporter.warn`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from warmctl.manifest import Phase
 class Reporter:
     """Records phases (name, seconds) in order; subclasses show them.
 
-    ``phase(name)`` is a context manager that times its block; ``info(msg)`` reports a line;
+    ``phase(name)`` is a context manager that times its block; ``info(msg)`` reports a line,
+    ``warn(msg)`` one the operator should notice (both plain text, never markup);
     ``bytes_progress(desc, total)`` returns a callable that takes the number of bytes just done.
     """
 
@@ -53,6 +58,11 @@ class Reporter:
     def info(self, msg: str) -> None:  # pragma: no cover - display only
         pass
 
+    def warn(self, msg: str, severe: bool = False) -> None:
+        """A line the operator should notice (``severe``: a security warning, e.g. an
+        unverified signature); plain text. By default reported as :meth:`info`."""
+        self.info(msg)
+
     def bytes_progress(self, desc: str, total: int) -> Callable[[int], None]:
         return lambda n: None
 
@@ -86,7 +96,7 @@ class ConsoleReporter(Reporter):
 
     def started(self, name: str, desc: str) -> None:
         if not self.quiet and self.live:
-            self._status = self.console.status(f"[bold]{name}[/] {desc}")
+            self._status = self.console.status(f"[bold]{_escape(name)}[/] {_escape(desc)}")
             self._status.start()
 
     def finished(self, name: str, seconds: float, ok: bool) -> None:
@@ -103,7 +113,11 @@ class ConsoleReporter(Reporter):
 
     def info(self, msg: str) -> None:
         if not self.quiet:
-            self.console.print(msg, highlight=False)
+            self.console.print(msg, markup=False, highlight=False)
+
+    def warn(self, msg: str, severe: bool = False) -> None:
+        if not self.quiet:
+            self.console.print(msg, style="bold red" if severe else "yellow", markup=False, highlight=False)
 
     def bytes_progress(self, desc: str, total: int) -> Callable[[int], None]:
         if self.quiet or self._status is None:
@@ -114,6 +128,13 @@ class ConsoleReporter(Reporter):
         def advance(n: int) -> None:
             done[0] += n
             pct = 100.0 * done[0] / total if total else 100.0
-            status.update(f"[bold]{desc}[/] {done[0] / 2**20:,.0f} / {total / 2**20:,.0f} MiB ({pct:.0f}%)")
+            status.update(f"[bold]{_escape(desc)}[/] {done[0] / 2**20:,.0f} / {total / 2**20:,.0f} MiB ({pct:.0f}%)")
 
         return advance
+
+
+def _escape(text: str) -> str:
+    """``text`` shown as it is inside console markup (rich's escaping: ``[`` of a tag-like run)."""
+    from rich.markup import escape
+
+    return escape(text)

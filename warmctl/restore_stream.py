@@ -116,7 +116,7 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
                 img = writer.join()
                 report = streamer.close(check=False)
                 for why in report.errors:  # CRIU restored the tree; the canary judges its memory
-                    reporter.info(f"[yellow]image streamer: {why}[/]")
+                    reporter.warn(f"image streamer: {why}")
                 rebind(run, m, reporter)
     except BaseException:
         if writer is not None:

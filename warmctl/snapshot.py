@@ -87,9 +87,9 @@ def signing_key(settings: Settings, reporter: Reporter) -> Path:
     try:
         kid = trust.key_id(trust.load_private_key(key).public_key())
         if kid not in trust.load_trusted_keys(settings.keys_dir):
-            reporter.info(f"[yellow]this home's signing key {key} (key id {kid}) is not trusted in "
+            reporter.warn(f"this home's signing key {key} (key id {kid}) is not trusted in "
                           f"{settings.keys_dir}: its snapshots will not restore on this host; trust it with "
-                          f"`warmctl keys trust {d / 'local.pub'}`[/]")
+                          f"`warmctl keys trust {d / 'local.pub'}`")
     except trust.TrustError:
         pass  # publish reports an unusable key itself
     return key
@@ -113,9 +113,7 @@ def _report_drift(profile: Profile, settings: Settings, tag: str, reporter: Repo
         return
     if found is not None and found[1].stale:
         e, d = found
-        from rich.markup import escape
-
-        reporter.info(escape(d.message(f"the snapshot it replaces, {e.name}:{e.tag} ({e.manifest[:19]}),")))
+        reporter.info(d.message(f"the snapshot it replaces, {e.name}:{e.tag} ({e.manifest[:19]}),"))
 
 
 def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str = "latest",
@@ -421,8 +419,8 @@ def _push(store, manifest: Manifest, digest: str, tag: str, url: str, reporter: 
             advance = reporter.bytes_progress("push", manifest.total_size())
             fleet.transfer(store, remote, fleet.entries_to_copy(store, Ref(name=manifest.name, tag=tag), only=digest), advance)
     except BaseException:
-        reporter.info(f"[yellow]the snapshot is in the local store as {manifest.name}:{tag} ({digest[:19]}); "
-                      f"`warmctl push {manifest.name}:{tag}` publishes it[/]")
+        reporter.warn(f"the snapshot is in the local store as {manifest.name}:{tag} ({digest[:19]}); "
+                      f"`warmctl push {manifest.name}:{tag}` publishes it")
         raise
     finally:
         remote.close()

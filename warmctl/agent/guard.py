@@ -4,8 +4,9 @@ is read.
 FastAPI reads and parses a request's JSON body before it runs the route's dependencies, so an
 auth dependency alone lets anyone make the agent read and parse a body of any size (measured
 on the old agent: a 10 MB body without a token took its memory from 199 to 402 MB before the
-401). :class:`Guard` sits outside the whole application (outside Starlette's error
-middleware, :class:`GuardedFastAPI`) and answers from the request line and headers alone:
+401). :class:`Guard` is the application's first middleware (``FastAPI(middleware=[Middleware(Guard,
+...)])``: only Starlette's error middleware, which reads nothing, is outside it) and answers
+from the request line and headers alone:
 
 - a path outside ``open_paths`` without the bearer token: ``401`` at once; the body is never
   read (the server stops reading the socket once its 64 KiB buffer is full, and closes the
@@ -24,8 +25,6 @@ from __future__ import annotations
 import hmac
 import json
 from typing import Any, Awaitable, Callable
-
-from fastapi import FastAPI
 
 #: Largest request body the agent accepts (bytes): its largest request is an ``up`` with a
 #: few short fields (< 1 KiB); 1 MiB leaves room and bounds what a client can make it hold.
@@ -108,16 +107,3 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
-
-
-class GuardedFastAPI(FastAPI):
-    """FastAPI with :class:`Guard` outside its whole middleware stack (its error middleware
-    included, so nothing of the request is read before the guard's checks). Set
-    ``guard_token`` / ``guard_open_paths`` / ``guard_max_body`` before the first request."""
-
-    guard_token: str | None = None
-    guard_open_paths: frozenset[str] = frozenset()
-    guard_max_body: int = MAX_BODY_BYTES
-
-    def build_middleware_stack(self):
-        return Guard(super().build_middleware_stack(), self.guard_token, self.guard_open_paths, self.guard_max_body)

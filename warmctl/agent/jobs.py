@@ -164,8 +164,7 @@ class JobReporter(Reporter):
             self.on_phase(name, seconds, ok)
 
     def info(self, msg: str) -> None:
-        text = _strip_markup(msg)
-        self.manager._update(self.job_id, lambda job: job.log.append(text), "log", {"line": text})
+        self.manager._update(self.job_id, lambda job: job.log.append(msg), "log", {"line": msg})
 
     def bytes_progress(self, desc: str, total: int) -> Callable[[int], None]:
         self.manager._update(self.job_id, lambda job: setattr(job.progress, "bytes_total", total), None, {})
@@ -185,13 +184,6 @@ class JobReporter(Reporter):
                                  {"desc": desc, "bytes_total": total}, with_bytes=True)
 
         return advance
-
-
-def _strip_markup(msg: str) -> str:
-    """Remove rich markup (``[bold]``, ``[/]``...) from a reporter line."""
-    import re
-
-    return re.sub(r"\[/?[a-z ]*\]", "", msg)
 
 
 def new_id() -> str:

@@ -19,13 +19,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from warmctl.config import Settings
 from warmctl.errors import HostError
-from warmctl.private import private_dir
+from warmctl.private import read_token as private_read_token
 from warmctl.sdnotify import notify
 
 #: seconds a connection may take to send a request's line and headers, counted from the
@@ -69,30 +68,14 @@ class AgentConfig:
 
 
 def read_token(path: Path, create: bool = True) -> str:
-    """The bearer token in ``path`` (first line, stripped). With ``create``, a missing file is
-    created with a fresh random token (32 bytes, URL-safe base64), mode 0600.
-
-    Raises :class:`HostError` when the file is unreadable, empty, or readable by others
-    (mode & 0o077) -- a token anyone on the host can read protects nothing.
-    """
+    """The agent's bearer token in ``path`` (:func:`warmctl.private.read_token`, private: a
+    file readable by group or others is refused). With ``create``, a missing file is created
+    with a fresh random token, mode 0600 (and logged). Raises :class:`HostError`."""
     path = Path(path)
-    if not path.exists() and create:
-        private_dir(path.parent)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
+    created = create and not path.exists()
+    token = private_read_token(path, create=create)
+    if created:
         log.warning("created a new agent token in %s", path)
-    try:
-        st = path.stat()
-        text = path.read_text()
-    except OSError as e:
-        raise HostError(f"agent token file {path}: {e.strerror}") from None
-    if st.st_mode & 0o077:
-        raise HostError(f"agent token file {path} is readable by group or others (mode {st.st_mode & 0o777:o}); "
-                        f"chmod 600 {path}")
-    token = text.strip().splitlines()[0].strip() if text.strip() else ""
-    if not token:
-        raise HostError(f"agent token file {path} is empty")
     return token
 
 

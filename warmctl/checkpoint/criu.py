@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from warmctl.errors import CheckpointError, HostError
+from warmctl.flock import lock_exclusive
 from warmctl.proc import ProcessId, kill_child
 
 SHM = Path("/dev/shm")
@@ -92,15 +93,26 @@ def criu_binary(configured: str | None = None) -> str:
     return found
 
 
-def criu_version(binary: str | None = None) -> tuple[int, ...] | None:
-    """CRIU's version as a tuple, e.g. (4, 2, 1); None if criu is missing or unparsable."""
+def version_string(binary: str) -> str | None:
+    """What ``binary --version`` says after ``Version:`` (``4.2.1``): the one CRIU version
+    probe. None when it cannot run, fails, or prints no ``Version:`` line (10 s at most)."""
     try:
-        out = subprocess.run([binary or criu_binary(), "--version"], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (HostError, OSError, subprocess.TimeoutExpired):
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
         return None
-    m = re.search(r"Version:\s*([\d.]+)", out)
-    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+    m = re.search(r"Version:\s*(\S+)", out.stdout + out.stderr)
+    return m.group(1) if m and out.returncode == 0 else None
+
+
+def criu_version(binary: str | None = None) -> tuple[int, ...] | None:
+    """CRIU's version as a tuple, e.g. (4, 2, 1) (:func:`version_string` of ``binary``, by
+    default :func:`criu_binary`); None if criu is missing or unparsable."""
+    try:
+        text = version_string(binary or criu_binary())
+    except HostError:
+        return None
+    m = re.match(r"\d+(?:\.\d+)*", text or "")
+    return tuple(int(x) for x in m.group(0).split(".")) if m else None
 
 
 def check(configured: str | None = None, xtile_lib: Path | None = None) -> str:
@@ -195,19 +207,10 @@ def host_lock(timeout_s: float = 900.0, on_wait=None, path: str | Path | None = 
     lock_path = Path(path or LOCK_PATH)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as f:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited and on_wait:
-                    on_wait()
-                waited = True
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"another CRIU dump/restore held {lock_path} for {timeout_s:.0f} s") from None
-                time.sleep(0.2)
+        try:
+            lock_exclusive(f, on_wait, timeout_s)
+        except TimeoutError:
+            raise CheckpointError(f"another CRIU dump/restore held {lock_path} for {timeout_s:.0f} s") from None
         try:
             yield
         finally:

@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
 
         def reporter(label: str) -> ConsoleReporter:
             r = ConsoleReporter()
-            r.info(f"[bold]{label}[/]")
+            r.console.print(label, style="bold", markup=False, highlight=False)
             return r
 
         res = run_startup(prof, settings, runs=runs, tag=tag, reporter_factory=reporter)

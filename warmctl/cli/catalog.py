@@ -15,6 +15,7 @@ import typer
 
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import out as _out
+from warmctl.diskspace import human
 
 ConfigOpt = typer.Option(None, "--config", help="Config file (default: $WARMCTL_CONFIG or /etc/warmctl/config.toml).")
 CatalogOpt = typer.Option(None, "--catalog", help="Store URL holding the catalog (default: the `catalog` setting).")
@@ -31,14 +32,6 @@ def _open_catalog(settings: Any):
     from warmctl.store import open_store
 
     return Catalog(open_store(settings.catalog_url, settings=settings))
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 def _say(line: str) -> None:
@@ -82,7 +75,7 @@ def register(app: typer.Typer) -> None:
             _say(f"gpus         {len(fp.gpus)} x AMD, amdgpu driver {fp.driver_version} (from {fp.gpu_source})")
             for g in fp.gpus:
                 _say(
-                    f"  [{g.index}] {g.name}  {_size(g.memory_bytes)}  {g.uuid}  {g.model_key()}  "
+                    f"  [{g.index}] {g.name}  {human(g.memory_bytes)}  {g.uuid}  {g.model_key()}  "
                     f"kfd node {g.kfd_node} gpu_id {g.kfd_gpu_id}  fw {g.fw_version} sdma fw {g.sdma_fw_version}  "
                     f"renderD{g.drm_render_minor}"
                 )
@@ -92,7 +85,7 @@ def register(app: typer.Typer) -> None:
             _say(f"gpus         {fp.gpu_summary()}, driver {fp.driver_version}, CUDA {fp.cuda_driver_version}")
             for g in fp.gpus:
                 _say(
-                    f"  [{g.index}] {g.name}  {_size(g.memory_bytes)}  {g.uuid}  "
+                    f"  [{g.index}] {g.name}  {human(g.memory_bytes)}  {g.uuid}  "
                     f"cc {g.compute_capability or '?'}  persistence {'on' if g.persistence_mode else 'off'}"
                 )
         else:
@@ -133,7 +126,7 @@ def register(app: typer.Typer) -> None:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
-            lines.append((name, tag, e.manifest[:19], e.created.strftime("%Y-%m-%d %H:%M"), _size(e.size), hs))
+            lines.append((name, tag, e.manifest[:19], e.created.strftime("%Y-%m-%d %H:%M"), human(e.size), hs))
         table(("name", "tag", "manifest", "created", "size", "host"), lines, console_=_out(highlight=False, soft_wrap=True, markup=False))
 
     @cat.command("show")
@@ -192,7 +185,7 @@ def register(app: typer.Typer) -> None:
                 hs = HostFingerprint.model_validate(e.host).summary()
             except ValueError:
                 hs = "(unreadable fingerprint)"
-            _say(f"{mark} {e.manifest}  created {e.created:%Y-%m-%d %H:%M}  {_size(e.size)}")
+            _say(f"{mark} {e.manifest}  created {e.created:%Y-%m-%d %H:%M}  {human(e.size)}")
             _say(f"    host: {hs}")
             if lay := _layout(c, e.manifest):
                 _say(f"    ranks: {lay}")

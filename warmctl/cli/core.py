@@ -12,19 +12,12 @@ import warmctl
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _err
 from warmctl.cli.output import out as _out
+from warmctl.diskspace import human as _human
 from warmctl.errors import WarmctlError
 
 # The library (config, profile, progress: pydantic models) is imported by the command that runs,
 # not when the commands are registered: `--help`, `version` and the other areas' commands stay
 # cheap.
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _age(seconds: float) -> str:
@@ -82,8 +75,12 @@ def register(app: typer.Typer) -> None:
         push_to = settings.remote_store if push is not False else None
         if push and not push_to:
             raise WarmctlError("--push: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
-        rep.info(f"snapshot of [bold]{prof.name}[/] (profile {prof.digest()[:19]}) into {settings.store_dir}"
-                 + (f", then published to {push_to}" if push_to else ""))
+        if not quiet:  # the CLI renders: markup here, never in the pipeline's messages
+            from rich.markup import escape
+
+            rep.console.print(f"snapshot of [bold]{escape(prof.name)}[/] (profile {prof.digest()[:19]}) into "
+                              + escape(f"{settings.store_dir}" + (f", then published to {push_to}" if push_to else "")),
+                              highlight=False)
         res = run_snapshot(prof, settings, rep, tag=tag, push_to=push_to)
         from warmctl.engine.vllm import PHASE_NAMES
 

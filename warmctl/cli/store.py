@@ -19,6 +19,7 @@ import typer
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _console
 from warmctl.cli.output import out as _out
+from warmctl.diskspace import human as _human
 from warmctl.errors import IntegrityError, WarmctlError
 
 
@@ -42,14 +43,6 @@ def byte_progress(desc: str, total: int | None) -> Iterator[Callable[[int], None
     ) as prog:
         task = prog.add_task(desc, total=total)
         yield lambda n: prog.advance(task, n)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _local(store: Optional[str]):

@@ -21,6 +21,17 @@ class LoopbackError(Exception):
     400 or more, or a body that is not JSON. The message names the method, URL and cause."""
 
 
+def healthy(port: int, timeout_s: float = 5.0) -> bool:
+    """True if the engine on ``127.0.0.1:port`` answers ``GET /health`` with 200 (``timeout_s``
+    bounds connecting and the read): the one ``/health`` probe of an engine already up (``up``'s
+    already-up check, ``status``, the foreground supervisor). False on any failure."""
+    with Connection(f"http://127.0.0.1:{port}", timeout_s) as c:
+        try:
+            return c.status("/health") == 200
+        except LoopbackError:
+            return False
+
+
 class Connection:
     """One keep-alive HTTP/1.1 connection to ``base_url`` (``http://HOST:PORT``, no path);
     ``timeout_s`` bounds connecting and each read. After a failed request the connection is

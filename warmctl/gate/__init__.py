@@ -10,6 +10,7 @@ gone, so the public port never stays open in front of a dead engine.
 One concern per module; a request's whole path reads top-down in :mod:`warmctl.gate.server`:
 
 ========================  ================================================================
+:mod:`~.config`           what a gate enforces (:class:`GateConfig`), to and from its command line
 :mod:`~.files`            API key file and TLS certificate pair (private-file rules)
 :mod:`~.routes`           the allow list, control routes, the key check, the engine's table
 :mod:`~.http`             reading requests (llhttp via httptools), writing them canonically
@@ -17,7 +18,7 @@ One concern per module; a request's whole path reads top-down in :mod:`warmctl.g
 :mod:`~.server`           the listener and each connection: read, check, forward, relay
 :mod:`~.drain`            stopping without cutting answers in flight
 :mod:`~.lazy`             watching a lazy restore's page daemon
-:mod:`~.process`          starting the gate process and the options ``up`` gives it
+:mod:`~.process`          starting the gate process
 ========================  ================================================================
 
 SIGHUP (and any change of the key, certificate or private-key file, seen within 1 s) reloads
@@ -27,12 +28,12 @@ Importing this package (what ``warmctl up`` does) loads only what starting and s
 gate needs: no asyncio, no HTTP parser.
 """
 
+from warmctl.gate.config import GateConfig, Limits
 from warmctl.gate.drain import drain
 from warmctl.gate.files import GateConfigError, private_file_problem, read_keys, tls_context
 from warmctl.gate.lazy import LazyWatch
-from warmctl.gate.process import PendingGate, gate_enforces, policy_args, prestart, settings_args, start
+from warmctl.gate.process import PendingGate, prestart, start
 from warmctl.ports import port_free, require_port_free
 
-__all__ = ["GateConfigError", "LazyWatch", "PendingGate", "drain", "gate_enforces", "policy_args", "port_free",
-           "prestart", "private_file_problem", "read_keys", "require_port_free", "settings_args", "start",
-           "tls_context"]
+__all__ = ["GateConfig", "GateConfigError", "Limits", "LazyWatch", "PendingGate", "drain", "port_free", "prestart",
+           "private_file_problem", "read_keys", "require_port_free", "start", "tls_context"]

@@ -1,4 +1,7 @@
-"""``python -m warmctl.gate``: the gate process (started by :mod:`warmctl.gate.process`)."""
+"""``python -m warmctl.gate``: the gate process (started by :mod:`warmctl.gate.process`).
+
+Its own options say where it listens and what it fronts; the rest is a
+:class:`~warmctl.gate.config.GateConfig`, parsed back from what :meth:`~warmctl.gate.config.GateConfig.to_argv` wrote."""
 
 from __future__ import annotations
 
@@ -8,12 +11,12 @@ import errno
 import os
 import sys
 import time
-from pathlib import Path
 
+from warmctl.gate.config import GateConfig
 from warmctl.gate.files import GateConfigError, read_keys
 from warmctl.gate.lazy import LazyWatch
-from warmctl.gate.routes import DEFAULT_ALLOW_PATHS, DEFAULT_PUBLIC_PATHS, Policy, Routes
-from warmctl.gate.server import Gate, Limits, serve
+from warmctl.gate.routes import DEFAULT_ALLOW_PATHS, Policy, Routes
+from warmctl.gate.server import Gate, serve
 from warmctl.proc import start_ticks
 
 try:
@@ -44,37 +47,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-open", action="store_true",
                     help="start, but listen only once stdin says 'open PID' (PID: the engine); exit at EOF")
     ap.add_argument("--ready-fd", type=int, default=None, help="also write 'ready' to this inherited pipe")
-    ap.add_argument("--api-key-file", type=Path, default=None, help="API keys, one per line (none: no key needed)")
-    ap.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain (TLS on the public port)")
-    ap.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
-    ap.add_argument("--allow-path", action="append", default=[],
-                    help="serve this path too, beside the inference API (repeatable; '{name}' matches one segment)")
-    ap.add_argument("--public-path", action="append", default=None,
-                    help=f"path answered without a key (repeatable; default {' '.join(DEFAULT_PUBLIC_PATHS)})")
-    ap.add_argument("--no-public-paths", action="store_true", help="every path needs a key")
-    ap.add_argument("--deny-path", action="append", default=[], help="refuse this path too, 403 (repeatable)")
-    ap.add_argument("--drain-s", type=float, default=30.0,
-                    help="on SIGTERM: seconds open connections may take to finish (a second SIGTERM: none)")
-    d = Limits()
-    ap.add_argument("--head-timeout-s", type=float, default=d.head_timeout_s, help="a request head must arrive within")
-    ap.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s,
-                    help="a request body may take this long plus its size over --body-min-rate")
-    ap.add_argument("--body-min-rate", type=float, default=d.body_min_rate, help="bytes/s a request body must average")
-    ap.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, help="an idle connection closes after")
+    GateConfig.add_arguments(ap)
     a = ap.parse_args(argv)
+    config = GateConfig.from_args(a)
     try:
-        public = () if a.no_public_paths else (a.public_path if a.public_path is not None else DEFAULT_PUBLIC_PATHS)
         try:
-            allow = Routes(DEFAULT_ALLOW_PATHS + tuple(a.allow_path))
+            allow = Routes(DEFAULT_ALLOW_PATHS + config.allow_paths)
         except ValueError as e:
             raise GateConfigError(str(e)) from None
-        policy = Policy(read_keys(a.api_key_file) if a.api_key_file else None, allow, frozenset(public),
-                        tuple(a.deny_path))
-        if (a.tls_cert is None) != (a.tls_key is None):
+        policy = Policy(read_keys(config.api_key_file) if config.api_key_file else None, allow,
+                        frozenset(config.public), config.deny_paths)
+        if (config.tls_cert is None) != (config.tls_key is None):
             raise GateConfigError("--tls-cert and --tls-key go together")
-        limits = Limits(a.head_timeout_s, a.body_timeout_s, a.body_min_rate, a.keep_alive_s)
-        g = Gate(_hostport(a.upstream), policy, a.api_key_file, (a.tls_cert, a.tls_key) if a.tls_cert else None,
-                 limits)
+        tls = (config.tls_cert, config.tls_key) if config.tls_cert else None
+        g = Gate(_hostport(a.upstream), policy, config.api_key_file, tls, config.limits)  # type: ignore[arg-type]
     except GateConfigError as e:
         print(f"gate: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -93,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"gate: opened for engine pid {engine_pid} at {_since_start():.3f} s", flush=True)
     run = uvloop.run if uvloop is not None else asyncio.run
     try:
-        run(serve(_hostport(a.listen), g, engine_pid, a.ready_fd, a.drain_s, lazy, since_start=_since_start))
+        run(serve(_hostport(a.listen), g, engine_pid, a.ready_fd, config.drain_s, lazy, since_start=_since_start))
     except OSError as e:
         print(f"gate: cannot listen on {a.listen}: {e.strerror}", file=sys.stderr, flush=True)
         sys.exit(2 if e.errno == errno.EADDRINUSE else 1)

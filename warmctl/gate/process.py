@@ -1,4 +1,4 @@
-"""Starting the gate process, and the options ``up`` gives it.
+"""Starting the gate process with a :class:`~warmctl.gate.config.GateConfig`.
 
 ``warmctl up`` starts the gate beside the restore (:func:`prestart`: its interpreter start-up
 overlaps the restore) and tells it to listen only once the canary passed
@@ -15,71 +15,15 @@ import time
 from pathlib import Path
 
 from warmctl.errors import HostError
-from warmctl.gate.files import GateConfigError, read_keys, tls_context
+from warmctl.gate.config import GateConfig
 from warmctl.gate.lazy import LazyWatch
 from warmctl.proc import kill_child
 
 
-def policy_args(api_key_file: Path | None = None, tls_cert: Path | None = None, tls_key: Path | None = None,
-                public_paths: list[str] | None = None, deny_paths: list[str] | None = None,
-                drain_s: float | None = None, allow_paths: list[str] | None = None,
-                limits: dict[str, float] | None = None) -> list[str]:
-    """The gate's command-line options for these settings (file paths only: a key never
-    appears on a command line). ``allow_paths``: served beside the default allow list
-    (:data:`warmctl.gate.routes.DEFAULT_ALLOW_PATHS`); ``limits``: fields of
-    :class:`warmctl.gate.server.Limits` (seconds, bytes/s). Raises :class:`GateConfigError`
-    naming the file if the key file or the certificate pair cannot be loaded, or naming the
-    path if an allowed, public or denied path is malformed, so ``up`` fails before it restores."""
-    from warmctl.gate.routes import check_route_path
-
-    for what, paths in (("gate_allow_paths", allow_paths), ("gate_public_paths", public_paths),
-                        ("gate_deny_paths", deny_paths)):
-        for p in paths or ():
-            try:
-                check_route_path(p, what)
-            except ValueError as e:
-                raise GateConfigError(str(e)) from None
-    args: list[str] = []
-    if api_key_file is not None:
-        read_keys(api_key_file)
-        args += ["--api-key-file", str(Path(api_key_file).absolute())]
-    if (tls_cert is None) != (tls_key is None):
-        raise GateConfigError("TLS needs both a certificate file and a private-key file (gate_tls_cert, gate_tls_key)")
-    if tls_cert is not None:
-        tls_context(tls_cert, tls_key)
-        args += ["--tls-cert", str(Path(tls_cert).absolute()), "--tls-key", str(Path(tls_key).absolute())]
-    for p in public_paths if public_paths is not None else ():
-        args += ["--public-path", p]
-    if public_paths is not None and not public_paths:
-        args += ["--no-public-paths"]
-    for p in deny_paths or ():
-        args += ["--deny-path", p]
-    for p in allow_paths or ():
-        args += ["--allow-path", p]
-    if drain_s is not None:
-        args += ["--drain-s", f"{drain_s:g}"]
-    for k, v in (limits or {}).items():
-        args += [f"--{k.replace('_', '-')}", f"{v:g}"]
-    return args
-
-
-def settings_args(settings) -> list[str]:
-    """:func:`policy_args` of a :class:`warmctl.config.Settings` (``gate_*`` fields)."""
-    return policy_args(settings.gate_api_key_file, settings.gate_tls_cert, settings.gate_tls_key,
-                       list(settings.gate_public_paths), list(settings.gate_deny_paths), settings.gate_drain_s,
-                       list(settings.gate_allow_paths))
-
-
-def gate_enforces(args: list[str]) -> dict[str, bool]:
-    """What a gate started with ``args`` (:func:`policy_args`) enforces, as
-    :class:`warmctl.state.EngineState` fields: ``gate_api_key``, ``gate_tls``."""
-    return {"gate_api_key": "--api-key-file" in args, "gate_tls": "--tls-cert" in args}
-
-
 def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: int, log_path: Path,
-          timeout_s: float = 15.0, args: list[str] | tuple[str, ...] = ()) -> int:
+          timeout_s: float = 15.0, config: GateConfig | None = None) -> int:
     """Start the gate as a detached process; return its PID once it accepts connections.
-    ``args``: further gate options (:func:`policy_args`).
+    ``config``: what it enforces (:meth:`GateConfig.check` it first; None: the defaults).
 
     Raises :class:`HostError` (with the gate's own message) if it cannot listen.
     """
@@ -88,7 +32,8 @@ def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: in
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(
             [sys.executable, "-m", "warmctl.gate", "--listen", f"{listen_host}:{listen_port}",
-             "--upstream", f"127.0.0.1:{upstream_port}", "--engine-pid", str(engine_pid), *args],
+             "--upstream", f"127.0.0.1:{upstream_port}", "--engine-pid", str(engine_pid),
+             *(config or GateConfig()).to_argv()],
             stdin=devnull, stdout=log, stderr=log, start_new_session=True)
 
     def output() -> str:
@@ -182,10 +127,10 @@ class PendingGate:
 
 
 def prestart(listen_host: str, listen_port: int, upstream_port: int, log_path: Path,
-             args: list[str] | tuple[str, ...] = ()) -> PendingGate:
+             config: GateConfig | None = None) -> PendingGate:
     """Start a gate for ``listen_host:listen_port`` -> ``127.0.0.1:upstream_port`` that waits,
-    not listening, for :meth:`PendingGate.open` (see :class:`PendingGate`). ``args``: further
-    gate options (:func:`policy_args`)."""
+    not listening, for :meth:`PendingGate.open` (see :class:`PendingGate`). ``config``: what
+    it enforces (:meth:`GateConfig.check` it first; None: the defaults)."""
     log_path = Path(log_path)
     offset = log_path.stat().st_size if log_path.exists() else 0
     ready_r, ready_w = os.pipe()
@@ -193,7 +138,8 @@ def prestart(listen_host: str, listen_port: int, upstream_port: int, log_path: P
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "warmctl.gate", "--listen", f"{listen_host}:{listen_port}",
-                 "--upstream", f"127.0.0.1:{upstream_port}", "--wait-open", "--ready-fd", str(ready_w), *args],
+                 "--upstream", f"127.0.0.1:{upstream_port}", "--wait-open", "--ready-fd", str(ready_w),
+                 *(config or GateConfig()).to_argv()],
                 stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True, pass_fds=(ready_w,))
     except BaseException:
         os.close(ready_r)

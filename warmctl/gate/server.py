@@ -32,9 +32,9 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from warmctl.gate.config import Limits
 from warmctl.gate.files import GateConfigError, read_keys, tls_context
 from warmctl.gate.http import END, LAST_CHUNK, Head, Refused, RequestReader, chunk, timeout
 from warmctl.gate.lazy import LazyWatch
@@ -42,17 +42,6 @@ from warmctl.gate.relay import EngineSide, ResponseTracker, end
 from warmctl.gate.routes import Policy, engine_routes, route_report
 
 BUF = 256 * 1024
-
-
-@dataclass
-class Limits:
-    """How long a client may take (seconds; ``body_min_rate``: bytes/s). A body of n bytes
-    may take ``body_timeout_s + n / body_min_rate`` seconds from the end of its head."""
-
-    head_timeout_s: float = 20.0
-    body_timeout_s: float = 20.0
-    body_min_rate: float = 1024.0
-    keep_alive_s: float = 75.0
 
 
 class _Closed(Exception):
