@@ -265,6 +265,83 @@ def tiny_snapshot(wc_env) -> dict:
     return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}
 
 
+#: tests/fake_vllm.py: run in place of ``vllm`` by :func:`fake_env`'s warmctl.
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm.py"
+#: Offset of the ``fake`` profile's internal and public ports from the session's
+#: (``WARMCTL_TEST_ENGINE_PORT``, ``WARMCTL_TEST_GATE_PORT``): never the ``tiny`` engine's.
+FAKE_PORT_OFFSET = 6
+
+
+def fake_profile(engine_port: int, gate_port: int, name: str = "fake", extra: str = "") -> str:
+    """A profile named ``name`` whose engine is :data:`FAKE_VLLM` (under :func:`fake_env`), on
+    the given internal and public ports: a small warm-up grid and the ``tiny`` profile's canary
+    (tokens and logprobs compared bit for bit), with ``extra`` TOML appended."""
+    return f"""name = "{name}"
+description = "tests/fake_vllm.py: a two-process stand-in for vLLM (orchestration tests)"
+
+[engine]
+model = "fake-model"
+served_model_name = "{name}"
+port = {engine_port}
+startup_timeout_s = 60
+args = ["--seed", "0"]
+
+[gate]
+host = "127.0.0.1"
+port = {gate_port}
+
+[warmup]
+prompt_tokens = [16, 128]
+output_tokens = [1, 4]
+concurrency = [1, 2]
+
+[canary]
+prompts = ["The capital of France is", "Explain what a snapshot is in one sentence."]
+max_tokens = 16
+logprobs = 5
+match = "tokens+logprobs"
+
+[hardware]
+gpu_count = 0
+""" + extra
+
+
+def fake_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
+    """:func:`isolated_env` in ``root`` plus the ``fake`` profile (:func:`fake_profile`, on
+    ``engine_port``/``gate_port`` + :data:`FAKE_PORT_OFFSET`) and
+    ``WARMCTL_TEST_ENGINE_CMD`` (:data:`warmctl.engine.vllm.TEST_ENGINE_ENV`): every engine
+    warmctl starts in it is :data:`FAKE_VLLM`. For tests of warmctl's own orchestration
+    (kill points, teardown, locks, recovery, agent jobs, restart policy) through the real
+    snapshot / up / down pipeline and the real CRIU, in about a second per cold start or restore."""
+    import shlex
+
+    from warmctl.engine.vllm import TEST_ENGINE_ENV
+
+    env = isolated_env(root, engine_port, gate_port)
+    profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
+    (profiles / "fake.toml").write_text(fake_profile(engine_port + FAKE_PORT_OFFSET, gate_port + FAKE_PORT_OFFSET))
+    env[TEST_ENGINE_ENV] = shlex.join([sys.executable, str(FAKE_VLLM)])
+    return env
+
+
+@pytest.fixture(scope="session")
+def fake_ports(engine_ports) -> tuple[int, int]:
+    """(internal, public) port of the ``fake`` profile in :func:`fake_env`."""
+    return engine_ports[0] + FAKE_PORT_OFFSET, engine_ports[1] + FAKE_PORT_OFFSET
+
+
+@pytest.fixture(scope="session")
+def fk_env(tmp_path_factory, engine_ports) -> dict[str, str]:
+    """:func:`fake_env` in a fresh session directory: the fake engine's home for the session."""
+    return fake_env(session_tmp(tmp_path_factory, "warmctl-fake"), *engine_ports)
+
+
+@pytest.fixture(scope="session")
+def fake_snapshot(fk_env) -> dict:
+    """``warmctl snapshot fake`` once per session in :func:`fk_env` (:func:`snapshot_once`)."""
+    return snapshot_once(fk_env, "fake")
+
+
 def rank_env(env: dict[str, str], name: str, engine_port: int, gate_port: int) -> dict[str, str]:
     """``env`` (an :func:`isolated_env`) with the multi-rank profile ``name``
     (:func:`rank_profile`) written beside ``tiny``'s; returns a copy of ``env``."""
