@@ -15,7 +15,8 @@ checks find), joined by a UNIX socket pair: every completion is computed by the 
 so a restore must bring back both processes and the connection between them. When the engine
 core dies the API server exits (as vLLM's does). The engine core maps a 1 MiB file in
 ``/dev/shm`` (``fake_vllm_<hex>``, written with a pattern of the seed), as vLLM's shared memory is: it is
-stored with the snapshot and restored, and teardown must remove it.
+stored with the snapshot and restored, and teardown must remove it; it listens on a UNIX socket
+in ``$VLLM_RPC_BASE_PATH``, as vLLM's ZMQ IPC sockets do.
 
 Endpoints: ``GET /health`` (200 while the engine core lives), ``GET /v1/models``, ``GET
 /version``, ``GET /openapi.json`` (the route table the gate reads) and ``POST
@@ -79,7 +80,12 @@ def engine_core(sock: socket.socket, seed: int) -> None:
     os.close(fd)
     pattern = hashlib.sha256(f"seed {seed}".encode()).digest()
     shm[:] = pattern * (SHM_BYTES // len(pattern))
-    log(f"engine core up (shared memory {path})")
+    rpc = None
+    if base := os.environ.get("VLLM_RPC_BASE_PATH"):  # where vLLM binds its ZMQ IPC sockets
+        rpc = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        rpc.bind(os.path.join(base, secrets.token_hex(8)))
+        rpc.listen(1)
+    log(f"engine core up (shared memory {path}, IPC socket {rpc.getsockname() if rpc else None})")
     f = sock.makefile("rwb")
     for line in f:
         req = json.loads(line)
