@@ -36,6 +36,7 @@ import json
 import mmap
 import os
 import secrets
+import signal
 import socket
 import struct
 import sys
@@ -188,6 +189,15 @@ def main(argv: list[str]) -> None:
     args, rest = p.parse_known_args(argv)
     log(f"non-default args: model={args.model} port={args.port} seed={args.seed} ignored={rest}")
     engine = Engine(args)
+
+    def stop(signum, frame):  # as vLLM's API server: SIGTERM ends the engine core, then itself
+        try:
+            os.kill(engine.core_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)  # the namespace's PID 1 ignores a signal it has no handler for
     server = ThreadingHTTPServer((args.host, args.port), handler(engine))
     server.daemon_threads = True
     log(f"Starting vLLM API server on http://{args.host}:{args.port}")
