@@ -272,10 +272,13 @@ FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm.py"
 FAKE_PORT_OFFSET = 6
 
 
-def fake_profile(engine_port: int, gate_port: int, name: str = "fake", extra: str = "") -> str:
+def fake_profile(engine_port: int, gate_port: int, name: str = "fake", hold: Path | None = None,
+                 extra: str = "") -> str:
     """A profile named ``name`` whose engine is :data:`FAKE_VLLM` (under :func:`fake_env`), on
     the given internal and public ports: a small warm-up grid and the ``tiny`` profile's canary
-    (tokens and logprobs compared bit for bit), with ``extra`` TOML appended."""
+    (tokens and logprobs compared bit for bit), with ``extra`` TOML appended. ``hold``: a path
+    whose existence holds the engine's canary answers (``FAKE_VLLM_HOLD``, see tests/fake_vllm.py)."""
+    env = f'\n[engine.env]\nFAKE_VLLM_HOLD = "{hold}"\n' if hold else ""
     return f"""name = "{name}"
 description = "tests/fake_vllm.py: a two-process stand-in for vLLM (orchestration tests)"
 
@@ -285,7 +288,7 @@ served_model_name = "{name}"
 port = {engine_port}
 startup_timeout_s = 60
 args = ["--seed", "0"]
-
+{env}
 [gate]
 host = "127.0.0.1"
 port = {gate_port}
@@ -310,7 +313,8 @@ def fake_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
     """:func:`isolated_env` in ``root`` plus the ``fake`` profile (:func:`fake_profile`, on
     ``engine_port``/``gate_port`` + :data:`FAKE_PORT_OFFSET`) and
     ``WARMCTL_TEST_ENGINE_CMD`` (:data:`warmctl.engine.vllm.TEST_ENGINE_ENV`): every engine
-    warmctl starts in it is :data:`FAKE_VLLM`. For tests of warmctl's own orchestration
+    warmctl starts in it is :data:`FAKE_VLLM`. The file ``root/hold``, while it exists, holds
+    the engine's canary answers (:func:`fake_profile`). For tests of warmctl's own orchestration
     (kill points, teardown, locks, recovery, agent jobs, restart policy) through the real
     snapshot / up / down pipeline and the real CRIU, in about a second per cold start or restore."""
     import shlex
@@ -319,7 +323,8 @@ def fake_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
 
     env = isolated_env(root, engine_port, gate_port)
     profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
-    (profiles / "fake.toml").write_text(fake_profile(engine_port + FAKE_PORT_OFFSET, gate_port + FAKE_PORT_OFFSET))
+    (profiles / "fake.toml").write_text(fake_profile(engine_port + FAKE_PORT_OFFSET, gate_port + FAKE_PORT_OFFSET,
+                                                     hold=root / "hold"))
     env[TEST_ENGINE_ENV] = shlex.join([sys.executable, str(FAKE_VLLM)])
     return env
 

@@ -24,8 +24,14 @@ Endpoints: ``GET /health`` (200 while the engine core lives), ``GET /v1/models``
 logprobs and the top-``logprobs`` alternatives (keyed ``token_id:N``, as vLLM's
 ``return_tokens_as_token_ids`` does), all a function of the prompt, ``--seed`` and the
 ``/dev/shm`` file's bytes, so the canary compares equal after a faithful restore and not
-after a different seed. ``FAKE_VLLM_STARTUP_S`` (seconds, default 0) delays ``/health``, as
-a slow cold start does. Standard library and ``setproctitle`` only (no vLLM import).
+after a different seed.
+
+Test hooks, from the engine's environment (a profile's ``[engine.env]``): ``FAKE_VLLM_STARTUP_S``
+(seconds, default 0) delays ``/health``, as a slow cold start does; while the file
+``FAKE_VLLM_HOLD`` names exists (at most 120 s), a completion that asks for logprobs (the
+canary's) waits: a test holds an ``up`` or ``snapshot`` in its canary phase for as long as it
+needs, with no race against a fast restore. Standard library and ``setproctitle`` only (no
+vLLM import).
 """
 
 from __future__ import annotations
@@ -166,6 +172,10 @@ def handler(engine: Engine):
             if body.get("model") != a.served_model_name:
                 return self.send_json(404, {"error": {"message": f"model {body.get('model')!r} does not exist"}})
             n_top = int(body.get("logprobs") or 0)
+            hold = os.environ.get("FAKE_VLLM_HOLD")
+            deadline = time.monotonic() + 120
+            while n_top and hold and os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.02)  # a test holds the canary here (see the module doc)
             out = engine.ask({"prompt": body.get("prompt"), "max_tokens": int(body.get("max_tokens") or 16),
                               "logprobs": n_top})
             choice = {"index": 0, "text": " ".join(f"t{t}" for t in out["token_ids"]),
