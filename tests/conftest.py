@@ -435,6 +435,77 @@ def node_b_env(root: Path, a_env: dict[str, str], remote: Path, engine_port: int
     return dict(b, WARMCTL_REMOTE_STORE=str(remote))
 
 
+# --- shared services: started once per session, each test on a fresh bucket of its own ----------
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A moto S3 server on 127.0.0.1 (random port), one for the whole session; yields its
+    endpoint URL. Tests take a fresh bucket on it (:func:`s3_url`), never a shared one."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, monkeypatch):
+    """A fresh bucket on the moto server; yields ``s3://bucket/snaps`` with the endpoint in env:
+    ``$WARMCTL_S3_ENDPOINT`` for the CLI's processes (their ``s3_endpoint`` setting), and
+    ``$AWS_ENDPOINT_URL`` for stores opened in this process without settings (S3's own variable,
+    read where no ``s3_endpoint`` is passed down)."""
+    import uuid
+
+    import boto3
+
+    monkeypatch.setenv("WARMCTL_S3_ENDPOINT", moto_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    bucket = f"warmctl-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/snaps"
+
+
+@pytest.fixture(scope="session")
+def ceph_rgw(tmp_path_factory):
+    """A Ceph RGW on 127.0.0.1 (tests/rgw_server.py: mon, memstore OSD, radosgw; about 3 s to
+    start and 3 s to stop), one for the whole session; yields (endpoint, access key, secret key)
+    of a user. Skipped, or failed under ``CI`` / ``WARMCTL_REQUIRE_RGW=1``, when the ceph
+    binaries are missing. Tests take a bucket of their own (:func:`rgw_bucket`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rgw_server import free_port, missing_binaries, start_rgw
+
+    missing = missing_binaries()
+    need_service(missing and f"ceph binaries missing ({', '.join(missing)}): run scripts/install-test-services.sh",
+                 "WARMCTL_REQUIRE_RGW")
+    with start_rgw(session_tmp(tmp_path_factory, "ceph"), free_port(), free_port()) as creds:
+        yield creds
+
+
+@pytest.fixture
+def rgw_bucket(ceph_rgw):
+    """(endpoint, access key, secret key, bucket): a fresh bucket on the session's RGW, emptied
+    and removed after the test (the OSD keeps objects in memory for the whole session)."""
+    import uuid
+
+    import boto3
+
+    ep, ak, sk = ceph_rgw
+    client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    yield ep, ak, sk, bucket
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=o["Key"])
+    client.delete_bucket(Bucket=bucket)
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 6 MiB tmpfs at ``tmp_path/small`` (a disk that fills up), unmounted after the test;
