@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import httpx
@@ -234,26 +233,20 @@ def test_rm_then_b_finds_nothing_and_gc_frees_the_remote(fleet):
 
 
 @pytest.mark.s3
-def test_b_restores_from_ceph_rgw(fleet, engine_ports, tmp_path_factory):
-    import boto3
-    from rgw_server import free_port, start_rgw
-
-    with start_rgw(tmp_path_factory.mktemp("ceph"), free_port(), free_port()) as (ep, ak, sk):
-        s3env = {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
-                 "AWS_DEFAULT_REGION": "us-east-1"}
-        bucket = f"fleet-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=ep, aws_access_key_id=ak, aws_secret_access_key=sk,
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
-        url = f"s3://{bucket}/warmctl"
-        warmctl("push", "tiny", "--to", url, env=dict(fleet["a"], **s3env))
-        b3 = node(fleet["root"] / "b-rgw", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=url, **s3env)
-        try:
-            r, res = _up(b3, "--cold-start", "never")
-            assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
-            assert res["fetched"]["remote"] > 100 * 2**20
-            assert _answers(fleet["gate"]).strip()
-        finally:
-            warmctl("down", "tiny", env=b3, check=False)
+def test_b_restores_from_ceph_rgw(fleet, engine_ports, rgw_bucket):
+    ep, ak, sk, bucket = rgw_bucket  # the session's RGW (conftest's ceph_rgw), a bucket of this test's
+    s3env = {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
+             "AWS_DEFAULT_REGION": "us-east-1"}
+    url = f"s3://{bucket}/warmctl"
+    warmctl("push", "tiny", "--to", url, env=dict(fleet["a"], **s3env))
+    b3 = node(fleet["root"] / "b-rgw", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=url, **s3env)
+    try:
+        r, res = _up(b3, "--cold-start", "never")
+        assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
+        assert res["fetched"]["remote"] > 100 * 2**20
+        assert _answers(fleet["gate"]).strip()
+    finally:
+        warmctl("down", "tiny", env=b3, check=False)
 
 
 @pytest.mark.oci
