@@ -309,12 +309,13 @@ gpu_count = 0
 """ + extra
 
 
-def fake_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
+def fake_env(root: Path, engine_port: int, gate_port: int, hold: Path | None = None) -> dict[str, str]:
     """:func:`isolated_env` in ``root`` plus the ``fake`` profile (:func:`fake_profile`, on
     ``engine_port``/``gate_port`` + :data:`FAKE_PORT_OFFSET`) and
     ``WARMCTL_TEST_ENGINE_CMD`` (:data:`warmctl.engine.vllm.TEST_ENGINE_ENV`): every engine
-    warmctl starts in it is :data:`FAKE_VLLM`. The file ``root/hold``, while it exists, holds
-    the engine's canary answers (:func:`fake_profile`). For tests of warmctl's own orchestration
+    warmctl starts in it is :data:`FAKE_VLLM`. The file ``hold`` (default ``root/hold``; nodes
+    that share snapshots need the same profile, so the same path), while it exists, holds the
+    engine's canary answers (:func:`fake_profile`). For tests of warmctl's own orchestration
     (kill points, teardown, locks, recovery, agent jobs, restart policy) through the real
     snapshot / up / down pipeline and the real CRIU, in about a second per cold start or restore."""
     import shlex
@@ -324,7 +325,7 @@ def fake_env(root: Path, engine_port: int, gate_port: int) -> dict[str, str]:
     env = isolated_env(root, engine_port, gate_port)
     profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
     (profiles / "fake.toml").write_text(fake_profile(engine_port + FAKE_PORT_OFFSET, gate_port + FAKE_PORT_OFFSET,
-                                                     hold=root / "hold"))
+                                                     hold=hold or root / "hold"))
     env[TEST_ENGINE_ENV] = shlex.join([sys.executable, str(FAKE_VLLM)])
     return env
 
