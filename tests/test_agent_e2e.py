@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +133,8 @@ def clean(fk_env):
 
 def test_scheduler_drives_up_status_down(fk_env, fake_snapshot, fake_ports, clean):
     wc_env, engine_ports, snap = fk_env, fake_ports, fake_snapshot
+    # no verified image kept by an earlier test's up in this home: this up reads the store
+    shutil.rmtree(Path(wc_env["WARMCTL_TEST_HOME"]) / "cache" / "images", ignore_errors=True)
     agent = Agent(wc_env)
     try:
         h = agent.http
