@@ -284,12 +284,14 @@ def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engin
 
 
 def _our_engine_pids(env) -> list[int]:
-    """PIDs of vLLM processes started with this test session's environment (restored ones too:
-    CRIU restores the environment block)."""
+    """PIDs of engine processes of this session's home (restored ones too: CRIU restores the
+    environment block): their ``VLLM_RPC_BASE_PATH``, which warmctl declares, lies in the home's
+    run directory (``WARMCTL_TEST_HOME`` itself never reaches the engine's declared environment)."""
+    home = env["WARMCTL_TEST_HOME"] + "/"
     out = []
-    for p in psutil.process_iter(["name"]):
+    for p in psutil.process_iter():
         try:
-            if "vllm" in (p.info["name"] or "").lower() and p.environ().get("WARMCTL_TEST_HOME") == env["WARMCTL_TEST_HOME"]:
+            if p.environ().get("VLLM_RPC_BASE_PATH", "").startswith(home):
                 out.append(p.pid)
         except psutil.Error:
             continue
