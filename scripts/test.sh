@@ -2,16 +2,29 @@
 # Run warmctl's whole test suite on a fresh Debian/Ubuntu host, as root: installs what it needs
 # (scripts/install.sh, then the test services), then runs pytest -- the end-to-end tests with the
 # real vLLM engine and real CRIU and the Ceph RGW tests included (WARMCTL_REQUIRE_RGW=1: they fail
-# rather than skip if the ceph binaries are missing). Extra arguments go to pytest (e.g. -m "not e2e").
+# rather than skip if the ceph binaries are missing). Extra arguments go to pytest.
 #
-# --clean-root (first argument): also run scripts/demo.sh in a clean Debian 12 root
+# Two tiers (README.md, "Tests"):
+#   bash scripts/test.sh --fast   the developer's loop: every test but the end-to-end ones
+#                                 (-m "not e2e": no vLLM engine starts; real CRIU, servers and
+#                                 the fake engine still run); under 10 minutes on 2 cores
+#   bash scripts/test.sh          the whole suite, e2e included (what CI runs); under 30 minutes
+#
+# --clean-root: also run scripts/demo.sh in a clean Debian 12 root
 # (tests/test_clean_root.py, WARMCTL_TEST_CLEAN_ROOT=1): the check before an install change is
 # called done. Many minutes; needs the clean-root tool (../shared/tools/clean-root.sh or
 # WARMCTL_CLEAN_ROOT_TOOL) and free ports 8000/18000. Only that test:
 #   bash scripts/test.sh --clean-root tests/test_clean_root.py
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ "${1:-}" = "--clean-root" ]; then shift; export WARMCTL_TEST_CLEAN_ROOT=1; fi
+TIER=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --clean-root) export WARMCTL_TEST_CLEAN_ROOT=1; shift ;;
+    --fast) TIER=(-m "not e2e"); shift ;;
+    *) break ;;
+  esac
+done
 bash "$REPO/scripts/install.sh"
 bash "$REPO/scripts/install-test-services.sh"
 export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}
@@ -29,4 +42,4 @@ free_kib=$(df -Pk "${TMPDIR:-/tmp}" 2>/dev/null | awk 'NR==2 {print $4}' || true
 if [ -n "$free_kib" ] && [ "$free_kib" -lt $((16 * 1024 * 1024)) ]; then
   echo "[test] warning: $((free_kib / 1024 / 1024)) GiB free under ${TMPDIR:-/tmp}; the whole suite's temporary files need about 16 GiB" >&2
 fi
-exec "$VENV/bin/python" -m pytest -v --durations=15 "$@"
+exec "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${TIER[@]}"} "$@"

@@ -265,6 +265,89 @@ def tiny_snapshot(wc_env) -> dict:
     return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}
 
 
+#: tests/fake_vllm.py: run in place of ``vllm`` by :func:`fake_env`'s warmctl.
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm.py"
+#: Offset of the ``fake`` profile's internal and public ports from the session's
+#: (``WARMCTL_TEST_ENGINE_PORT``, ``WARMCTL_TEST_GATE_PORT``): never the ``tiny`` engine's.
+FAKE_PORT_OFFSET = 6
+
+
+def fake_profile(engine_port: int, gate_port: int, name: str = "fake", hold: Path | None = None,
+                 extra: str = "") -> str:
+    """A profile named ``name`` whose engine is :data:`FAKE_VLLM` (under :func:`fake_env`), on
+    the given internal and public ports: a small warm-up grid and the ``tiny`` profile's canary
+    (tokens and logprobs compared bit for bit), with ``extra`` TOML appended. ``hold``: a path
+    whose existence holds the engine's canary answers (``FAKE_VLLM_HOLD``, see tests/fake_vllm.py)."""
+    env = f'\n[engine.env]\nFAKE_VLLM_HOLD = "{hold}"\n' if hold else ""
+    return f"""name = "{name}"
+description = "tests/fake_vllm.py: a two-process stand-in for vLLM (orchestration tests)"
+
+[engine]
+model = "fake-model"
+served_model_name = "{name}"
+port = {engine_port}
+startup_timeout_s = 60
+args = ["--seed", "0"]
+{env}
+[gate]
+host = "127.0.0.1"
+port = {gate_port}
+
+[warmup]
+prompt_tokens = [16, 128]
+output_tokens = [1, 4]
+concurrency = [1, 2]
+
+[canary]
+prompts = ["The capital of France is", "Explain what a snapshot is in one sentence."]
+max_tokens = 16
+logprobs = 5
+match = "tokens+logprobs"
+
+[hardware]
+gpu_count = 0
+""" + extra
+
+
+def fake_env(root: Path, engine_port: int, gate_port: int, hold: Path | None = None) -> dict[str, str]:
+    """:func:`isolated_env` in ``root`` plus the ``fake`` profile (:func:`fake_profile`, on
+    ``engine_port``/``gate_port`` + :data:`FAKE_PORT_OFFSET`) and
+    ``WARMCTL_TEST_ENGINE_CMD`` (:data:`warmctl.engine.vllm.TEST_ENGINE_ENV`): every engine
+    warmctl starts in it is :data:`FAKE_VLLM`. The file ``hold`` (default ``root/hold``; nodes
+    that share snapshots need the same profile, so the same path), while it exists, holds the
+    engine's canary answers (:func:`fake_profile`). For tests of warmctl's own orchestration
+    (kill points, teardown, locks, recovery, agent jobs, restart policy) through the real
+    snapshot / up / down pipeline and the real CRIU, in about a second per cold start or restore."""
+    import shlex
+
+    from warmctl.engine.vllm import TEST_ENGINE_ENV
+
+    env = isolated_env(root, engine_port, gate_port)
+    profiles = Path(env["WARMCTL_CONFIG"]).parent / "profiles"
+    (profiles / "fake.toml").write_text(fake_profile(engine_port + FAKE_PORT_OFFSET, gate_port + FAKE_PORT_OFFSET,
+                                                     hold=hold or root / "hold"))
+    env[TEST_ENGINE_ENV] = shlex.join([sys.executable, str(FAKE_VLLM)])
+    return env
+
+
+@pytest.fixture(scope="session")
+def fake_ports(engine_ports) -> tuple[int, int]:
+    """(internal, public) port of the ``fake`` profile in :func:`fake_env`."""
+    return engine_ports[0] + FAKE_PORT_OFFSET, engine_ports[1] + FAKE_PORT_OFFSET
+
+
+@pytest.fixture(scope="session")
+def fk_env(tmp_path_factory, engine_ports) -> dict[str, str]:
+    """:func:`fake_env` in a fresh session directory: the fake engine's home for the session."""
+    return fake_env(session_tmp(tmp_path_factory, "warmctl-fake"), *engine_ports)
+
+
+@pytest.fixture(scope="session")
+def fake_snapshot(fk_env) -> dict:
+    """``warmctl snapshot fake`` once per session in :func:`fk_env` (:func:`snapshot_once`)."""
+    return snapshot_once(fk_env, "fake")
+
+
 def rank_env(env: dict[str, str], name: str, engine_port: int, gate_port: int) -> dict[str, str]:
     """``env`` (an :func:`isolated_env`) with the multi-rank profile ``name``
     (:func:`rank_profile`) written beside ``tiny``'s; returns a copy of ``env``."""
@@ -351,6 +434,77 @@ def node_b_env(root: Path, a_env: dict[str, str], remote: Path, engine_port: int
     cfg = Path(b["WARMCTL_CONFIG"])
     cfg.write_text(cfg.read_text() + f'signing_key = "{root / "signing" / "node.key"}"\n')
     return dict(b, WARMCTL_REMOTE_STORE=str(remote))
+
+
+# --- shared services: started once per session, each test on a fresh bucket of its own ----------
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A moto S3 server on 127.0.0.1 (random port), one for the whole session; yields its
+    endpoint URL. Tests take a fresh bucket on it (:func:`s3_url`), never a shared one."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, monkeypatch):
+    """A fresh bucket on the moto server; yields ``s3://bucket/snaps`` with the endpoint in env:
+    ``$WARMCTL_S3_ENDPOINT`` for the CLI's processes (their ``s3_endpoint`` setting), and
+    ``$AWS_ENDPOINT_URL`` for stores opened in this process without settings (S3's own variable,
+    read where no ``s3_endpoint`` is passed down)."""
+    import uuid
+
+    import boto3
+
+    monkeypatch.setenv("WARMCTL_S3_ENDPOINT", moto_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    bucket = f"warmctl-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/snaps"
+
+
+@pytest.fixture(scope="session")
+def ceph_rgw(tmp_path_factory):
+    """A Ceph RGW on 127.0.0.1 (tests/rgw_server.py: mon, memstore OSD, radosgw; about 3 s to
+    start and 3 s to stop), one for the whole session; yields (endpoint, access key, secret key)
+    of a user. Skipped, or failed under ``CI`` / ``WARMCTL_REQUIRE_RGW=1``, when the ceph
+    binaries are missing. Tests take a bucket of their own (:func:`rgw_bucket`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rgw_server import free_port, missing_binaries, start_rgw
+
+    missing = missing_binaries()
+    need_service(missing and f"ceph binaries missing ({', '.join(missing)}): run scripts/install-test-services.sh",
+                 "WARMCTL_REQUIRE_RGW")
+    with start_rgw(session_tmp(tmp_path_factory, "ceph"), free_port(), free_port()) as creds:
+        yield creds
+
+
+@pytest.fixture
+def rgw_bucket(ceph_rgw):
+    """(endpoint, access key, secret key, bucket): a fresh bucket on the session's RGW, emptied
+    and removed after the test (the OSD keeps objects in memory for the whole session)."""
+    import uuid
+
+    import boto3
+
+    ep, ak, sk = ceph_rgw
+    client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    yield ep, ak, sk, bucket
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for o in page.get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=o["Key"])
+    client.delete_bucket(Bucket=bucket)
 
 
 @pytest.fixture

@@ -235,21 +235,17 @@ def test_catalog_on_local_store(tmp_path, keys):
 
 
 @pytest.fixture(scope="module")
-def s3_url():
-    from moto.server import ThreadedMotoServer
-
+def s3_url(moto_endpoint):
+    """A bucket on the session's moto server, reached through ``AWS_ENDPOINT_URL`` (the AWS
+    SDK's own variable, not ``WARMCTL_S3_ENDPOINT``) for this module."""
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL"]}
     os.environ.update(env)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    h, p = server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{h}:{p}"
+    os.environ["AWS_ENDPOINT_URL"] = moto_endpoint
     import boto3
 
-    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).create_bucket(Bucket="warm")
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket="warm")
     yield "s3://warm/catalog-test"
-    server.stop()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)

@@ -1,12 +1,17 @@
-"""``kill -9`` of warmctl at every named phase, with the real engine, CRIU and
-store. ``WARMCTL_TEST_KILL_AT_PHASE=NAME`` makes warmctl SIGKILL itself when it reaches phase
-``NAME`` (:mod:`warmctl.faults`). After each kill: ``verify`` accepts the store, no public port
-is open in front of an engine whose canary did not pass, the next run of the same command
-succeeds, and once that is taken down no engine process and no ``/dev/shm`` file of it is left.
+"""``kill -9`` of warmctl at every named phase, with the real CRIU and store.
+``WARMCTL_TEST_KILL_AT_PHASE=NAME`` makes warmctl SIGKILL itself when it reaches phase ``NAME``
+(:mod:`warmctl.faults`). After each kill: ``verify`` accepts the store, no public port is open
+in front of an engine whose canary did not pass, the next run of the same command succeeds,
+and once that is taken down no engine process and no ``/dev/shm`` file of it is left.
 
-Affordable: ``up`` reuses the session snapshot (each of its phases killed once); ``snapshot`` is
-killed at two phases (an engine starting, and one dumped but not yet stored) and rerun once
-under its own tag; ``push``, ``pull`` and ``gc`` work on that snapshot with a directory remote.
+What is tested is warmctl's own bookkeeping (records, teardown, the store's order of writes),
+so the engine is the two-process stand-in ``tests/fake_vllm.py`` (``fake_snapshot``, about a
+second per cold start or restore) for every phase: ``up`` killed at each of its phases,
+``snapshot`` at two (an engine starting, and one dumped but not yet stored), then ``push``,
+``pull`` and ``gc`` of that snapshot with a directory remote, and the killed cold starts on a
+host whose boot time has a fraction near one. The real ``tiny`` engine (the session snapshot)
+is killed once, at ``canary``: a restored vLLM tree with its ``/dev/shm`` files and IPC
+sockets, not yet behind the gate, left for the next ``up`` to clean.
 """
 
 from __future__ import annotations
@@ -62,16 +67,25 @@ def _verify(env, *extra: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("phase", ["materialize", "restore", "health", "canary", "gate"])
-def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
-    engine, gate = engine_ports
+@pytest.fixture(params=["fake", "tiny"])
+def eng(request, engine_ports, fake_ports):
+    """(name, env, snapshot, (internal port, public port)) of the fake engine or the real ``tiny``."""
+    if request.param == "fake":
+        return "fake", request.getfixturevalue("fk_env"), request.getfixturevalue("fake_snapshot"), fake_ports
+    return "tiny", request.getfixturevalue("wc_env"), request.getfixturevalue("tiny_snapshot"), engine_ports
+
+
+@pytest.mark.parametrize("eng,phase", [*[("fake", p) for p in ("materialize", "restore", "health", "canary", "gate")],
+                                          ("tiny", "canary")], indirect=["eng"])
+def test_up_killed_at_each_phase(eng, phase):
+    name, wc_env, snap, (engine, gate) = eng
     shm0 = shm_names()
-    _killed(["up", "tiny"], wc_env, phase)
+    _killed(["up", name], wc_env, phase)
     # no public port in front of an engine whose canary did not pass (the gate's process, started
     # beside the restore, exits when warmctl's end of its pipe closes; it never listened)
     assert not listening(gate)
     _verify(wc_env)
-    res = json.loads(warmctl("up", "tiny", "--json", env=wc_env).stdout)  # cleans up, then restores
+    res = json.loads(warmctl("up", name, "--json", env=wc_env).stdout)  # cleans up, then restores
     assert res["source"] == "restore" and not res["already_up"], res
     st = json.loads(warmctl("status", "--json", env=wc_env).stdout)
     assert len(st) == 1 and st[0]["healthy"], st
@@ -80,9 +94,10 @@ def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     ours = _ours(wc_env)
     assert {p.pid for p in ours if "warmctl.gate" not in " ".join(p.cmdline())} <= tree
     assert [p.pid for p in ours if "warmctl.gate" in " ".join(p.cmdline())] == [st[0]["gate_pid"]]
-    warmctl("down", "tiny", env=wc_env)
+    warmctl("down", name, env=wc_env)
     assert _ours(wc_env) == [] and not listening(gate) and not listening(engine)
-    m = open_store(_settings(wc_env).store_dir).get_manifest(tiny_snapshot["digest"])
+    m = open_store(_settings(wc_env).store_dir).get_manifest(snap["digest"])
+    assert any(f.role == "shm" for f in m.files)  # there is something to clean
     # the snapshot's own files, by name (not link_remap.N: every tiny snapshot has link_remap.246,
     # and another suite's restore on this host may hold it right now; _left counts those)
     assert not {f.path for f in m.files if f.role == "shm" and not f.path.startswith("link_remap.")} & shm_names()
@@ -90,18 +105,18 @@ def test_up_killed_at_each_phase(tiny_snapshot, wc_env, engine_ports, phase):
     assert engine_tmp_dirs(wc_env) == []  # the engine's own sockets directory went with it
 
 
-def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, engine_ports, tmp_path):
-    engine, _ = engine_ports
+def test_snapshot_push_pull_gc_killed_at_their_phases(fake_snapshot, fk_env, fake_ports, tmp_path):
+    wc_env, (engine, _) = fk_env, fake_ports
     shm0 = shm_names()
     remote, other = tmp_path / "remote", tmp_path / "other-store"
     # snapshot: killed while the engine starts (a live tree it had just recorded), and after the
     # dump (the engine gone, images in the run directory, nothing stored yet)
     for phase in ("cold_start", "store"):
-        _killed(["snapshot", "tiny", "--tag", "crash"], wc_env, phase)
+        _killed(["snapshot", "fake", "--tag", "crash"], wc_env, phase)
         _verify(wc_env)
         assert "crash" not in warmctl("ls", env=wc_env).stdout  # nothing named by a killed snapshot
-    out = warmctl("snapshot", "tiny", "--tag", "crash", env=wc_env, timeout=1500).stdout
-    assert "tiny:crash" in " ".join(out.split())
+    out = warmctl("snapshot", "fake", "--tag", "crash", env=wc_env, timeout=1500).stdout
+    assert "fake:crash" in " ".join(out.split())
     assert _ours(wc_env) == [] and not listening(engine)
     assert not shm_leaked(shm0), shm_leaked(shm0)
     assert engine_tmp_dirs(wc_env) == []
@@ -109,19 +124,19 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
 
     # push to a directory remote: killed amid the chunks, and before the name is written
     for phase in ("transfer_chunks", "transfer_catalog"):
-        _killed(["push", "tiny:crash", "--to", str(remote)], wc_env, phase)
+        _killed(["push", "fake:crash", "--to", str(remote)], wc_env, phase)
         _verify(wc_env, "--store", str(remote))
-    warmctl("push", "tiny:crash", "--to", str(remote), env=wc_env)
+    warmctl("push", "fake:crash", "--to", str(remote), env=wc_env)
     _verify(wc_env, "--store", str(remote))
 
     # pull into another local store: killed amid the chunks, then rerun
-    _killed(["pull", "tiny:crash", "--from", str(remote), "--store", str(other)], wc_env, "transfer_chunks")
-    warmctl("pull", "tiny:crash", "--from", str(remote), "--store", str(other), env=wc_env)
+    _killed(["pull", "fake:crash", "--from", str(remote), "--store", str(other)], wc_env, "transfer_chunks")
+    warmctl("pull", "fake:crash", "--from", str(remote), "--store", str(other), env=wc_env)
     _verify(wc_env, "--store", str(other))
 
     # gc of the remote once the name is gone: killed after its first manifest and first chunk
-    warmctl("rm", "tiny:crash", env={**wc_env, "WARMCTL_REMOTE_STORE": str(remote)})  # local and remote names
-    # (the remote holds one manifest, tiny:crash's, and its chunks: each kill point is reached)
+    warmctl("rm", "fake:crash", env={**wc_env, "WARMCTL_REMOTE_STORE": str(remote)})  # local and remote names
+    # (the remote holds one manifest, fake:crash's, and its chunks: each kill point is reached)
     chunks = lambda: {p for p in (remote / "chunks").rglob("*") if p.is_file()}  # noqa: E731
     before = chunks()
     for phase in ("gc_manifests", "gc_chunks"):
@@ -137,7 +152,7 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(tiny_snapshot, wc_env, eng
 TIMENS = Path(__file__).resolve().parent / "timens.py"
 
 
-def test_killed_cold_starts_are_cleaned_where_the_boot_time_fraction_is_near_one(wc_env, engine_ports):
+def test_killed_cold_starts_are_cleaned_where_the_boot_time_fraction_is_near_one(fk_env, fake_ports):
     """Crash safety as above, on a host whose boot time has a fraction of 0.99 s (psutil's creation
     times 0.99 s early), made from this one with a time namespace (tests/timens.py): nothing of
     warmctl is told. ``snapshot`` killed during its engine's cold start, twice (the second run's
@@ -146,7 +161,7 @@ def test_killed_cold_starts_are_cleaned_where_the_boot_time_fraction_is_near_one
     sys.path.insert(0, str(TIMENS.parent))
     import timens
 
-    engine, _ = engine_ports
+    wc_env, (engine, _) = fk_env, fake_ports
     off = timens.offset_for(0.99)
     inside = [sys.executable, str(TIMENS), repr(off), "--"]
     probe = subprocess.run([*inside, sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import timens; "
@@ -160,11 +175,11 @@ def test_killed_cold_starts_are_cleaned_where_the_boot_time_fraction_is_near_one
 
     try:
         for _ in range(2):
-            r = run("snapshot", "tiny", "--tag", "frac", kill="cold_start")
+            r = run("snapshot", "fake", "--tag", "frac", kill="cold_start")
             assert r.returncode == -9, r.stdout + r.stderr
         assert _ours(wc_env), "the killed snapshot's engine should still be starting"
     finally:  # in the namespace: its start ticks are what the record holds
-        r = run("down", "tiny")
+        r = run("down", "fake")
     assert r.returncode == 0, r.stdout + r.stderr
     assert wait_until_gone(wc_env), [p.cmdline() for p in _ours(wc_env)]
     assert not listening(engine)

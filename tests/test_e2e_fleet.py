@@ -3,12 +3,14 @@ real CRIU, a directory remote and a real Ceph RGW on loopback, and the agent's R
 
 Nodes are homes on this machine (``isolated_env``), each with its own signing key; B trusts A's
 public key through its ``keys_dir`` and nothing else. A is the session's snapshot home
-(``wc_env``); A2 is a second publisher (its own home, A's signing key) that runs a real
-``warmctl snapshot --push``. Only one engine runs at a time, on the session's test ports.
+(``wc_env``). Only one engine runs at a time, on the session's test ports.
 
-The tests run in file order and share the directory remote: push, restore on B (streamed, then
-from B's cache), refusal without A's key, the agent path, a new snapshot moving the tag,
-``up NAME@digest``, then ``rm`` + ``gc``.
+The module's ``fleet`` pushes A's snapshot to a directory remote; each test only reads it (or
+pushes the same snapshot again), so none depends on another having run: restore on B
+(streamed, then from B's cache), a fresh node killed after its port opened, refusal without A's
+key, the agent path, Ceph RGW and an OCI registry as remotes. A second publisher moving the tag,
+``up NAME@digest``, ``rm`` and ``gc`` are naming and store work, tested with the fake engine in
+test_e2e_fleet_tags.py (a second real snapshot here cost a cold start).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import httpx
@@ -26,10 +27,6 @@ from tests.conftest import isolated_env, listening, warmctl
 from tests.test_agent_e2e import Agent, _engine_procs
 
 pytestmark = pytest.mark.e2e
-
-
-def _key_of(env: dict[str, str]) -> Path:
-    return Path(env["WARMCTL_TEST_HOME"]) / "keys" / "local.key"
 
 
 def node(root: Path, engine_ports, *, trust: list[Path], signing_key: Path | None = None, **extra: str) -> dict[str, str]:
@@ -64,6 +61,7 @@ def fleet(tmp_path_factory, wc_env, tiny_snapshot, engine_ports):
         "digest": tiny_snapshot["digest"],
         "gate": engine_ports[1],
     }
+    f["push"] = warmctl("push", "tiny", "--to", str(remote), env=f["a"]).stderr
     yield f
     for n in ("a", "b"):
         warmctl("down", "tiny", env=f[n], check=False)
@@ -94,8 +92,7 @@ def _answers(port: int) -> str:
 
 
 def test_b_restores_what_a_pushed_then_from_its_own_cache(fleet):
-    r = warmctl("push", "tiny", "--to", str(fleet["remote"]), env=fleet["a"])
-    assert f"push tiny:latest ({fleet['digest'][:19]})" in r.stderr
+    assert f"push tiny:latest ({fleet['digest'][:19]})" in fleet["push"]
     assert list((fleet["remote"] / "catalog" / "tiny" / "latest").glob("sha256-*.json"))
 
     r, res = _up({**fleet["b"], "WARMCTL_RESTORE_STREAM": "auto"})
@@ -200,60 +197,21 @@ def test_agent_on_b_restores_from_the_remote(fleet, engine_ports):
         agent.stop()
 
 
-def test_snapshot_push_moves_the_tag_and_the_old_one_stays_by_digest(fleet, engine_ports):
-    a2 = node(fleet["root"] / "a2", engine_ports, trust=[], signing_key=_key_of(fleet["a"]),
-              WARMCTL_REMOTE_STORE=str(fleet["remote"]))
-    r = warmctl("snapshot", "tiny", env=a2, timeout=1500)
-    assert "ok push" in r.stderr, r.stderr  # the snapshot's push phase ran (remote_store is set)
-    new = json.loads(warmctl("ls", "--json", "--remote", env=a2).stdout)
-    assert len(new) == 1 and new[0]["digest"] != fleet["digest"]
-    fleet["new"] = new[0]["digest"]
-
-    r, res = _up(fleet["b"])  # B's next up sees the moved tag
-    assert res["path"] == "restore" and res["snapshot"] == fleet["new"], r.stderr
-    warmctl("down", "tiny", env=fleet["b"])
-    r = warmctl("up", f"tiny@{fleet['digest']}", "--json", env=fleet["b"])
-    assert json.loads(r.stdout)["snapshot"] == fleet["digest"]
-    fleet["a2"] = a2
-
-
-def test_rm_then_b_finds_nothing_and_gc_frees_the_remote(fleet):
-    a2 = fleet.get("a2")
-    if a2 is None:
-        pytest.fail("needs test_snapshot_push_moves_the_tag_and_the_old_one_stays_by_digest to have run")
-    chunks_before = sum(1 for p in (fleet["remote"] / "chunks").rglob("*") if p.is_file())
-    r = warmctl("rm", "tiny", env=a2)
-    assert "removed 1 entry from" in r.stdout
-    r, _ = _up(fleet["b"], "--cold-start", "never", check=False)
-    assert r.returncode != 0 and "no snapshot tiny:latest in the catalog at" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
-    r = warmctl("gc", "--store", str(fleet["remote"]), "--grace", "0", env=a2)
-    assert "2 manifests" in r.stdout, r.stdout
-    chunks_after = sum(1 for p in (fleet["remote"] / "chunks").rglob("*") if p.is_file())
-    assert chunks_before > 0 and chunks_after == 0
-
-
 @pytest.mark.s3
-def test_b_restores_from_ceph_rgw(fleet, engine_ports, tmp_path_factory):
-    import boto3
-    from rgw_server import free_port, start_rgw
-
-    with start_rgw(tmp_path_factory.mktemp("ceph"), free_port(), free_port()) as (ep, ak, sk):
-        s3env = {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
-                 "AWS_DEFAULT_REGION": "us-east-1"}
-        bucket = f"fleet-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=ep, aws_access_key_id=ak, aws_secret_access_key=sk,
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
-        url = f"s3://{bucket}/warmctl"
-        warmctl("push", "tiny", "--to", url, env=dict(fleet["a"], **s3env))
-        b3 = node(fleet["root"] / "b-rgw", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=url, **s3env)
-        try:
-            r, res = _up(b3, "--cold-start", "never")
-            assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
-            assert res["fetched"]["remote"] > 100 * 2**20
-            assert _answers(fleet["gate"]).strip()
-        finally:
-            warmctl("down", "tiny", env=b3, check=False)
+def test_b_restores_from_ceph_rgw(fleet, engine_ports, rgw_bucket):
+    ep, ak, sk, bucket = rgw_bucket  # the session's RGW (conftest's ceph_rgw), a bucket of this test's
+    s3env = {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
+             "AWS_DEFAULT_REGION": "us-east-1"}
+    url = f"s3://{bucket}/warmctl"
+    warmctl("push", "tiny", "--to", url, env=dict(fleet["a"], **s3env))
+    b3 = node(fleet["root"] / "b-rgw", engine_ports, trust=[fleet["a_pub"]], WARMCTL_REMOTE_STORE=url, **s3env)
+    try:
+        r, res = _up(b3, "--cold-start", "never")
+        assert res["path"] == "restore" and res["snapshot"] == fleet["digest"], r.stderr
+        assert res["fetched"]["remote"] > 100 * 2**20
+        assert _answers(fleet["gate"]).strip()
+    finally:
+        warmctl("down", "tiny", env=b3, check=False)
 
 
 @pytest.mark.oci

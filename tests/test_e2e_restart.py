@@ -1,15 +1,18 @@
-"""An engine that dies comes back in seconds: the real ``tiny`` snapshot, its engine
-killed with SIGKILL (the root of its process tree)
+"""An engine that dies comes back in seconds: a snapshot's engine killed with SIGKILL
+(the root of its process tree)
 
-- under ``warmctl up tiny --foreground`` (what systemd/warmctl-up@.service runs): READY=1
+- under ``warmctl up NAME --foreground`` (what systemd/warmctl-up@.service runs): READY=1
   reaches ``$NOTIFY_SOCKET`` only after the canary passed and the public port opened, WATCHDOG=1
   follows while healthy; the kill makes it tear down and exit 7; started again (as
   ``Restart=on-failure`` does) it restores the engine; SIGTERM takes the engine down, exit 0;
 - under the agent with ``restart: on-failure``: it restores the engine by itself; ``down``
   is never undone.
 
-The seconds from the kill until the public port answers again after a passing canary are
-printed (``restart-seconds ...``, run with ``-s``), not asserted.
+What is tested is warmctl's supervision, so the engine is the two-process stand-in
+``tests/fake_vllm.py`` (``fake_snapshot``: restored by the real CRIU in well under a second);
+how fast the real engine comes back is measured by ``benchmarks/`` and the ``tiny`` restores of
+the other e2e tests. The seconds from the kill until the public port answers again after a
+passing canary are printed (``restart-seconds ...``, run with ``-s``), not asserted.
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def clean(wc_env):
-    warmctl("down", "tiny", env=wc_env, check=False)
+def clean(fk_env):
+    warmctl("down", "fake", env=fk_env, check=False)
     yield
-    warmctl("down", "tiny", env=wc_env, check=False)
-    left = _engine_procs(Path(wc_env["WARMCTL_TEST_HOME"]))
+    warmctl("down", "fake", env=fk_env, check=False)
+    left = _engine_procs(Path(fk_env["WARMCTL_TEST_HOME"]))
     for p in left:
         p.kill()
     assert not left, f"processes left behind: {left}"
@@ -89,7 +92,7 @@ class NotifySocket:
 
 def _completion(port: int) -> str:
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+                   json={"model": "fake", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -99,13 +102,13 @@ def _status(env) -> list[dict]:
 
 
 def _foreground(env, sock: NotifySocket, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "warmctl", "up", "tiny", "--foreground"],
+    return subprocess.Popen([sys.executable, "-m", "warmctl", "up", "fake", "--foreground"],
                             env={**env, "NOTIFY_SOCKET": str(sock.path), "WATCHDOG_USEC": "4000000"},
                             stdout=open(log, "a"), stderr=subprocess.STDOUT)
 
 
-def test_foreground_notifies_and_exits_when_the_engine_dies(wc_env, tiny_snapshot, engine_ports, clean, tmp_path):
-    gate = engine_ports[1]
+def test_foreground_notifies_and_exits_when_the_engine_dies(fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+    wc_env, gate = fk_env, fake_ports[1]
     sock = NotifySocket(tmp_path / "notify")
     log = tmp_path / "fg.log"
     procs = []
@@ -129,7 +132,7 @@ def test_foreground_notifies_and_exits_when_the_engine_dies(wc_env, tiny_snapsho
         t_exit = time.monotonic()
         assert _status(wc_env) == []  # torn down: no record left
         text = log.read_text()
-        assert "engine tiny died: its process tree died" in text, text
+        assert "engine fake died: its process tree died" in text, text
 
         # what Restart=on-failure does: start the unit's command again
         p2 = _foreground(wc_env, sock, log)
@@ -154,14 +157,14 @@ def test_foreground_notifies_and_exits_when_the_engine_dies(wc_env, tiny_snapsho
         sock.close()
 
 
-def test_agent_restarts_an_engine_that_dies(wc_env, tiny_snapshot, engine_ports, clean):
-    gate = engine_ports[1]
+def test_agent_restarts_an_engine_that_dies(fk_env, fake_snapshot, fake_ports, clean):
+    wc_env, gate = fk_env, fake_ports[1]
     agent = Agent(wc_env)
     try:
         h = agent.http
-        j = agent.wait_job(h.post("/v1/engines/tiny/up", json={"restart": "on-failure", "restart_limit": 3}).json()["id"])
+        j = agent.wait_job(h.post("/v1/engines/fake/up", json={"restart": "on-failure", "restart_limit": 3}).json()["id"])
         assert j["state"] == "succeeded", j
-        v = h.get("/v1/engines/tiny").json()
+        v = h.get("/v1/engines/fake").json()
         assert v["phase"] == "serving" and v["restart"]["policy"] == "on-failure" and v["restart"]["restarts"] == 0
         expected = _completion(gate)
         root = v["state"]["root_pid"]
@@ -171,7 +174,7 @@ def test_agent_restarts_an_engine_that_dies(wc_env, tiny_snapshot, engine_ports,
         os.kill(root, signal.SIGKILL)
         deadline = time.monotonic() + 300
         while True:
-            v = h.get("/v1/engines/tiny").json()
+            v = h.get("/v1/engines/fake").json()
             if v["phase"] == "serving" and v["job"] is None and v["state"]["root_pid"] != root and v["healthy"]:
                 break
             assert time.monotonic() < deadline, v
@@ -187,10 +190,10 @@ def test_agent_restarts_an_engine_that_dies(wc_env, tiny_snapshot, engine_ports,
         assert psutil.pid_exists(v["state"]["root_pid"])
 
         # a down is never undone by the supervisor
-        jd = agent.wait_job(h.post("/v1/engines/tiny/down").json()["id"], 120)
+        jd = agent.wait_job(h.post("/v1/engines/fake/down").json()["id"], 120)
         assert jd["state"] == "succeeded"
         time.sleep(3)
-        v = h.get("/v1/engines/tiny").json()
+        v = h.get("/v1/engines/fake").json()
         assert v["phase"] == "down" and v["restart"] is None, v
     finally:
         agent.stop()

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from test_catalog import host, publish_snapshot
-from test_store_fixtures import moto_endpoint, s3_url  # noqa: F401  (fixtures)
 
 from warmctl.catalog import Catalog, Ref
 from warmctl.errors import IntegrityError, SnapshotNotFound

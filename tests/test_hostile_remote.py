@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from tests.conftest import isolated_env, warmctl
 from test_catalog import publish_snapshot
-from test_store_fixtures import moto_endpoint, s3_url  # noqa: F401  (fixtures)
 
 from warmctl.catalog import Accepted, Catalog, Ref, entry_for, entry_key
 from warmctl.errors import IntegrityError, SnapshotNotFound

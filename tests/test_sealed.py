@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -156,28 +155,23 @@ def test_a_fleet_key_file_must_be_private_and_32_bytes(tmp_path):
 
 
 @pytest.mark.s3
-def test_sealed_ceph_rgw_remote_holds_no_plaintext(homes, monkeypatch, tmp_path_factory):
+def test_sealed_ceph_rgw_remote_holds_no_plaintext(homes, monkeypatch, rgw_bucket):
     import boto3
-    from rgw_server import free_port, missing_binaries, start_rgw
 
-    if missing_binaries():
-        pytest.skip(f"ceph binaries missing ({', '.join(missing_binaries())}): run scripts/install-test-services.sh")
     a, k1 = homes["a"], homes["k1"]
-    with start_rgw(tmp_path_factory.mktemp("ceph"), free_port(), free_port()) as (ep, ak, sk):
-        client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
-        bucket = f"sealed-{uuid.uuid4().hex[:8]}"
-        client.create_bucket(Bucket=bucket)
-        for k, v in {"AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1"}.items():
-            monkeypatch.setenv(k, v)
-        url = f"s3://{bucket}/warmctl"
-        seal_store(open_backend(url, unseal=False, settings=Settings(s3_endpoint=ep)), load_key(k1))
-        host = _as(k1, s3_endpoint=ep)
-        push(a, open_store(url, settings=host), "tiny")
-        objects = {o["Key"]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
-                   for o in client.list_objects_v2(Bucket=bucket, Prefix="warmctl/")["Contents"]}
-        sealed_objs = {k: v for k, v in objects.items() if k.split("/", 1)[1] not in ("config", SEALED)
-                       and not k.split("/", 1)[1].startswith("locks/")}
-        assert len(sealed_objs) >= 4 and _plaintext_in(sealed_objs) == []
-        b = open_store(homes["root"] / "b")
-        push(open_store(url, settings=host), b, "tiny")
-        assert _read_back(b) == homes["img"].read_bytes()
+    ep, ak, sk, bucket = rgw_bucket  # the session's RGW (conftest's ceph_rgw), a bucket of this test's
+    client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
+    for k, v in {"AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk, "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{bucket}/warmctl"
+    seal_store(open_backend(url, unseal=False, settings=Settings(s3_endpoint=ep)), load_key(k1))
+    host = _as(k1, s3_endpoint=ep)
+    push(a, open_store(url, settings=host), "tiny")
+    objects = {o["Key"]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+               for o in client.list_objects_v2(Bucket=bucket, Prefix="warmctl/")["Contents"]}
+    sealed_objs = {k: v for k, v in objects.items() if k.split("/", 1)[1] not in ("config", SEALED)
+                   and not k.split("/", 1)[1].startswith("locks/")}
+    assert len(sealed_objs) >= 4 and _plaintext_in(sealed_objs) == []
+    b = open_store(homes["root"] / "b")
+    push(open_store(url, settings=host), b, "tiny")
+    assert _read_back(b) == homes["img"].read_bytes()

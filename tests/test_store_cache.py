@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_store_fixtures import MiB, chunk_files, moto_endpoint, push, s3_url, snapshot, write_payload  # noqa: F401
+from test_store_fixtures import chunk_files, push, snapshot, write_payload
 
 from warmctl.errors import IntegrityError
 from warmctl.store import (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typer
-from test_store_fixtures import chunk_files, moto_endpoint, s3_url, snapshot, tag_of, write_payload  # noqa: F401
+from test_store_fixtures import chunk_files, snapshot, tag_of, write_payload
 from typer.testing import CliRunner
 
 from warmctl.cli import store as store_cli

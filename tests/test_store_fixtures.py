@@ -1,12 +1,10 @@
-"""Shared helpers and fixtures for the store tests (imported by tests/test_store*.py)."""
+"""Shared helpers for the store tests (imported by tests/test_store*.py). The S3 server
+(``moto_endpoint``, ``s3_url``) is tests/conftest.py's: one for the session."""
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
-import pytest
 
 from warmctl.manifest import CanaryRecord, FileEntry, Manifest
 from warmctl.catalog import Catalog, Ref
@@ -84,34 +82,6 @@ def chunk_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
 
 
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    """A moto S3 server on 127.0.0.1 (random port); yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3_url(moto_endpoint, monkeypatch):
-    """A fresh bucket on the moto server; yields ``s3://bucket/prefix`` with the endpoint in env:
-    ``$WARMCTL_S3_ENDPOINT`` for the CLI's processes (their ``s3_endpoint`` setting), and
-    ``$AWS_ENDPOINT_URL`` for stores opened in this process without settings (S3's own variable,
-    read where no ``s3_endpoint`` is passed down)."""
-    import boto3
-
-    monkeypatch.setenv("WARMCTL_S3_ENDPOINT", moto_endpoint)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    bucket = f"warmctl-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/snaps"
 
 
 assert CHUNK_SIZE >= MiB

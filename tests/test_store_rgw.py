@@ -6,7 +6,8 @@ FAIL when ``CI`` or ``WARMCTL_REQUIRE_RGW=1`` is set (``scripts/test.sh`` sets t
 CI cannot lose them silently.
 
 The cluster (``tests/rgw_server.py``: one mon, one memstore OSD, radosgw with beast, cephx with
-generated keys, free ports picked at start) comes up in about 3 s and is shared by the module.
+generated keys, free ports picked at start) comes up in about 3 s, once per session (conftest's
+``ceph_rgw``, shared with test_sealed.py and test_e2e_fleet.py); this module has a bucket of its own.
 Covered here, where a real server can behave differently from moto: push/pull round trip with
 chunk objects large enough to go through multipart upload, ranged GETs across part boundaries,
 RGW's 5 MiB minimum part size (the failed upload is aborted, nothing dangles), ``verify`` of the
@@ -23,8 +24,6 @@ import os
 import uuid
 
 import pytest
-from tests.conftest import need_service
-from rgw_server import free_port, missing_binaries, start_rgw
 from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
 from warmctl.errors import HostError, IntegrityError
@@ -46,16 +45,19 @@ BUCKET = "warmctl"
 
 
 @pytest.fixture(scope="module")
-def rgw(tmp_path_factory):
-    """A Ceph RGW on 127.0.0.1 with an empty bucket ``warmctl``; yields (endpoint, access key, secret key)."""
-    missing = missing_binaries()
-    need_service(missing and f"ceph binaries missing ({', '.join(missing)}): run scripts/install-test-services.sh",
-                 "WARMCTL_REQUIRE_RGW")
+def rgw(ceph_rgw):
+    """The session's Ceph RGW (conftest's ``ceph_rgw``) with a bucket ``warmctl`` for this
+    module; yields (endpoint, access key, secret key). Each test works under a fresh prefix."""
     import boto3
 
-    with start_rgw(tmp_path_factory.mktemp("ceph"), free_port(), free_port()) as (ep, ak, sk):
-        boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk).create_bucket(Bucket=BUCKET)
-        yield ep, ak, sk
+    ep, ak, sk = ceph_rgw
+    client = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak, aws_secret_access_key=sk)
+    client.create_bucket(Bucket=BUCKET)
+    yield ep, ak, sk
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        for o in page.get("Contents", []):
+            client.delete_object(Bucket=BUCKET, Key=o["Key"])
+    client.delete_bucket(Bucket=BUCKET)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import boto3
 import pytest
-from test_store_fixtures import MiB, chunk_files, moto_endpoint, pull, push, s3_url, snapshot, tag_of, write_payload  # noqa: F401
+from test_store_fixtures import MiB, chunk_files, pull, push, snapshot, tag_of, write_payload
 from test_store_proxy import FaultProxy
 
 from warmctl.errors import IntegrityError

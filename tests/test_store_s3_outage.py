@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import pytest
 from tests.conftest import isolated_env, warmctl
 from tcp_proxy import TcpProxy
-from test_store_fixtures import chunk_files, moto_endpoint, push, s3_url, snapshot, write_payload  # noqa: F401
+from test_store_fixtures import chunk_files, push, snapshot, write_payload
 from test_store_proxy import FaultProxy
 
 from warmctl.catalog import Catalog

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,14 @@ from warmctl.proc import kill_child, pid_alive
 from warmctl.profile import Profile
 
 
+#: A test hook: the command line (split as a shell would) warmctl runs in place of ``vllm``,
+#: e.g. ``tests/fake_vllm.py`` (a two-process tree serving the same endpoints, dumped and
+#: restored by the real CRIU in about a second) for tests of warmctl's own orchestration.
+#: Unset (always, outside tests): ``vllm`` beside the interpreter. The engine never sees it
+#: (:func:`engine_environment`).
+TEST_ENGINE_ENV = "WARMCTL_TEST_ENGINE_CMD"
+
+
 def vllm_command(profile: Profile, model_path: str, python: str | None = None) -> list[str]:
     """The ``vllm serve`` argument vector for ``profile`` (without the launch wrappers).
 
@@ -44,8 +53,9 @@ def vllm_command(profile: Profile, model_path: str, python: str | None = None) -
     from warmctl.engine.sleep import WORKER_EXTENSION
 
     e = profile.engine
-    vllm_bin = Path(python or sys.executable).with_name("vllm")
-    cmd = [str(vllm_bin), "serve", model_path, "--served-model-name", e.served_model_name,
+    hook = os.environ.get(TEST_ENGINE_ENV)
+    head = shlex.split(hook) if hook else [str(Path(python or sys.executable).with_name("vllm"))]
+    cmd = [*head, "serve", model_path, "--served-model-name", e.served_model_name,
            "--host", "127.0.0.1", "--port", str(e.port)]
     if e.max_model_len:
         cmd += ["--max-model-len", str(e.max_model_len)]
