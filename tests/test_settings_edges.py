@@ -41,9 +41,10 @@ EDGES = ("cli/", "config.py", "__main__.py")
 
 #: Test hooks read from the environment on purpose: they are inherited by every process warmctl
 #: starts and are no settings (faults.py: kill at a named point; store/local.py: kill or stop at
-#: the Nth write; checkpoint/kfd.py: a fake sysfs tree for the AMD tests).
+#: the Nth write; checkpoint/kfd.py: a fake sysfs tree for the AMD tests; engine/vllm.py: the
+#: fake engine's command line, tests/fake_vllm.py, in place of ``vllm``).
 TEST_HOOKS = {"WARMCTL_TEST_KILL_AT_PHASE", "WARMCTL_TEST_KILL_RANK", "WARMCTL_FAULT_KILL_AT_WRITE",
-              "WARMCTL_FAULT_STOP_AT_WRITE", "WARMCTL_SYSFS_ROOT"}
+              "WARMCTL_FAULT_STOP_AT_WRITE", "WARMCTL_SYSFS_ROOT", "WARMCTL_TEST_ENGINE_CMD"}
 
 #: The knobs that were read straight from the environment below the pipelines.
 FORMER_ENV_KNOBS = {
