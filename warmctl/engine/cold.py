@@ -135,13 +135,15 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
     from warmctl.checkpoint import rankfaults
 
     watch = layout.RankWatch(run.root_pid, layout.profile_sizes(profile), run.log_path)
-    cells_done = [0]
+
+    def after_cell(done: int, total: int, cell) -> None:
+        if done == 1:  # in the grid's own thread, before its next request: the same moment on any machine
+            rankfaults.kill_rank("warmup", run.root_pid)  # a test's kill -9 / SIGSTOP of one rank
 
     def grid() -> None:
-        warmup.run_grid(run.base_url, profile.engine.served_model_name, profile.warmup,
-                        progress=lambda done, total, cell: cells_done.__setitem__(0, done))
+        warmup.run_grid(run.base_url, profile.engine.served_model_name, profile.warmup, progress=after_cell)
 
-    def watched(fn, what: str, hook: str | None = None):
+    def watched(fn, what: str):
         out: dict = {}
 
         def body() -> None:
@@ -164,9 +166,6 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
                         raise (watch.problem(what) or e) from e
                     raise e
                 return out.get("value")
-            if hook and cells_done[0] >= 1:
-                rankfaults.kill_rank(hook, run.root_pid)  # a test's kill -9 / SIGSTOP of one rank
-                hook = None
             if (err := watch.problem(what)) is not None:
                 raise err
             if time.monotonic() - last_sample >= 1.0:
@@ -174,7 +173,7 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
                 last_sample = time.monotonic()
 
     with reporter.phase("warmup", f"warm-up grid: {len(profile.warmup.cells())} cells"):
-        watched(grid, "the warm-up", "warmup")
+        watched(grid, "the warm-up")
     with reporter.phase("canary_record", f"recording canary ({len(profile.canary.prompts)} prompts)"):
         return watched(lambda: canary.run(run.base_url, profile.canary, profile.engine.served_model_name),
                        "the canary record")
