@@ -68,6 +68,11 @@ ENV_VARS = {
     "libnvml": "WARMCTL_LIBNVML",
     "libcuda": "WARMCTL_LIBCUDA",
     "cuda_checkpoint": "WARMCTL_CUDA_CHECKPOINT",
+    "kube_config": "WARMCTL_KUBECONFIG",
+    "pod_name": "WARMCTL_POD_NAME",
+    "pod_namespace": "WARMCTL_POD_NAMESPACE",
+    "node_name": "WARMCTL_NODE_NAME",
+    "termination_message_path": "WARMCTL_TERMINATION_MESSAGE_PATH",
 }
 
 #: The environment variable naming the config file (its value is :attr:`Settings.config_file`).
@@ -224,6 +229,14 @@ class Settings(BaseModel):
       API (defaults ``libnvidia-ml.so.1``, ``libcuda.so.1``: found by the dynamic loader).
     - ``cuda_checkpoint``: the ``cuda-checkpoint`` utility used on drivers without the
       checkpoint API (< 570); unset: ``cuda-checkpoint`` on ``PATH``.
+    - ``kube_config``: a kubeconfig file for the Kubernetes API server (unset: the pod's service
+      account when in a pod; :mod:`warmctl.kube.client`).
+    - ``pod_name``/``pod_namespace``: the pod this process runs in, from the downward API
+      (deploy/kubernetes/); set, ``up --foreground`` keeps the pod's ``warmctl.io/Restored``
+      condition. ``node_name``: the node it runs on (``spec.nodeName``), for the node agent.
+    - ``termination_message_path``: where a failing ``up --foreground`` writes its one-line
+      error for ``kubectl describe pod`` (unset: ``/dev/termination-log`` when ``pod_name`` is
+      set, else nowhere).
     - ``config_file``: the config file these settings were read from (``--config``, else
       ``$WARMCTL_CONFIG``, else ``/etc/warmctl/config.toml``); not a key of the file itself.
     """
@@ -271,6 +284,11 @@ class Settings(BaseModel):
     libnvml: str = "libnvidia-ml.so.1"
     libcuda: str = "libcuda.so.1"
     cuda_checkpoint: str | None = None
+    kube_config: Path | None = None
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    node_name: str | None = None
+    termination_message_path: Path | None = None
     config_file: Path = DEFAULT_CONFIG_FILE
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}

@@ -57,6 +57,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "SealKeyError": (38, "warmctl.store.sealed"),
     "RankError": (39, "warmctl.checkpoint.layout"),
     "CredentialInProfile": (40, "warmctl.profile"),
+    "KubeError": (41, "warmctl.kube.client"),
 }
 #: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
 #: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.
