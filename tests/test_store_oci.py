@@ -97,7 +97,7 @@ def _store(url: str, window: float = 20.0, workers: int | None = None) -> Store:
 
 def _artifact(url: str, ref: str) -> dict:
     b = _backend(*parse_url(url))
-    return b._get_manifest(ref, "test")[1]
+    return b.api.get_manifest(ref, "test")[1]
 
 
 def test_url_parsing_and_tags():
@@ -350,7 +350,7 @@ def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
     b = _backend(*parse_url(oci))
     for p in packs:  # the packs' blobs are gone from the repository too
         with pytest.raises(ObjectNotFound):
-            b._send("HEAD", b._url(f"blobs/{p}"), "test")
+            b.api.send("HEAD", b.api.url(f"blobs/{p}"), "test")
 
 
 def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, tmp_path, monkeypatch):
@@ -433,11 +433,11 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
                 return iter([blob[:MiB], blob[MiB:]])
 
             digest = "sha256:" + hashlib.sha256(blob).hexdigest()
-            up._put_blob(digest, body, len(blob), "a test blob")
+            up.api.put_blob(digest, body, len(blob), "a test blob")
             assert len(calls) == 2, calls  # the refused PUT and its whole retry
             puts = [st for m, p, st in reg.access_log() if m == "PUT" and "/blobs/uploads/" in p]
             assert puts[-2:] == [401, 201], puts
-            assert up._get_blob(digest, len(blob), "a test blob") == blob
+            assert up.api.get_blob(digest, len(blob), "a test blob") == blob
             monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "bad.json", reg.host, USER, "nope")))
             bad = RetryingBackend(_backend(*parse_url(url)), 30)
             with pytest.raises(HostError, match=f"token service refused user {USER!r} from .*bad.json: HTTP 401") as ei:
