@@ -13,7 +13,8 @@ pulls), chunk-level dedup of a second snapshot, a wrong password (one line, no r
 registry down for a few seconds mid-pull (retried, then complete), a corrupted pack blob
 (refused, naming it), a snapshot artifact naming a missing layer (clear error, nothing named
 locally, a rerun completes once the layer is back), bounded metadata reads, the bearer-token
-flow with tokens expiring mid-pull, two nodes through a pull-through mirror (the origin's access
+flow with tokens expiring mid-pull, blob reads redirected to storage elsewhere (followed, no
+login sent there), two nodes through a pull-through mirror (the origin's access
 log), the real CLI on two homes and the agent's catalog routes. The real engine restored from a
 registry and through a mirror: ``tests/test_e2e_fleet.py``.
 """
@@ -395,6 +396,34 @@ def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, 
             assert sum(1 for x in mirror.access_log() if x[0] == "GET" and "/blobs/" in x[1] and x[2] == 206) >= 8
     finally:
         tok.stop()
+
+
+def test_blobs_redirected_to_storage_elsewhere_are_read_there_without_the_login(registry, tmp_path, monkeypatch):
+    """A registry that answers blob reads with a redirect to its storage (Distribution's
+    ``redirect`` middleware; S3 or a CDN in production): httpx follows it, ranges included, and
+    the registry's login does not travel to the other origin."""
+    from registry_server import BlobStorage
+
+    port = free_port()
+    _use(monkeypatch, registry.ca.ca_cert)
+    with Registry(tmp_path / "reg", free_port(), ca=registry.ca, users={USER: PASSWORD},
+                  redirect=f"http://127.0.0.1:{port}") as reg:
+        storage = BlobStorage(reg.data_dir(), port)
+        try:
+            monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "auth.json", reg.host, USER, PASSWORD)))
+            url = f"oci://{reg.host}/warmctl/redir"
+            a = open_store(tmp_path / "a")
+            d = snapshot(a, "tiny", {"p.img": write_payload(tmp_path / "p.img", [("random", 12 * MiB)], seed=31)})
+            push(a, _store(url), "tiny")
+            b = open_store(tmp_path / "b")
+            rep = pull(_store(url), b, "tiny")
+            assert rep.chunks_copied > 0 and tag_of(b, "tiny") == d
+            assert any(st == 307 and "/blobs/" in p for m, p, st in reg.access_log()), reg.access_log()[-5:]
+            gets = [x for x in storage.seen if x[0] == "GET"]
+            assert any(st == 206 for _, _, st, _ in gets) and all(st in (200, 206) for _, _, st, _ in gets), gets[:5]
+            assert all(auth is None for _, _, _, auth in storage.seen), "the registry's login was sent to the storage"
+        finally:
+            storage.stop()
 
 
 def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, monkeypatch):
