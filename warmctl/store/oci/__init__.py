@@ -48,6 +48,11 @@ Reads of metadata (OCI manifests, pack indexes, small objects, warmctl manifests
 each read has a deadline (``read_deadline``: the ``oci_read_deadline_s`` setting, default
 :data:`READ_DEADLINE`); a registry that sends more, or sends it too
 slowly, is refused with an error naming the object.
+
+The package, by concern: this module is the backend (:class:`OCIBackend`); :mod:`.registry`
+the HTTP client of one repository (:class:`~.registry.RegistryClient`: requests, errors,
+bounded reads, blobs, manifests, tags); :mod:`.auth` credentials, TLS and the 401 challenge as
+an ``httpx.Auth`` flow; :mod:`.pack` the layout (media types, artifacts, packs, object tags).
 """
 
 from __future__ import annotations
