@@ -310,6 +310,21 @@ def test_untrusted_certificate_is_one_clear_line(registry, monkeypatch, tmp_path
     json.dumps(str(ei.value))
 
 
+def test_a_plain_http_registry_not_listed_as_insecure_is_one_clear_line(tmp_path):
+    """HTTPS to a server that answers in plain HTTP: one line saying so and naming the setting
+    that allows it, no retry (the TLS failure is told apart by the ssl error's type and reason)."""
+    from registry_server import BlobStorage
+
+    plain = BlobStorage(tmp_path, free_port())
+    try:
+        b = RetryingBackend(OCIBackend(f"127.0.0.1:{plain.port}", "warmctl/x"), 30)
+        with pytest.raises(HostError, match="does not speak TLS.*oci_insecure") as ei:
+            b.load("config")
+        assert b.retries == 0 and not isinstance(ei.value, TransientBackendError) and "\n" not in str(ei.value)
+    finally:
+        plain.stop()
+
+
 def _warmctl(home, remote, *args, env_extra=None):
     import subprocess
     import sys

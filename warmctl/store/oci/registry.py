@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,6 +41,22 @@ def parse_url(url: str) -> tuple[str, str]:
         raise ValueError(f"store URL {url!r}: repository {repo!r} is not a valid OCI repository name "
                          "(lowercase letters, digits, separators . _ __ -, path components joined by /)")
     return u.netloc, repo
+
+
+#: OpenSSL's reasons for a TLS handshake answered by something that does not speak TLS (a
+#: plain-HTTP server's reply read as a TLS record).
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"})
+
+
+def _ssl_error(e: BaseException) -> ssl.SSLError | None:
+    """The :class:`ssl.SSLError` under httpx's and httpcore's wrappers of ``e`` (each raises
+    ``from`` the one below), or None."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None or isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class RegistryClient:
@@ -105,10 +122,11 @@ class RegistryClient:
 
     def _transport_error(self, where: str, e: Exception) -> Exception:
         text = str(e)
-        if isinstance(e, httpx.ConnectError) and ("CERTIFICATE_VERIFY_FAILED" in text or "certificate" in text.lower()):
+        tls = _ssl_error(e)
+        if isinstance(e, httpx.ConnectError) and isinstance(tls, ssl.SSLCertVerificationError):
             return HostError(f"{where}: TLS certificate rejected ({text}); install the registry's CA "
                              f"(the oci_ca_bundle setting, $WARMCTL_OCI_CA_BUNDLE, or {self.certs_d / self.registry / 'ca.crt'})")
-        if isinstance(e, httpx.ConnectError) and ("WRONG_VERSION_NUMBER" in text or "record layer" in text):
+        if isinstance(e, httpx.ConnectError) and tls is not None and tls.reason in _NOT_TLS:
             return HostError(f"{where}: the registry does not speak TLS ({text}); a plain-HTTP registry must be "
                              f"listed in the oci_insecure setting ($WARMCTL_OCI_INSECURE)")
         if isinstance(e, httpx.TimeoutException):
