@@ -7,6 +7,7 @@
   document's keys are compared with the keys its section lists.
 - design.md's "``teardown()`` is the only place ...": the modules that kill a process tree or
   remove an engine's record are the ones it names.
+- Every ``test_x.py::test_name`` the docs cite as evidence exists.
 """
 
 from __future__ import annotations
@@ -93,6 +94,22 @@ def test_every_warmctl_command_named_in_docs_and_code_exists():
                 if flag and flag.group(0) not in flags:
                     bad.append(f"{where}: {cmd.name} has no option {flag.group(0)}")
     assert checked > 200, checked  # the scan finds the commands (not vacuously green)
+    assert not bad, "\n".join(bad)
+
+
+def test_every_test_the_docs_cite_exists():
+    """``test_x.py::test_name`` (and the `` `test_other` `` names listed after it) cited in the
+    docs as evidence are tests of that file."""
+    cited, bad = 0, []
+    for f in [*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "catalog" / "README.md"]:
+        for m in re.finditer(r"(test_\w+\.py)::(\w+)((?:`?,\s*`test_\w+`)*)", f.read_text()):
+            src = ROOT / "tests" / m.group(1)
+            text = src.read_text() if src.is_file() else ""
+            for name in [m.group(2), *re.findall(r"`(test_\w+)`", m.group(3))]:
+                cited += 1
+                if not re.search(rf"^(?:async )?def {name}\b", text, re.M):
+                    bad.append(f"{f.relative_to(ROOT)}: {m.group(1)}::{name}")
+    assert cited > 50, cited
     assert not bad, "\n".join(bad)
 
 
