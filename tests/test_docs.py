@@ -7,7 +7,8 @@
   document's keys are compared with the keys its section lists.
 - design.md's "``teardown()`` is the only place ...": the modules that kill a process tree or
   remove an engine's record are the ones it names.
-- Every ``test_x.py::test_name`` the docs cite as evidence exists.
+- Every ``test_x.py::test_name`` the docs cite as evidence exists; no doc or comment cites a
+  tracker number the repository does not hold ("issue 31").
 """
 
 from __future__ import annotations
@@ -110,6 +111,23 @@ def test_every_test_the_docs_cite_exists():
                 if not re.search(rf"^(?:async )?def {name}\b", text, re.M):
                     bad.append(f"{f.relative_to(ROOT)}: {m.group(1)}::{name}")
     assert cited > 50, cited
+    assert not bad, "\n".join(bad)
+
+
+def test_no_doc_or_comment_cites_a_tracker_number():
+    """The repository does not hold its tracker: "issue 31" in a doc or a comment points at
+    nothing a reader has (an upstream project's ``owner/repo#N`` or URL is fine)."""
+    bad = []
+    files = [*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "catalog" / "README.md",
+             *ROOT.glob("warmctl/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"),
+             *ROOT.glob("scripts/*")]
+    for f in files:
+        if not f.is_file() or f == Path(__file__):
+            continue
+        for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            for m in re.finditer(r"\b[Ii]ssues? #?\d+\b", line):
+                if not re.search(r"(https?://\S*|[\w.-]+/[\w.-]+)$", line[: m.start()].rstrip()):
+                    bad.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
     assert not bad, "\n".join(bad)
 
 
