@@ -106,7 +106,7 @@ def download_layers(b, layers: list[dict], out: Path, threads: int) -> int:
     under ``out``, nothing verified or decompressed. Returns the bytes written."""
 
     def get(layer: dict) -> int:
-        r = b._send("GET", b._url(f"blobs/{layer['digest']}"), "blob", stream=True)
+        r = b.api.send("GET", b.api.url(f"blobs/{layer['digest']}"), "blob", stream=True)
         n = 0
         with open(out / layer["digest"].replace(":", "_"), "wb") as f:
             for chunk in r.iter_bytes(1 << 20):

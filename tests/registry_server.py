@@ -139,7 +139,8 @@ class Registry:
     """One ``docker-registry`` on 127.0.0.1:``port`` (see the module docstring)."""
 
     def __init__(self, workdir: Path, port: int, ca: CA | None = None, users: dict[str, str] | None = None,
-                 proxy: tuple[str, str, str] | None = None, token: "TokenServer | None" = None, timeout: float = 20.0):
+                 proxy: tuple[str, str, str] | None = None, token: "TokenServer | None" = None, timeout: float = 20.0,
+                 redirect: str | None = None):
         self.d, self.port, self.ca, self.timeout = Path(workdir), port, ca, timeout
         self.host = f"127.0.0.1:{port}"
         self.url = f"{'https' if ca else 'http'}://{self.host}"
@@ -159,6 +160,8 @@ class Registry:
         if token:
             lines += ["auth:", "  token:", f"    realm: {token.realm}", f"    service: {token.service}",
                       f"    issuer: {token.issuer}", f"    rootcertbundle: {token.cert}"]
+        if redirect:  # blob reads answered 307 -> <redirect>/docker/registry/v2/blobs/... (Distribution's middleware)
+            lines += ["middleware:", "  storage:", "    - name: redirect", "      options:", f"        baseurl: {redirect}"]
         if proxy:
             lines += ["proxy:", f"  remoteurl: {proxy[0]}", f"  username: {proxy[1]}", f"  password: {proxy[2]}"]
         self.config = self.d / "config.yml"
@@ -320,3 +323,56 @@ class TokenServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class BlobStorage:
+    """A plain-HTTP server on 127.0.0.1:``port`` serving the files under ``root`` (a registry's
+    filesystem storage) to the clients a :class:`Registry` with ``redirect`` sends there, as
+    blob storage behind a registry does: GET and HEAD, single byte ranges (206). ``seen``:
+    ``(method, path, status, Authorization header or None)`` of every request."""
+
+    def __init__(self, root: Path, port: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.root, self.port, self.url = Path(root), port, f"http://127.0.0.1:{port}"
+        self.seen: list[tuple[str, str, int, str | None]] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _serve(self, body: bool) -> None:
+                f = outer.root / self.path.split("?")[0].lstrip("/")
+                if ".." in self.path or not f.is_file():
+                    st, data, extra = 404, b"", {}
+                else:
+                    data, extra, st = f.read_bytes(), {}, 200
+                    rng = self.headers.get("Range", "")
+                    if rng.startswith("bytes="):
+                        a, _, b = rng[6:].partition("-")
+                        lo, hi = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
+                        extra["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
+                        data, st = data[lo:hi + 1], 206
+                outer.seen.append((self.command, self.path, st, self.headers.get("Authorization")))
+                self.send_response(st)
+                for k, v in extra.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                self._serve(True)
+
+            def do_HEAD(self):  # noqa: N802
+                self._serve(False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), H)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import isolated_env, warmctl
 from test_catalog import publish_snapshot
 
-from warmctl.catalog import Accepted, Catalog, Ref, entry_for, entry_key
+from warmctl.catalog import Accepted, Catalog, Ref, RollbackRefused, entry_for, entry_key
 from warmctl.errors import IntegrityError, SnapshotNotFound
 from warmctl.fleet import copy_entry, entries_to_copy
 from warmctl.host import HostFingerprint
@@ -528,7 +528,7 @@ def test_s3_sizes_names_rollback_and_streamed_listing(tmp_path, s3_url):
     remote.backend.save(f"catalog/tiny/latest/sha256-{hx_old}.json", old_entry)
     remote.backend.save(f"catalog/tiny/latest/sha256-{hx_old}.sig", old_sig)
     cat.remove("tiny", "latest", new)
-    with pytest.raises(TrustError, match="rollback refused"):
+    with pytest.raises(RollbackRefused, match="rollback refused"):  # a TrustError (exit 8)
         cat.resolve("tiny", f.fp(), b, accepted=acc)
     assert cat.resolve("tiny", f.fp(), b, accepted=acc, allow_rollback=True).digest == old
     # sizes: a 2 MiB entry and a 2 MiB signature object are refused by their size, unread

@@ -13,7 +13,8 @@ pulls), chunk-level dedup of a second snapshot, a wrong password (one line, no r
 registry down for a few seconds mid-pull (retried, then complete), a corrupted pack blob
 (refused, naming it), a snapshot artifact naming a missing layer (clear error, nothing named
 locally, a rerun completes once the layer is back), bounded metadata reads, the bearer-token
-flow with tokens expiring mid-pull, two nodes through a pull-through mirror (the origin's access
+flow with tokens expiring mid-pull, blob reads redirected to storage elsewhere (followed, no
+login sent there), two nodes through a pull-through mirror (the origin's access
 log), the real CLI on two homes and the agent's catalog routes. The real engine restored from a
 registry and through a mirror: ``tests/test_e2e_fleet.py``.
 """
@@ -97,7 +98,7 @@ def _store(url: str, window: float = 20.0, workers: int | None = None) -> Store:
 
 def _artifact(url: str, ref: str) -> dict:
     b = _backend(*parse_url(url))
-    return b._get_manifest(ref, "test")[1]
+    return b.api.get_manifest(ref, "test")[1]
 
 
 def test_url_parsing_and_tags():
@@ -309,6 +310,21 @@ def test_untrusted_certificate_is_one_clear_line(registry, monkeypatch, tmp_path
     json.dumps(str(ei.value))
 
 
+def test_a_plain_http_registry_not_listed_as_insecure_is_one_clear_line(tmp_path):
+    """HTTPS to a server that answers in plain HTTP: one line saying so and naming the setting
+    that allows it, no retry (the TLS failure is told apart by the ssl error's type and reason)."""
+    from registry_server import BlobStorage
+
+    plain = BlobStorage(tmp_path, free_port())
+    try:
+        b = RetryingBackend(OCIBackend(f"127.0.0.1:{plain.port}", "warmctl/x"), 30)
+        with pytest.raises(HostError, match="does not speak TLS.*oci_insecure") as ei:
+            b.load("config")
+        assert b.retries == 0 and not isinstance(ei.value, TransientBackendError) and "\n" not in str(ei.value)
+    finally:
+        plain.stop()
+
+
 def _warmctl(home, remote, *args, env_extra=None):
     import subprocess
     import sys
@@ -350,7 +366,7 @@ def test_cli_two_homes_push_ls_pull_rm_gc(oci, tmp_path):
     b = _backend(*parse_url(oci))
     for p in packs:  # the packs' blobs are gone from the repository too
         with pytest.raises(ObjectNotFound):
-            b._send("HEAD", b._url(f"blobs/{p}"), "test")
+            b.api.send("HEAD", b.api.url(f"blobs/{p}"), "test")
 
 
 def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, tmp_path, monkeypatch):
@@ -397,6 +413,34 @@ def test_two_nodes_pull_through_a_mirror_origin_serves_each_pack_once(registry, 
         tok.stop()
 
 
+def test_blobs_redirected_to_storage_elsewhere_are_read_there_without_the_login(registry, tmp_path, monkeypatch):
+    """A registry that answers blob reads with a redirect to its storage (Distribution's
+    ``redirect`` middleware; S3 or a CDN in production): httpx follows it, ranges included, and
+    the registry's login does not travel to the other origin."""
+    from registry_server import BlobStorage
+
+    port = free_port()
+    _use(monkeypatch, registry.ca.ca_cert)
+    with Registry(tmp_path / "reg", free_port(), ca=registry.ca, users={USER: PASSWORD},
+                  redirect=f"http://127.0.0.1:{port}") as reg:
+        storage = BlobStorage(reg.data_dir(), port)
+        try:
+            monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "auth.json", reg.host, USER, PASSWORD)))
+            url = f"oci://{reg.host}/warmctl/redir"
+            a = open_store(tmp_path / "a")
+            d = snapshot(a, "tiny", {"p.img": write_payload(tmp_path / "p.img", [("random", 12 * MiB)], seed=31)})
+            push(a, _store(url), "tiny")
+            b = open_store(tmp_path / "b")
+            rep = pull(_store(url), b, "tiny")
+            assert rep.chunks_copied > 0 and tag_of(b, "tiny") == d
+            assert any(st == 307 and "/blobs/" in p for m, p, st in reg.access_log()), reg.access_log()[-5:]
+            gets = [x for x in storage.seen if x[0] == "GET"]
+            assert any(st == 206 for _, _, st, _ in gets) and all(st in (200, 206) for _, _, st, _ in gets), gets[:5]
+            assert all(auth is None for _, _, _, auth in storage.seen), "the registry's login was sent to the storage"
+        finally:
+            storage.stop()
+
+
 def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, monkeypatch):
     """A registry behind a token service (``auth.token``): the login buys a bearer token, a token
     that expires mid-pull is fetched again and the pull completes; a wrong password is one line."""
@@ -433,11 +477,11 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
                 return iter([blob[:MiB], blob[MiB:]])
 
             digest = "sha256:" + hashlib.sha256(blob).hexdigest()
-            up._put_blob(digest, body, len(blob), "a test blob")
+            up.api.put_blob(digest, body, len(blob), "a test blob")
             assert len(calls) == 2, calls  # the refused PUT and its whole retry
             puts = [st for m, p, st in reg.access_log() if m == "PUT" and "/blobs/uploads/" in p]
             assert puts[-2:] == [401, 201], puts
-            assert up._get_blob(digest, len(blob), "a test blob") == blob
+            assert up.api.get_blob(digest, len(blob), "a test blob") == blob
             monkeypatch.setenv("REGISTRY_AUTH_FILE", str(docker_config(tmp_path / "bad.json", reg.host, USER, "nope")))
             bad = RetryingBackend(_backend(*parse_url(url)), 30)
             with pytest.raises(HostError, match=f"token service refused user {USER!r} from .*bad.json: HTTP 401") as ei:

@@ -5,7 +5,9 @@ bug and is shown with its traceback.
 
 Every :class:`WarmctlError` subclass, wherever it is defined, has its own exit code, given in
 one place: :data:`EXIT_CODES` (class name -> (code, defining module)); the table in
-docs/exit-codes.md is the same list. A subclass takes its code from the table when it is
+docs/exit-codes.md is the same list. The one exception is a *case* of a failure that code must
+tell apart by type (not by message text) while scripts keep seeing the failure's code: such a
+class subclasses the class whose code it shares (``RollbackRefused``, a ``TrustError``: 8). A subclass takes its code from the table when it is
 defined (:meth:`WarmctlError.__init_subclass__`), and the agent client maps an error's class
 name, as a job reports it, back to the same class (:func:`error_class`). Codes 0 (success),
 2 and 7 (:data:`OTHER_EXIT_CODES`) are not errors of this family; codes above 125 are the
@@ -30,7 +32,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "EngineError": (11, "warmctl.errors"),
     "CheckpointError": (12, "warmctl.errors"),
     "ConfigError": (13, "warmctl.config"),
-    "CatalogError": (14, "warmctl.catalog"),
+    "CatalogError": (14, "warmctl.catalog.errors"),
     "ProfileError": (15, "warmctl.profile"),
     "GateConfigError": (16, "warmctl.gate.files"),
     "TransientBackendError": (17, "warmctl.store.backend"),
@@ -58,6 +60,8 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "RankError": (39, "warmctl.checkpoint.layout"),
     "CredentialInProfile": (40, "warmctl.profile"),
     "KubeError": (41, "warmctl.kube.client"),
+    # cases of a failure above that code tells apart by type; each exits with its parent's code
+    "RollbackRefused": (8, "warmctl.catalog.errors"),
 }
 #: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
 #: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.

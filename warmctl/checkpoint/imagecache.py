@@ -48,7 +48,8 @@ against the filesystems' free space (:mod:`warmctl.diskspace`); when the disk ca
 within the budget, more unused entries are removed (oldest first) if that is enough, else
 nothing is removed or written and :class:`HostError` names the numbers.
 
-``warmctl store gc`` removes entries whose manifest the local store no longer holds;
+``warmctl gc`` (of the local store) removes entries whose manifest that store no longer holds
+(unused for longer than its ``--grace``);
 ``warmctl du`` reports the space each snapshot takes on this node, kept image included.
 """
 
@@ -480,7 +481,7 @@ class ImageCache:
     def prune(self, keep_digests: Iterable[str] | None = None, protect: Iterable[str] = (),
               unused_for: float = 0.0, dry_run: bool = False) -> list[CacheEntry]:
         """Remove entries: the least recently used while the cache is over its :attr:`budget`,
-        those without a readable marker, and (when ``keep_digests`` is given: ``store gc``)
+        those without a readable marker, and (when ``keep_digests`` is given: ``warmctl gc``)
         those whose digest is not in it and that were not used for ``unused_for`` seconds (an
         ``up`` from a remote catalog keeps no manifest in the local store); never those in
         ``protect`` or in use by a running engine. Returns what was (or, with ``dry_run``,
