@@ -58,6 +58,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "RankError": (39, "warmctl.checkpoint.layout"),
     "CredentialInProfile": (40, "warmctl.profile"),
     "KubeError": (41, "warmctl.kube.client"),
+    "ImageMismatch": (42, "warmctl.errors"),
 }
 #: Exit codes that are not error classes: 2 is click's usage error; ``up --foreground`` exits
 #: :data:`warmctl.foreground.ENGINE_DIED_EXIT` (7) when the engine it supervises dies.
@@ -128,3 +129,9 @@ class SnapshotNotFound(WarmctlError):
 
 class IntegrityError(WarmctlError):
     """A stored object does not match its digest, is truncated, or is missing."""
+
+
+class ImageMismatch(SnapshotNotFound):
+    """The snapshot was made in another container image than the one this pod runs (or made
+    in one, and this host runs in none, or the reverse): the message names both digests (the
+    ``image_digest`` setting; the catalog's "image" rule)."""
