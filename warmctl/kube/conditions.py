@@ -156,7 +156,7 @@ class PodCondition:
 
     def phase_started(self, name: str, desc: str) -> None:
         """Phase ``name`` of ``up`` started (``desc``: what it does)."""
-        self._phase_t0 = time.monotonic()
+        self._phase_t0 = self._last_progress = time.monotonic()
         reason = PHASE_REASONS.get(name)
         if reason == COLD_STARTING:
             self._cold = True
@@ -205,8 +205,8 @@ class PodCondition:
         if res.source == "restore":
             parts.append(f"restored {res.snapshot_digest}")
             if res.fetched:
-                parts.append(f"fetched {_mib(res.fetched.get('remote', 0))} remote, "
-                             f"{_mib(res.fetched.get('local', 0))} local")
+                parts.append(f"read {_mib(res.fetched.get('remote', 0))} from the remote store, "
+                             f"{_mib(res.fetched.get('local', 0))} from the local one")
         else:
             parts.append(f"{res.source}" + (f", snapshot {res.snapshot_digest}" if res.snapshot_digest else ""))
         t = res.timings
