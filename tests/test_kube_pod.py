@@ -14,6 +14,8 @@ what the readiness probe asks (the gate's ``/health``), not the engine.
   public port is shut (so ``/health`` does not answer) while the canary is held, and open when
   Serving arrives; SIGTERM: Draining, during which the public port refuses new connections while
   the engine still runs (a request in flight is drained), then Stopped, exit 0;
+- SIGTERM while ``up`` runs: Stopped, exit 143, nothing left; the engine killed while served:
+  EngineDied, the termination message, exit 7;
 - a corrupt chunk: Refused with the chunk named, the one-line error in the termination message
   file, exit 20, nothing left behind;
 - a snapshot made outside a container image, restored in a pod whose image digest is set:
@@ -25,6 +27,7 @@ what the readiness probe asks (the gate's ``/health``), not the engine.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import ssl
@@ -212,6 +215,50 @@ def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snaps
             p.wait()
         if req is not None:
             req.join(60)
+        pod.delete()
+
+
+
+def test_stop_during_up_and_a_dead_engine_set_final_reasons(kube, fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+    gate = fake_ports[1]
+    hold = Path(fk_env["WARMCTL_TEST_HOME"]).parent / "hold"
+    home = Path(fk_env["WARMCTL_TEST_HOME"])
+    pod = Pod(kube, NS, "warmctl-engine", gate)
+    env = _pod_env(fk_env, kube, pod, tmp_path)
+    log = tmp_path / "fg.log"
+    term = tmp_path / "termination-log"
+    procs = []
+    try:
+        # SIGTERM while up runs (the canary held): what it started is torn down, Stopped, 128+15
+        hold.touch()
+        procs.append(p := _foreground(env, log))
+        pod.wait_reason("CanaryRunning", 120)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 128 + signal.SIGTERM, log.read_text()
+        stopped = pod.wait_reason("Stopped", 10)
+        assert "while bringing fake up" in stopped[3], pod.changes
+        assert json.loads(warmctl("status", "--json", env=fk_env).stdout) == [] and not _engine_procs(home)
+        assert not term.exists()
+        hold.unlink()
+
+        # the engine killed while served: torn down, EngineDied, the termination message, exit 7
+        n = len(pod.changes)
+        procs.append(p := _foreground(env, log))
+        assert wait_until(lambda: any(c[2] == "Serving" for c in pod.changes[n:]), 120), (pod.changes, log.read_text())
+        root = json.loads(warmctl("status", "--json", env=fk_env).stdout)[0]["root_pid"]
+        os.kill(root, signal.SIGKILL)
+        assert p.wait(60) == 7, log.read_text()
+        assert wait_until(lambda: pod.changes[-1][2] == "EngineDied", 10), pod.changes
+        assert pod.changes[-1][1] == "False" and "its process tree died" in pod.changes[-1][3]
+        text = term.read_text()
+        assert text.startswith("engine fake died: its process tree died") and text.endswith("(exit 7)\n"), text
+        assert json.loads(warmctl("status", "--json", env=fk_env).stdout) == []
+    finally:
+        hold.unlink(missing_ok=True)
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait()
         pod.delete()
 
 
