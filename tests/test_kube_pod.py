@@ -395,3 +395,19 @@ def test_image_rule_compares_the_image_digests():
     assert compat_key(fp.model_dump(mode="json")) != compat_key(img_a.model_dump(mode="json"))
     doc = fp.model_dump(mode="json")
     assert compat_key(doc) == compat_key({**doc, "image_digest": None})
+
+
+def test_termination_message_is_one_line_within_the_kubelets_limit(tmp_path):
+    from warmctl.config import load_settings
+    from warmctl.foreground import TERMINATION_MESSAGE_MAX, termination_message_path, write_termination_message
+
+    said: list[str] = []
+    s = load_settings(None, {"termination_message_path": tmp_path / "t"})
+    write_termination_message(s, "ChunkCorrupt (exit 20): line one\n\n  line two\n" + "x" * 5000, said.append)
+    data = (tmp_path / "t").read_bytes()
+    assert len(data) == TERMINATION_MESSAGE_MAX and data.count(b"\n") == 1 and data.endswith("\u2026\n".encode())
+    assert data.startswith(b"ChunkCorrupt (exit 20): line one; line two; xxx") and not said
+    assert termination_message_path(load_settings(None, {"pod_name": "p"})) == Path("/dev/termination-log")
+    assert termination_message_path(load_settings(None, {})) is None
+    write_termination_message(load_settings(None, {"termination_message_path": tmp_path / "no" / "t"}), "x", said.append)
+    assert len(said) == 1 and "cannot write the termination message" in said[0]

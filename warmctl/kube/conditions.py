@@ -287,7 +287,7 @@ class PodCondition:
     def _client(self) -> Any:
         from warmctl.kube.client import connect
 
-        client = (self._connect or connect)(self.settings)
+        client = self._connect(self.settings) if self._connect else connect(self.settings, timeout_s=REQUEST_TIMEOUT_S)
         if not self.namespace:
             self.namespace = client.namespace
         return client
