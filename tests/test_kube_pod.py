@@ -20,6 +20,8 @@ what the readiness probe asks (the gate's ``/health``), not the engine.
   file, exit 20, nothing left behind;
 - a snapshot made outside a container image, restored in a pod whose image digest is set:
   Refused, ImageMismatch (exit 42) naming both digests;
+- without the API server: a snapshot made with ``image_digest`` set restores only where the same
+  digest is set; the failure reasons follow the error classes; the termination message's shape;
 - the engine's service account cannot patch a pod of another namespace: the supervisor says so
   once and serves all the same (the condition is never what makes or fails ``up``).
 """
@@ -411,3 +413,25 @@ def test_termination_message_is_one_line_within_the_kubelets_limit(tmp_path):
     assert termination_message_path(load_settings(None, {})) is None
     write_termination_message(load_settings(None, {"termination_message_path": tmp_path / "no" / "t"}), "x", said.append)
     assert len(said) == 1 and "cannot write the termination message" in said[0]
+
+
+def test_snapshot_made_in_an_image_restores_only_in_that_image(tmp_path, engine_ports, fake_ports):
+    """``warmctl snapshot`` with ``image_digest`` set records it (manifest and catalog entry);
+    ``up`` restores it where the same digest is set, and refuses it, naming both digests, in
+    another image and outside any (ImageMismatch, exit 42, with ``--cold-start never``)."""
+    a, b = "sha256:" + "a1" * 32, "sha256:" + "b2" * 32
+    env = fake_env(tmp_path / "img", *engine_ports)
+    snap = snapshot_once({**env, "WARMCTL_IMAGE_DIGEST": a}, "fake")
+    entry = json.loads(warmctl("catalog", "show", "fake", "--json", env=env).stdout)
+    assert a in json.dumps(entry), entry
+    try:
+        for where, extra in (("another image", {"WARMCTL_IMAGE_DIGEST": b}), ("no image", {})):
+            r = warmctl("up", "fake", "--cold-start", "never", env={**env, **extra}, check=False)
+            assert r.returncode == 42, (where, r.stdout, r.stderr)
+            assert "ImageMismatch" not in r.stderr and a in r.stderr, r.stderr  # the message, not the class
+            assert (b in r.stderr) if extra else ("runs in no container image" in r.stderr), r.stderr
+        r = warmctl("up", "fake", "--json", "--cold-start", "never", env={**env, "WARMCTL_IMAGE_DIGEST": a})
+        res = json.loads(r.stdout)
+        assert res["source"] == "restore" and res["snapshot"] == snap["digest"], res
+    finally:
+        warmctl("down", "fake", env=env, check=False)
