@@ -73,6 +73,7 @@ ENV_VARS = {
     "pod_namespace": "WARMCTL_POD_NAMESPACE",
     "node_name": "WARMCTL_NODE_NAME",
     "termination_message_path": "WARMCTL_TERMINATION_MESSAGE_PATH",
+    "image_digest": "WARMCTL_IMAGE_DIGEST",
 }
 
 #: The environment variable naming the config file (its value is :attr:`Settings.config_file`).
@@ -237,6 +238,11 @@ class Settings(BaseModel):
     - ``termination_message_path``: where a failing ``up --foreground`` writes its one-line
       error for ``kubectl describe pod`` (unset: ``/dev/termination-log`` when ``pod_name`` is
       set, else nowhere).
+    - ``image_digest``: the digest (``sha256:<hex>``) of the container image this process runs
+      in (the manifests under deploy/kubernetes/ set it). Set, it is part of the host's
+      fingerprint: a snapshot made in this image records it, and one is restored only where
+      the same digest is set (:mod:`warmctl.host`; unset outside a cluster, where nothing
+      changes).
     - ``config_file``: the config file these settings were read from (``--config``, else
       ``$WARMCTL_CONFIG``, else ``/etc/warmctl/config.toml``); not a key of the file itself.
     """
@@ -289,6 +295,7 @@ class Settings(BaseModel):
     pod_namespace: str | None = None
     node_name: str | None = None
     termination_message_path: Path | None = None
+    image_digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
     config_file: Path = DEFAULT_CONFIG_FILE
     #: field -> "default" | "file:PATH" | "env:VAR" | "flag"
     sources: dict[str, str] = {}

@@ -60,6 +60,7 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "RankError": (39, "warmctl.checkpoint.layout"),
     "CredentialInProfile": (40, "warmctl.profile"),
     "KubeError": (41, "warmctl.kube.client"),
+    "ImageMismatch": (42, "warmctl.errors"),
     # cases of a failure above that code tells apart by type; each exits with its parent's code
     "RollbackRefused": (8, "warmctl.catalog.errors"),
 }
@@ -132,3 +133,9 @@ class SnapshotNotFound(WarmctlError):
 
 class IntegrityError(WarmctlError):
     """A stored object does not match its digest, is truncated, or is missing."""
+
+
+class ImageMismatch(SnapshotNotFound):
+    """The snapshot was made in another container image than the one this pod runs (or made
+    in one, and this host runs in none, or the reverse): the message names both digests (the
+    ``image_digest`` setting; the catalog's "image" rule)."""

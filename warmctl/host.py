@@ -28,6 +28,10 @@ Sources, per field:
   installed in the engine's Python (normalised names; ``warmctl`` itself excluded, so upgrading
   warmctl does not invalidate snapshots). A restored process maps the environment's files, so a
   different environment means a broken restore.
+- Image digest: the ``image_digest`` setting (``$WARMCTL_IMAGE_DIGEST``), the digest of the
+  container image warmctl runs in, in a Kubernetes pod; ``None`` (and absent from the JSON)
+  outside a cluster. A restored process maps the image's files: a snapshot made in one image
+  is restored only in the same one.
 """
 
 from __future__ import annotations
@@ -165,11 +169,14 @@ class HostFingerprint(_M):
     #: snapshots only: ``{rank role: CPU list}`` each bound rank ran on (:mod:`warmctl.checkpoint.layout`);
     #: the "ranks" rule of the catalog wants every one of them among a restoring host's ``cpus_allowed``
     rank_cpus: dict[str, str] | None = None
+    #: the container image warmctl runs in (``sha256:<hex>``; the ``image_digest`` setting), None
+    #: outside a cluster; the catalog's "image" rule wants the same on both sides
+    image_digest: str | None = None
 
     @model_serializer(mode="wrap")
     def _amd_keys_only_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for k in ("gpu_source", "criu_plugin_dir", "criu_plugins", "cpus_allowed", "rank_cpus"):
+        for k in ("gpu_source", "criu_plugin_dir", "criu_plugins", "cpus_allowed", "rank_cpus", "image_digest"):
             if data.get(k) is None:
                 data.pop(k, None)
         return data
@@ -430,12 +437,14 @@ def engine_version(dists: list[tuple[str, str]]) -> str | None:
 # --------------------------------------------------------------------------- all together
 
 
-def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> HostFingerprint:
+def fingerprint(*, criu: str = "criu", python: str | Path | None = None,
+                image_digest: str | None = None) -> HostFingerprint:
     """Fingerprint this host (see the module docstring for sources).
 
     ``criu``: the CRIU binary (name or path). ``python``: the engine's interpreter, whose
     installed distributions give ``engine_version`` and ``env_digest``; default: the running
-    one (in-process, no subprocess). Takes ~0.1-0.3 s. Raises :class:`warmctl.errors.HostError`
+    one (in-process, no subprocess). ``image_digest``: the container image warmctl runs in
+    (the ``image_digest`` setting; None outside a cluster). Takes ~0.1-0.3 s. Raises :class:`warmctl.errors.HostError`
     only if ``python`` is given and cannot be run; a missing GPU or CRIU is reported, not raised.
     """
     gpus, driver, cuda, reason = read_gpus()
@@ -467,6 +476,7 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None) -> Host
         python_version=pyver,
         env_digest=environment_digest(dists),
         cpus_allowed=_cpus_allowed(),
+        image_digest=image_digest,
     )
 
 

@@ -167,11 +167,11 @@ def _up(u: _Up) -> UpResult:
     try:
         if found.manifest is None:
             if u.profile is None:
-                raise SnapshotNotFound(f"{found.reason}; and no profile named {name} to cold-start from")
+                raise found.not_found(f"{found.reason}; and no profile named {name} to cold-start from")
             if req.digest is not None:
-                raise SnapshotNotFound(f"{found.reason}; a pinned snapshot ({name}@{req.digest[:19]}) is never replaced by a cold start")
+                raise found.not_found(f"{found.reason}; a pinned snapshot ({name}@{req.digest[:19]}) is never replaced by a cold start")
             if settings.cold_start == "never":
-                raise SnapshotNotFound(f"{found.reason}\nnot cold-starting {name}: cold_start is 'never' "
+                raise found.not_found(f"{found.reason}\nnot cold-starting {name}: cold_start is 'never' "
                                        f"({settings.sources.get('cold_start', 'flag')})")
             return _cold_up(u, found.reason)
         return _restore_up(u, found)
@@ -220,6 +220,12 @@ class _Found:
     reason: str = ""
     fetched: Fetched = field(default_factory=Fetched)
     insecure: bool = False  # a signature was not verified: nothing of it is named locally
+    refusal: type[SnapshotNotFound] = SnapshotNotFound  # the class of the catalog's answer (ImageMismatch)
+
+    def not_found(self, message: str) -> SnapshotNotFound:
+        """The error when no snapshot is restored and nothing cold-starts: of the catalog's
+        class (:class:`~warmctl.errors.ImageMismatch` for another container image)."""
+        return self.refusal(message)
 
     def close(self) -> None:
         """Release the stores' writer locks (the cache writes chunks)."""
@@ -236,7 +242,7 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
     :class:`warmctl.trust.TrustError` (signature)."""
     local = open_store(settings.store_dir, settings=settings)
     store = local if settings.catalog_url == str(settings.store_dir) else open_store(settings.catalog_url, settings=settings)
-    found = _Found(name, store, None if store is local else local, fingerprint(criu=settings.criu))
+    found = _Found(name, store, None if store is local else local, fingerprint(criu=settings.criu, image_digest=settings.image_digest))
     try:
         res = Catalog(store).resolve(name, found.fp, settings.keys_dir, tag=tag, digest=digest,
                                      insecure=insecure, driver=settings.match_driver,
@@ -248,8 +254,9 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
         if res.verification.warning:
             reporter.warn(res.verification.warning, severe=True)
         reporter.info(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res))
+        reporter.chosen(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res.digest)
     except SnapshotNotFound as e:
-        found.reason = str(e)
+        found.reason, found.refusal = str(e), type(e)
     except BaseException:
         found.close()
         raise

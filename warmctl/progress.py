@@ -66,6 +66,10 @@ class Reporter:
     def bytes_progress(self, desc: str, total: int) -> Callable[[int], None]:
         return lambda n: None
 
+    def chosen(self, ref: str, digest: str) -> None:
+        """The snapshot ``digest`` (``sha256:...``) was chosen for ``ref`` (``NAME:TAG`` or
+        ``NAME@DIGEST``); the line saying so comes through :meth:`info`. Nothing by default."""
+
 
 class ConsoleReporter(Reporter):
     """Shows phases and messages on stderr.

@@ -382,7 +382,7 @@ def _build_manifest(run: EngineRun, profile: Profile, settings: Settings, record
         restore.gpu = dumped.gpu
     if weights is not None:
         restore.weights = weights
-    fp = host.fingerprint(criu=settings.criu)
+    fp = host.fingerprint(criu=settings.criu, image_digest=settings.image_digest)
     if dumped.layout is not None:
         restore.layout = dumped.layout
         if dumped.layout.world_size > 1 and (bound := layout.rank_cpus(dumped.layout)):

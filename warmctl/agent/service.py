@@ -128,7 +128,7 @@ class AgentState:
 
         now = time.monotonic()
         if self._host_cache is None or now - self._host_cache[0] > HOST_TTL_S:
-            self._host_cache = (now, fingerprint(criu=self.settings.criu).model_dump(mode="json"))
+            self._host_cache = (now, fingerprint(criu=self.settings.criu, image_digest=self.settings.image_digest).model_dump(mode="json"))
         return self._host_cache[1]
 
     # -- engines ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from warmctl.errors import IntegrityError, SnapshotNotFound, WarmctlError
+from warmctl.errors import ImageMismatch, IntegrityError, SnapshotNotFound, WarmctlError
 from warmctl.host import HostFingerprint
 from warmctl.manifest import Manifest
 from warmctl.store.backend import ObjectNotFound, load_limited
@@ -304,7 +304,8 @@ class Catalog:
                 raise TrustError(f"{ref} points at manifest {digest} of {v.manifest.name!r}")
             ok, why = select([v.manifest], fp, driver=driver)
             if ok is None:
-                raise SnapshotNotFound(f"snapshot {ref} does not fit this host ({fp.summary()}): {why[0].reason}")
+                cls = ImageMismatch if why[0].rule == "image" else SnapshotNotFound
+                raise cls(f"snapshot {ref} does not fit this host ({fp.summary()}): {why[0].reason}")
             return Resolution(digest=digest, entry=None, verification=v)
         entries = self.entries(name, tag)
         if not entries:

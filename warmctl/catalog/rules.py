@@ -17,7 +17,7 @@ from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ValidationError
 
-from warmctl.errors import SnapshotNotFound
+from warmctl.errors import ImageMismatch, SnapshotNotFound
 from warmctl.host import FINGERPRINT_FORMAT, HostFingerprint
 from warmctl.manifest import Manifest
 
@@ -39,6 +39,7 @@ IGNORED_CPU_FLAGS = frozenset(
 #: The rules, in the order they are checked (the first failing one is the rejection reason).
 RULES = (
     "fingerprint: the candidate records a host fingerprint of a format this warmctl reads",
+    "image: the same container image digest (made in a pod: restored only in a pod of that image)",
     "arch: same machine architecture (x86_64, aarch64, ...)",
     "gpu: a GPU snapshot needs GPUs, a CPU-only snapshot needs a host without GPUs",
     "gpu model and count: the same multiset of GPU models",
@@ -133,6 +134,8 @@ def compatible_flags(flags: Sequence[str]) -> set[str]:
 def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy = "exact") -> tuple[str, str] | None:
     """``None`` when a snapshot taken on ``snap`` can be restored on ``host``, else
     ``(rule, reason)`` of the first rule (:data:`RULES` order) it fails."""
+    if snap.image_digest != host.image_digest:
+        return "image", image_mismatch(snap.image_digest, host.image_digest)
     if snap.arch != host.arch:
         return "arch", f"architecture {snap.arch} != host {host.arch}"
     if snap.gpus and not host.gpus:
@@ -184,6 +187,14 @@ def check(snap: HostFingerprint, host: HostFingerprint, *, driver: DriverPolicy 
             "(installed Python distributions differ)"
         )
     return None
+
+
+def image_mismatch(snap: str | None, host: str | None) -> str:
+    """Why a snapshot made in container image ``snap`` is not restored in image ``host`` (either
+    None: outside a cluster), naming both digests."""
+    made = f"made in container image {snap}" if snap else "made outside a container image (no image_digest)"
+    here = f"this pod runs image {host}" if host else "this host runs in no container image (no image_digest)"
+    return f"snapshot {made}; {here} (a snapshot is restored only in the image it was made in)"
 
 
 def _check_amd_gpus(snap: HostFingerprint, host: HostFingerprint) -> tuple[str, str] | None:
@@ -291,6 +302,8 @@ def compat_key(host: dict[str, Any]) -> str:
             "engine": fp.engine_version,
             "env": fp.env_digest,
         }
+        if fp.image_digest:  # the image rule (keys of snapshots made outside a cluster unchanged)
+            crit["image"] = fp.image_digest
         if fp.rank_cpus:  # the ranks rule (keys of snapshots without bound ranks unchanged)
             crit["ranks"] = dict(sorted(fp.rank_cpus.items()))
         if fp.gpu_vendor == "amd":  # what the AMD rules compare besides (NVIDIA keys unchanged)
@@ -304,8 +317,10 @@ def compat_key(host: dict[str, Any]) -> str:
 
 def nothing_fits(ref: str, candidates: int, fp: HostFingerprint, rejections: list[Rejection], where: str = "") -> SnapshotNotFound:
     """The error when none of ``candidates`` snapshots of ``ref`` fits host ``fp``: one line per
-    rejected candidate with its rule and reason (``where``: the catalog, for messages)."""
+    rejected candidate with its rule and reason (``where``: the catalog, for messages); an
+    :class:`~warmctl.errors.ImageMismatch` when every one was made in another container image."""
     lines = "\n".join(f"  - {r.digest} ({r.rule}): {r.reason}" for r in rejections)
-    return SnapshotNotFound(f"none of the {candidates} snapshot(s) of {ref}{' in ' + where if where else ''} "
-                            f"fits this host ({fp.summary()}):\n{lines}")
+    cls = ImageMismatch if rejections and all(r.rule == "image" for r in rejections) else SnapshotNotFound
+    return cls(f"none of the {candidates} snapshot(s) of {ref}{' in ' + where if where else ''} "
+               f"fits this host ({fp.summary()}):\n{lines}")
 

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.host import fingerprint
 
         s = _settings(config)
-        fp = fingerprint(criu=s.criu)
+        fp = fingerprint(criu=s.criu, image_digest=s.image_digest)
         if as_json:
             emit_json(fp.model_dump(mode="json"))
             return
@@ -146,7 +146,7 @@ def register(app: typer.Typer) -> None:
         c = _open_catalog(s)
         entries = c.entries(name, tag)
         prof = c.profile(name)
-        fp = fingerprint(criu=s.criu)
+        fp = fingerprint(criu=s.criu, image_digest=s.image_digest)
         chosen, rejections = select(entries, fp, driver=s.match_driver)
         why = {r.digest: r for r in rejections}
         if as_json:

@@ -119,7 +119,9 @@ def register(app: typer.Typer) -> None:
         foreground: bool = typer.Option(False, "--foreground",
                                         help="Stay in the foreground as the engine's supervisor (systemd Type=notify: READY=1 after "
                                              "the canary and the open port, WATCHDOG=1 while healthy); exit 7 when the engine dies, "
-                                             "0 after SIGTERM (which takes the engine down)."),
+                                             "0 after SIGTERM (which takes the engine down). In a Kubernetes pod (pod_name set) "
+                                             "it also keeps the pod's warmctl.io/Restored condition and writes why it failed to "
+                                             "the termination message file."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no phase table, only the result line."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
@@ -133,7 +135,8 @@ def register(app: typer.Typer) -> None:
         Running `up` for an engine that is already up changes nothing.
 
         With `--foreground` the command stays as the engine's supervisor (the main process of
-        systemd/warmctl-up@.service): see warmctl/foreground.py.
+        systemd/warmctl-up@.service, or of an engine pod's container): see warmctl/foreground.py
+        and docs/kubernetes.md.
 
         Example: `warmctl up tiny && curl localhost:8000/v1/models`
         """

@@ -85,7 +85,7 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: 
     if for_this_host:
         from warmctl.host import fingerprint
 
-        fp = fingerprint(criu=settings.criu)
+        fp = fingerprint(criu=settings.criu, image_digest=settings.image_digest)
     keys = settings.keys_dir if verify else None
     notes: list[str] = []
     try:
