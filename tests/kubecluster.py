@@ -250,13 +250,15 @@ class KubeCluster:
         return r
 
     def request(self, method: str, path: str, body: object = None, user: str = ADMIN,
-                content_type: str = "application/json", timeout: float = 30) -> tuple[int, dict]:
-        """One HTTPS request to the apiserver as ``user``: (HTTP status, JSON body or ``{}``).
-        ``body``: a JSON-able object (sent with ``content_type``, e.g.
-        ``application/merge-patch+json`` for PATCH). HTTP errors are returned, not raised."""
+                content_type: str = "application/json", timeout: float = 30,
+                token: str | None = None) -> tuple[int, dict]:
+        """One HTTPS request to the apiserver as ``user`` (or with the bearer ``token`` given):
+        (HTTP status, JSON body or ``{}``). ``body``: a JSON-able object (sent with
+        ``content_type``, e.g. ``application/merge-patch+json`` for PATCH). HTTP errors are
+        returned, not raised."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {self.token(user)}",
+                                     headers={"Authorization": f"Bearer {token or self.token(user)}",
                                               "Content-Type": content_type, "Accept": "application/json"})
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         try:
