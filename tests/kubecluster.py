@@ -8,6 +8,7 @@ kube-controller-manager. No kubelet: pods are stored and admitted, never run.
         k.kubectl("get", "ns")                                     # CompletedProcess, as admin
         k.kubectl("auth", "can-i", "get", "secrets", user=ENGINE)  # as a service account's user
         k.request("GET", "/api/v1/nodes", user=NODE)               # (HTTP status, parsed JSON)
+        k.service_account_dir(tmp / "sa", ENGINE)                  # token, ca.crt, namespace files
         k.start_controllers()                                      # kube-controller-manager
 
 What is real: etcd 3.4 (Debian's etcd-server, its own data dir, client and peer URLs on
@@ -227,6 +228,27 @@ class KubeCluster:
         path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
         path.chmod(0o600)
         return path
+
+    def service_account_dir(self, path: Path, user: str) -> Path:
+        """Write what the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount for a
+        pod of service-account ``user`` (``system:serviceaccount:NS:NAME``): ``token``,
+        ``ca.crt`` and ``namespace`` under ``path``; returns ``path``. With
+        ``KUBERNETES_SERVICE_HOST=127.0.0.1`` and ``KUBERNETES_SERVICE_PORT=``:attr:`port`, a
+        client's in-cluster configuration (pointed at ``path``) reaches this cluster."""
+        parts = user.split(":")
+        if len(parts) != 4 or parts[:2] != ["system", "serviceaccount"]:
+            raise ValueError(f"{user!r} is not a service account's user name (system:serviceaccount:NS:NAME)")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "token").write_text(self.token(user))
+        (path / "ca.crt").write_bytes(self.ca_file.read_bytes())
+        (path / "namespace").write_text(parts[2])
+        return path
+
+    @property
+    def port(self) -> int:
+        """The apiserver's port on 127.0.0.1."""
+        return int(self.server.rsplit(":", 1)[1])
 
     def _kubeconfig_of(self, user: str) -> Path:
         if user not in self._kubeconfigs:

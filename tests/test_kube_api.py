@@ -73,6 +73,15 @@ def test_kubeconfig_file_works_for_any_client(kube_api, tmp_path):
     assert oct(cfg.stat().st_mode & 0o777) == "0o600"
 
 
+def test_service_account_dir_is_what_an_in_cluster_client_reads(kube_api, tmp_path):
+    d = kube_api.service_account_dir(tmp_path / "sa", ENGINE)
+    assert (d / "namespace").read_text() == "warmctl"
+    st, body = kube_api.request("GET", "/api/v1/namespaces/kube-system/secrets", token=(d / "token").read_text())
+    assert st == 403 and f'User "{ENGINE}" cannot list' in body["message"], body  # authenticated as the engine
+    with pytest.raises(ValueError, match="not a service account"):
+        kube_api.service_account_dir(tmp_path / "x", ADMIN)
+
+
 # -- the CRD ----------------------------------------------------------------------------------
 
 GOOD = {"ref": "tiny:latest", "remote": "s3://fleet/warmctl", "nodeSelector": {"warmctl.io/gpu": "h100"}}
