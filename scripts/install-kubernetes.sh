@@ -98,9 +98,11 @@ rm -rf "$BUILD"
 mkdir -p "$BUILD"
 trap 'rm -rf "$BUILD"' EXIT
 say "source: apt-get source kubernetes=$VERSION into $BUILD"
-# apt downloads as its sandbox user when that user may write the directory
-id _apt >/dev/null 2>&1 && chown _apt "$BUILD"
-(cd "$BUILD" && apt-get source -qq "kubernetes=$VERSION" >/dev/null)
+# apt downloads as root here and warns that it is "unsandboxed" (its _apt user may not write the
+# directory): left so on purpose, as on machines whose network only root reaches the sandboxed
+# download fails
+(cd "$BUILD" && apt-get source -qq "kubernetes=$VERSION" >/dev/null) \
+    || die "apt-get source kubernetes=$VERSION failed (is the network or the Debian mirror reachable? deb-src entries: $SRCLIST)"
 SRC=$(find "$BUILD" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -1)
 [ -n "$SRC" ] && [ -f "$SRC/hack/lib/golang.sh" ] || die "no unpacked kubernetes tree under $BUILD"
 say "source: $(du -sh "$SRC" | cut -f1) in $SRC; patches: $(grep -cv '^#' "$SRC/debian/patches/series" 2>/dev/null || echo 0) applied"
