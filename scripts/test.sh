@@ -27,8 +27,12 @@ while [ $# -gt 0 ]; do
 done
 bash "$REPO/scripts/install.sh"
 bash "$REPO/scripts/install-test-services.sh"
+# A real Kubernetes control plane for tests/kubecluster.py (built once from Debian's source, then
+# cached under /var/cache/warmctl/kubernetes: 15-20 minutes the first time, nothing after).
+bash "$REPO/scripts/install-kubernetes.sh"
 export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}
 export WARMCTL_REQUIRE_REGISTRY=${WARMCTL_REQUIRE_REGISTRY:-1}
+export WARMCTL_REQUIRE_KUBERNETES=${WARMCTL_REQUIRE_KUBERNETES:-1}
 cd "$REPO"
 VENV=${WARMCTL_VENV:-$REPO/.venv}
 # Fail fast, before any test: the import contract (the layers of docs/design.md), lint (ruff)

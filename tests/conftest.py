@@ -518,3 +518,34 @@ def small_fs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     yield mnt
     subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+
+
+@pytest.fixture(scope="session")
+def kube_api():
+    """A real Kubernetes API server on 127.0.0.1 (tests/kubecluster.py: etcd + kube-apiserver
+    v1.20.2, TLS, Node+RBAC authorization, static tokens for ``admin`` and the warmctl service
+    accounts' users; about 4 s to start), one for the whole session. Yields the
+    :class:`kubecluster.KubeCluster`: ``server``, ``ca_file``, ``token(user)``,
+    ``kubeconfig(path, user)``, ``kubectl(*args, user=...)``, ``request(method, path, ...)``.
+    No controllers, no kubelet: objects are validated, admitted and stored, nothing runs them
+    (:func:`kube_controllers` adds the controller-manager). Tests use namespaces and object names
+    of their own. Skipped, or failed under ``CI`` / ``WARMCTL_REQUIRE_KUBERNETES=1``, when the
+    binaries are missing (scripts/install-kubernetes.sh builds them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kubecluster import KubeCluster, missing
+
+    need_service(missing(), "WARMCTL_REQUIRE_KUBERNETES")
+    with KubeCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def kube_controllers(kube_api):
+    """:func:`kube_api` with kube-controller-manager running (service accounts and their token
+    secrets, so pods are admitted; deployments, daemonsets, jobs, garbage collection): yields the
+    same cluster object. Started once, on first use; stopped with the cluster."""
+    from kubecluster import missing
+
+    need_service(missing(controllers=True), "WARMCTL_REQUIRE_KUBERNETES")
+    kube_api.start_controllers()
+    return kube_api
