@@ -348,9 +348,9 @@ class KubeCluster:
         return self
 
     def start_controllers(self) -> None:
-        """Start kube-controller-manager (every default controller: service accounts and their
-        token secrets, namespaces, garbage collection, deployments, daemonsets, jobs...; no
-        leader election, no serving port) and wait until the ``default`` namespace has its
+        """Start kube-controller-manager (the default controllers but node lifecycle: service
+        accounts and their token secrets, namespaces, garbage collection, deployments,
+        daemonsets, jobs...; no leader election, no serving port) and wait until the ``default`` namespace has its
         ``default`` service account (the token controller then has run). Idempotent."""
         if "kube-controller-manager" in self.procs:
             return
@@ -363,6 +363,8 @@ class KubeCluster:
             "--leader-elect=false", "--port=0", "--secure-port=0", "--bind-address=127.0.0.1",
             f"--service-account-private-key-file={self.sa_key}", f"--root-ca-file={self.ca_file}",
             "--use-service-account-credentials=false", "--v=1",
+            # nodes here are API objects without kubelets: no NotReady taints, no evictions
+            "--controllers=*,-nodelifecycle",
         ])
 
         def sa_ready() -> bool:
