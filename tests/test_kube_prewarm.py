@@ -225,3 +225,42 @@ def test_prewarm_refuses_without_a_node_name(fleet):
     env = {k: v for k, v in fleet[NODE_A].items() if k != "WARMCTL_NODE_NAME"}
     r = warmctl("prewarm", "--once", env=env, check=False)
     assert r.returncode == 41 and "node_name" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_agent_prewarm_reacts_to_a_new_and_a_deleted_warmsnapshot_at_once(cluster, fleet, tmp_path):
+    """``warmctl agent --prewarm`` (the DaemonSet's command), its period an hour: the watch
+    alone makes it pull and label a new WarmSnapshot, and unlabel a deleted one."""
+    import httpx
+    from kubecluster import free_port
+
+    from tests.conftest import wait_agent_ready
+
+    kube, _ = cluster
+    port, log = free_port(), tmp_path / "agent.log"
+    env = dict(fleet[NODE_A], WARMCTL_PREWARM_INTERVAL_S="3600")
+    key = "snapshot.warmctl.io/fake-watched"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*WARMCTL, "agent", "--prewarm", "--port", str(port)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_agent_ready(f"http://127.0.0.1:{port}", proc, log.read_text)
+        time.sleep(1.0)  # the first pass (nothing selects the node) and the watch opening
+        _ws(kube, "fake-watched", "fake:latest", fleet["remote"], {"warmctl.io/pool": "warm"})
+        deadline = time.monotonic() + 60
+        while _labels(kube, NODE_A).get(key) != _value(fleet["digest"]):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.3)
+        assert _entries(kube, "fake-watched")[NODE_A]["digest"] == fleet["digest"]
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200  # the API serves beside it
+
+        kube.kubectl("delete", "warmsnapshot", "fake-watched", check=True)
+        deadline = time.monotonic() + 60
+        while key in _labels(kube, NODE_A):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.3)
+        text = log.read_text()
+        assert "prewarm fake-watched: fake:latest from" in text and "cached on node" in text, text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        kube.kubectl("delete", "warmsnapshot", "fake-watched", "--ignore-not-found")

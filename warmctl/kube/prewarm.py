@@ -131,7 +131,10 @@ class Outcome:
     ``action``: ``"cached"`` (pulled and verified, or already whole: ``chunks_copied`` 0),
     ``"failed"`` (``error`` says why; no label), ``"unselected"`` (the selector does not match
     this node: label and status entry removed). ``digest``: the manifest digest held;
-    ``bytes_copied``: stored bytes fetched from the remote; ``seconds``: wall time of the pull."""
+    ``bytes_copied``: stored bytes fetched from the remote; ``seconds``: wall time of the whole
+    pull (opening the stores, this host's fingerprint, resolving and checking the entry, the
+    copy); ``copy_seconds``: the copy alone (what ``warmctl pull --json`` reports as
+    ``seconds``)."""
 
     name: str
     ref: str
@@ -144,6 +147,7 @@ class Outcome:
     chunks_copied: int = 0
     bytes_copied: int = 0
     seconds: float = 0.0
+    copy_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The outcome as ``warmctl prewarm --once --json`` prints it (docs/cli-json.md)."""
@@ -236,7 +240,7 @@ class Prewarmer:
             rep = copied.report
             o.action, o.digest, o.label = "cached", rep.digest, label_value(rep.digest)
             o.chunks_total, o.chunks_copied, o.bytes_copied = rep.chunks_total, rep.chunks_copied, rep.bytes_copied
-            o.seconds = time.monotonic() - t0
+            o.seconds, o.copy_seconds = time.monotonic() - t0, rep.seconds
             log.info("prewarm %s: %s from %s cached on node %s as %s: %d/%d chunks copied, %d bytes, %.1f s",
                      name, ref, remote, self.node, rep.digest, rep.chunks_copied, rep.chunks_total,
                      rep.bytes_copied, o.seconds)
