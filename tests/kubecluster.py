@@ -8,6 +8,7 @@ kube-controller-manager. No kubelet: pods are stored and admitted, never run.
         k.kubectl("get", "ns")                                     # CompletedProcess, as admin
         k.kubectl("auth", "can-i", "get", "secrets", user=ENGINE)  # as a service account's user
         k.request("GET", "/api/v1/nodes", user=NODE)               # (HTTP status, parsed JSON)
+        k.service_account_dir(tmp / "sa", ENGINE)                  # token, ca.crt, namespace files
         k.start_controllers()                                      # kube-controller-manager
 
 What is real: etcd 3.4 (Debian's etcd-server, its own data dir, client and peer URLs on
@@ -228,6 +229,27 @@ class KubeCluster:
         path.chmod(0o600)
         return path
 
+    def service_account_dir(self, path: Path, user: str) -> Path:
+        """Write what the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount for a
+        pod of service-account ``user`` (``system:serviceaccount:NS:NAME``): ``token``,
+        ``ca.crt`` and ``namespace`` under ``path``; returns ``path``. With
+        ``KUBERNETES_SERVICE_HOST=127.0.0.1`` and ``KUBERNETES_SERVICE_PORT=``:attr:`port`, a
+        client's in-cluster configuration (pointed at ``path``) reaches this cluster."""
+        parts = user.split(":")
+        if len(parts) != 4 or parts[:2] != ["system", "serviceaccount"]:
+            raise ValueError(f"{user!r} is not a service account's user name (system:serviceaccount:NS:NAME)")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "token").write_text(self.token(user))
+        (path / "ca.crt").write_bytes(self.ca_file.read_bytes())
+        (path / "namespace").write_text(parts[2])
+        return path
+
+    @property
+    def port(self) -> int:
+        """The apiserver's port on 127.0.0.1."""
+        return int(self.server.rsplit(":", 1)[1])
+
     def _kubeconfig_of(self, user: str) -> Path:
         if user not in self._kubeconfigs:
             self._kubeconfigs[user] = self.kubeconfig(self.workdir / "kubeconfig" / f"{len(self._kubeconfigs)}.yaml", user)
@@ -250,13 +272,15 @@ class KubeCluster:
         return r
 
     def request(self, method: str, path: str, body: object = None, user: str = ADMIN,
-                content_type: str = "application/json", timeout: float = 30) -> tuple[int, dict]:
-        """One HTTPS request to the apiserver as ``user``: (HTTP status, JSON body or ``{}``).
-        ``body``: a JSON-able object (sent with ``content_type``, e.g.
-        ``application/merge-patch+json`` for PATCH). HTTP errors are returned, not raised."""
+                content_type: str = "application/json", timeout: float = 30,
+                token: str | None = None) -> tuple[int, dict]:
+        """One HTTPS request to the apiserver as ``user`` (or with the bearer ``token`` given):
+        (HTTP status, JSON body or ``{}``). ``body``: a JSON-able object (sent with
+        ``content_type``, e.g. ``application/merge-patch+json`` for PATCH). HTTP errors are
+        returned, not raised."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {self.token(user)}",
+                                     headers={"Authorization": f"Bearer {token or self.token(user)}",
                                               "Content-Type": content_type, "Accept": "application/json"})
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         try:
