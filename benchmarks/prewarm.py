@@ -2,8 +2,8 @@
 
 One run: a real API server on loopback (tests/kubecluster.py: etcd + kube-apiserver v1.20.2,
 deploy/kubernetes applied with ``kubectl apply -k``), a publisher home that snapshots
-``--profile`` (``fake``: tests/fake_vllm.py, about a second; ``tiny``: the real vLLM engine,
-minutes) and pushes it to a directory remote, and a ``WarmSnapshot`` naming it for every node.
+``--profile`` (``fake``: tests/fake_vllm.py holding ``--pad-mib`` MiB of random bytes, so the
+snapshot stores about that much, in seconds; ``tiny``: the real vLLM engine, minutes) and pushes it to a directory remote, and a ``WarmSnapshot`` naming it for every node.
 Then ``--rounds`` times, in an order that alternates each round, into fresh node homes (empty
 stores, trusting the publisher's key):
 
@@ -23,7 +23,7 @@ host is shared). Everything it made (cluster, homes, remote) is removed at the e
 
 Usage::
 
-    python benchmarks/prewarm.py [--profile fake|tiny] [--rounds 5] [--work DIR] [--keep] [--json OUT]
+    python benchmarks/prewarm.py [--profile fake|tiny] [--pad-mib 256] [--rounds 5] [--work DIR] [--keep] [--json OUT]
 """
 
 from __future__ import annotations
@@ -62,13 +62,22 @@ def run(args: list[str], env: dict[str, str]) -> tuple[float, str]:
     return wall, r.stdout
 
 
-def node_home(root: Path, publisher: dict[str, str], profile: str) -> dict[str, str]:
+def pad(env: dict[str, str], mib: int) -> dict[str, str]:
+    """``env`` (a ``fake_env``) with its ``fake`` profile's engine holding ``mib`` MiB of random
+    bytes (``FAKE_VLLM_PAD_MIB``, tests/fake_vllm.py)."""
+    f = Path(env["WARMCTL_CONFIG"]).parent / "profiles" / "fake.toml"
+    f.write_text(f.read_text().replace("[engine.env]\n", f'[engine.env]\nFAKE_VLLM_PAD_MIB = "{mib}"\n', 1))
+    assert "FAKE_VLLM_PAD_MIB" in f.read_text()
+    return env
+
+
+def node_home(root: Path, publisher: dict[str, str], profile: str, pad_mib: int) -> dict[str, str]:
     """A fresh home under ``root`` trusting the publisher's keys (same profile files)."""
     from conftest import fake_env, isolated_env
 
     ports = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT", "18000")), int(os.environ.get("WARMCTL_TEST_GATE_PORT", "18080"))
     pub_root = Path(publisher["WARMCTL_CONFIG"]).parent
-    env = fake_env(root, *ports, hold=pub_root / "hold") if profile == "fake" else isolated_env(root, *ports)
+    env = pad(fake_env(root, *ports, hold=pub_root / "hold"), pad_mib) if profile == "fake" else isolated_env(root, *ports)
     (root / "keys").mkdir(exist_ok=True)
     for pub in (pub_root / "keys").glob("*.pub"):
         shutil.copy(pub, root / "keys" / pub.name)
@@ -78,6 +87,7 @@ def node_home(root: Path, publisher: dict[str, str], profile: str) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--profile", choices=("fake", "tiny"), default="fake")
+    ap.add_argument("--pad-mib", type=int, default=256, help="fake: MiB of random bytes the engine holds.")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", type=Path, help="Working directory (default: a new temporary one).")
     ap.add_argument("--keep", action="store_true", help="Keep the working directory.")
@@ -91,11 +101,14 @@ def main() -> None:
         raise SystemExit(f"no Kubernetes binaries: {why}")
     work = a.work or Path(tempfile.mkdtemp(prefix="warmctl-bench-prewarm-"))
     work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"profile": a.profile, "rounds": a.rounds, "uptime_start": uptime(), "runs": []}
+    res: dict = {"profile": a.profile, "pad_mib": a.pad_mib if a.profile == "fake" else None, "rounds": a.rounds, "uptime_start": uptime(), "runs": []}
     print(res["uptime_start"], flush=True)
     try:
         ports = int(os.environ.get("WARMCTL_TEST_ENGINE_PORT", "18000")), int(os.environ.get("WARMCTL_TEST_GATE_PORT", "18080"))
-        publisher = (fake_env if a.profile == "fake" else isolated_env)(work / "publisher", *ports)
+        if a.profile == "fake":
+            publisher = pad(fake_env(work / "publisher", *ports), a.pad_mib)
+        else:
+            publisher = isolated_env(work / "publisher", *ports)
         remote = work / "remote"
         t0 = time.monotonic()
         run(["snapshot", a.profile], publisher)
@@ -115,8 +128,8 @@ def main() -> None:
                 node = f"bench-node-{i}"
                 kube.kubectl("apply", "-f", "-", check=True, input=json.dumps(
                     {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}))
-                p_env = node_home(work / f"pull-{i}", publisher, a.profile)
-                w_env = dict(node_home(work / f"prewarm-{i}", publisher, a.profile), WARMCTL_KUBECONFIG=str(kubeconfig),
+                p_env = node_home(work / f"pull-{i}", publisher, a.profile, a.pad_mib)
+                w_env = dict(node_home(work / f"prewarm-{i}", publisher, a.profile, a.pad_mib), WARMCTL_KUBECONFIG=str(kubeconfig),
                              WARMCTL_NODE_NAME=node)
                 row: dict = {"round": i}
                 order = ["pull", "prewarm"] if i % 2 == 0 else ["prewarm", "pull"]
@@ -149,14 +162,16 @@ def main() -> None:
         if not a.keep and a.work is None:
             shutil.rmtree(work, ignore_errors=True)
 
-    med = {v: {k: statistics.median(r[v][k] for r in res["runs"]) for k in ("wall_s", "copy_s")}
+    med = {v: {k: statistics.median(r[v][k] for r in res["runs"]) for k in ("wall_s", "copy_s", "pull_s") if k in res["runs"][0][v]}
            for v in ("pull", "prewarm", "prewarm again")}
     res["median"] = med
-    print(f"\n{a.profile}: {res['stored_bytes'] / 2**20:.1f} MiB stored, {a.rounds} rounds, medians")
-    print("variant\twall s\tcopy s\twall / pull's\tcopy / pull's")
+    print(f"\n{a.profile}: {res['stored_bytes'] / 2**20:.1f} MiB stored, {a.rounds} rounds, medians "
+          "(wall: the process; copy: the chunk copy alone; pull: prewarm's whole pull, fingerprint and checks included)")
+    print("variant\twall s\tcopy s\tpull s\twall / pull's\tcopy / pull's")
     for v, m in med.items():
-        print(f"{v}\t{m['wall_s']:.2f}\t{m['copy_s']:.2f}\t{m['wall_s'] / med['pull']['wall_s']:.2f}\t"
-              f"{m['copy_s'] / med['pull']['copy_s']:.2f}")
+        print(f"{v}\t{m['wall_s']:.2f}\t{m['copy_s']:.2f}\t{m['pull_s']:.2f}\t" if "pull_s" in m else
+              f"{v}\t{m['wall_s']:.2f}\t{m['copy_s']:.2f}\t-\t", end="")
+        print(f"{m['wall_s'] / med['pull']['wall_s']:.2f}\t{m['copy_s'] / med['pull']['copy_s']:.2f}")
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
 
