@@ -264,3 +264,28 @@ def test_agent_prewarm_reacts_to_a_new_and_a_deleted_warmsnapshot_at_once(cluste
         proc.terminate()
         proc.wait(30)
         kube.kubectl("delete", "warmsnapshot", "fake-watched", "--ignore-not-found")
+
+
+def test_label_keys_values_and_selectors():
+    """The label contract, without a cluster: a name of up to 63 characters is its own key; a
+    longer one maps to 52 characters, '-' and 10 hex digits (a valid name part, stable,
+    distinct); the value is the digest's first 40 hex digits; a selector needs every label."""
+    import re
+
+    from warmctl.kube.prewarm import label_key, label_value, one_line, selector_matches
+
+    part = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+    assert label_key("tiny") == "snapshot.warmctl.io/tiny"
+    assert label_key("a" * 63) == "snapshot.warmctl.io/" + "a" * 63
+    long1, long2 = "llama-3.1-70b-instruct." + "x" * 60, "llama-3.1-70b-instruct." + "x" * 59 + "y"
+    k1, k2 = label_key(long1).split("/", 1)[1], label_key(long2).split("/", 1)[1]
+    assert len(k1) == 63 and part.fullmatch(k1) and k1.startswith("llama-3.1-70b-instruct.xxx") and k1 != k2
+    assert label_key(long1) == label_key(long1)
+    assert len(label_key("." * 70).split("/", 1)[1]) == 10  # nothing valid to keep: the hash alone
+    digest = "sha256:" + "0123456789abcdef" * 4
+    assert label_value(digest) == "sha256-" + ("0123456789abcdef" * 4)[:40] and len(label_value(digest)) == 47
+    with pytest.raises(ValueError):
+        label_value("md5:abc")
+    assert selector_matches(None, {}) and selector_matches({}, {"a": "1"})
+    assert selector_matches({"a": "1"}, {"a": "1", "b": "2"}) and not selector_matches({"a": "1", "b": "3"}, {"a": "1", "b": "2"})
+    assert one_line(OSError("first\nsecond")) == "OSError: first" and len(one_line(RuntimeError("x" * 2000))) == 480
