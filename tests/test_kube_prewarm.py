@@ -227,9 +227,10 @@ def test_prewarm_refuses_without_a_node_name(fleet):
     assert r.returncode == 41 and "node_name" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_agent_prewarm_reacts_to_a_new_and_a_deleted_warmsnapshot_at_once(cluster, fleet, tmp_path):
+def test_agent_prewarm_reacts_to_new_changed_and_deleted_warmsnapshots_at_once(cluster, fleet, tmp_path):
     """``warmctl agent --prewarm`` (the DaemonSet's command), its period an hour: the watch
-    alone makes it pull and label a new WarmSnapshot, and unlabel a deleted one."""
+    alone makes it pull and label a new WarmSnapshot, follow its spec's changes, and unlabel it
+    once deleted; the status writes that come back through the watch start no pass."""
     import httpx
     from kubecluster import free_port
 
@@ -252,6 +253,20 @@ def test_agent_prewarm_reacts_to_a_new_and_a_deleted_warmsnapshot_at_once(cluste
             time.sleep(0.3)
         assert _entries(kube, "fake-watched")[NODE_A]["digest"] == fleet["digest"]
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200  # the API serves beside it
+        passes = log.read_text().count("prewarm: pass done")
+        time.sleep(3.0)  # its own status write comes back through the watch: no pass for it
+        assert log.read_text().count("prewarm: pass done") == passes, log.read_text()
+
+        _ws(kube, "fake-watched", "fake:latest", fleet["remote"], {"warmctl.io/pool": "elsewhere"})  # a spec change
+        deadline = time.monotonic() + 60
+        while key in _labels(kube, NODE_A):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.3)
+        _ws(kube, "fake-watched", "fake:latest", fleet["remote"])  # every node again
+        deadline = time.monotonic() + 60
+        while key not in _labels(kube, NODE_A):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.3)
 
         kube.kubectl("delete", "warmsnapshot", "fake-watched", check=True)
         deadline = time.monotonic() + 60

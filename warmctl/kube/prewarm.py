@@ -169,6 +169,9 @@ class Prewarmer:
         self.ws = warm_snapshot_resource()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        #: name -> metadata.generation of every WarmSnapshot the last pass listed (the watch
+        #: wakes the loop only for what differs from it)
+        self._seen: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
 
     # --- one pass ------------------------------------------------------------------------------
@@ -180,6 +183,7 @@ class Prewarmer:
         server cannot be reached or refuses (the Node does not exist, RBAC)."""
         labels = self._node_labels()
         objects = self._call("list WarmSnapshot objects", lambda: list(self.client.list(self.ws)))
+        self._seen = {str((o.get("metadata") or {}).get("name")): (o.get("metadata") or {}).get("generation") for o in objects}
         out: list[Outcome] = []
         held: set[str] = set()
         for obj in objects:
@@ -352,22 +356,19 @@ class Prewarmer:
             self._wake.wait(self.settings.prewarm_interval_s)
 
     def _watch(self) -> None:
-        """Wake the loop when a ``WarmSnapshot`` is added, deleted, or its ``generation`` (its
-        spec) changes; reconnect after an error, 5 s later."""
-        generations: dict[str, Any] = {}
+        """Wake the loop when a ``WarmSnapshot`` appears, goes, or its ``generation`` (its spec)
+        differs from what the last pass listed; reconnect after an error, 5 s later. Status
+        writes (every node's) and the watch's opening burst of objects already seen wake
+        nothing."""
         while not self._stop.is_set():
             try:
                 for kind, obj in self.client.watch(self.ws, server_timeout=300):
                     if self._stop.is_set():
                         return
                     meta = obj.get("metadata") or {}
-                    name, gen = str(meta.get("name")), meta.get("generation")
-                    if kind == "DELETED":
-                        generations.pop(name, None)
-                    elif generations.get(name) == gen:
-                        continue  # a status write: nothing for this node to do
-                    else:
-                        generations[name] = gen
+                    name, gen, seen = str(meta.get("name")), meta.get("generation"), self._seen
+                    if (name not in seen) if kind == "DELETED" else (seen.get(name, object()) == gen):
+                        continue
                     self._wake.set()
             except Exception as e:  # noqa: BLE001 - a dropped watch is reopened; the period still runs passes
                 log.warning("prewarm: watch of WarmSnapshot objects ended (%s); reopening in 5 s", one_line(e))
