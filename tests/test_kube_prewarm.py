@@ -221,10 +221,16 @@ def test_nodes_writing_status_at_once_all_end_in_status(cluster, fleet, tmp_path
         kube.kubectl("delete", "warmsnapshot", "fake-all", "--ignore-not-found")
 
 
-def test_prewarm_refuses_without_a_node_name(fleet):
+def test_prewarm_refuses_without_a_node_name_or_an_api_server(fleet, tmp_path):
     env = {k: v for k, v in fleet[NODE_A].items() if k != "WARMCTL_NODE_NAME"}
     r = warmctl("prewarm", "--once", env=env, check=False)
     assert r.returncode == 41 and "node_name" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+    cfg = json.loads(Path(fleet[NODE_A]["WARMCTL_KUBECONFIG"]).read_text())
+    cfg["clusters"][0]["cluster"]["server"] = "https://127.0.0.1:1"  # nothing listens there
+    (tmp_path / "kubeconfig").write_text(json.dumps(cfg))
+    r = warmctl("prewarm", "--once", env=dict(fleet[NODE_A], WARMCTL_KUBECONFIG=str(tmp_path / "kubeconfig")), check=False)
+    assert r.returncode == 41 and f"read node {NODE_A}" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_agent_prewarm_reacts_to_new_changed_and_deleted_warmsnapshots_at_once(cluster, fleet, tmp_path):
