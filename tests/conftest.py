@@ -526,7 +526,9 @@ def kube_api():
     v1.20.2, TLS, Node+RBAC authorization, static tokens for ``admin`` and the warmctl service
     accounts' users; about 4 s to start), one for the whole session. Yields the
     :class:`kubecluster.KubeCluster`: ``server``, ``ca_file``, ``token(user)``,
-    ``kubeconfig(path, user)``, ``kubectl(*args, user=...)``, ``request(method, path, ...)``.
+    ``kubeconfig(path, user)``, ``kubectl(*args, user=...)``, ``request(method, path, ...)``,
+    ``service_account_dir(path, user)`` (user names: ``kubecluster.ADMIN``, ``NODE``, ``ENGINE``,
+    ``SNAPSHOT``, ``DEFAULT_SA``).
     No controllers, no kubelet: objects are validated, admitted and stored, nothing runs them
     (:func:`kube_controllers` adds the controller-manager). Tests use namespaces and object names
     of their own. Skipped, or failed under ``CI`` / ``WARMCTL_REQUIRE_KUBERNETES=1``, when the

@@ -346,7 +346,10 @@ class KubeCluster:
             f"--listen-peer-urls=http://127.0.0.1:{peer}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
             f"--initial-cluster=warmctl-test=http://127.0.0.1:{peer}", "--log-level=warn", "--logger=zap",
         ])
-        self._wait("etcd", lambda: urllib.request.urlopen(f"{etcd_url}/health", timeout=1).status == 200, deadline)  # noqa: S310
+        def etcd_ok() -> bool:
+            with urllib.request.urlopen(f"{etcd_url}/health", timeout=1) as r:  # noqa: S310 - our own etcd
+                return r.status == 200
+        self._wait("etcd", etcd_ok, deadline)
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         self._spawn("kube-apiserver", [
