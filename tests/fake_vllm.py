@@ -30,7 +30,8 @@ Test hooks, from the engine's environment (a profile's ``[engine.env]``): ``FAKE
 (seconds, default 0) delays ``/health``, as a slow cold start does; while the file
 ``FAKE_VLLM_HOLD`` names exists (at most 120 s), a completion that asks for logprobs (the
 canary's) waits: a test holds an ``up`` or ``snapshot`` in its canary phase for as long as it
-needs, with no race against a fast restore. Standard library and ``setproctitle`` only (no
+needs, with no race against a fast restore. ``FAKE_VLLM_PAD_MIB`` (default 0): the engine core
+holds that many MiB of random bytes (incompressible: a benchmark's snapshot of a chosen size). Standard library and ``setproctitle`` only (no
 vLLM import).
 """
 
@@ -87,6 +88,7 @@ def engine_core(sock: socket.socket, seed: int) -> None:
     os.close(fd)
     pattern = hashlib.sha256(f"seed {seed}".encode()).digest()
     shm[:] = pattern * (SHM_BYTES // len(pattern))
+    pad = os.urandom(int(os.environ.get("FAKE_VLLM_PAD_MIB", "0")) << 20)  # noqa: F841 - held for the dump
     rpc = None
     if base := os.environ.get("VLLM_RPC_BASE_PATH"):  # where vLLM binds its ZMQ IPC sockets
         rpc = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

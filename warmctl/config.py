@@ -72,6 +72,7 @@ ENV_VARS = {
     "pod_name": "WARMCTL_POD_NAME",
     "pod_namespace": "WARMCTL_POD_NAMESPACE",
     "node_name": "WARMCTL_NODE_NAME",
+    "prewarm_interval_s": "WARMCTL_PREWARM_INTERVAL_S",
     "termination_message_path": "WARMCTL_TERMINATION_MESSAGE_PATH",
     "image_digest": "WARMCTL_IMAGE_DIGEST",
 }
@@ -235,6 +236,10 @@ class Settings(BaseModel):
     - ``pod_name``/``pod_namespace``: the pod this process runs in, from the downward API
       (deploy/kubernetes/); set, ``up --foreground`` keeps the pod's ``warmctl.io/Restored``
       condition. ``node_name``: the node it runs on (``spec.nodeName``), for the node agent.
+    - ``prewarm_interval_s``: seconds between two full passes of the node pre-warm controller
+      (``warmctl prewarm``, ``warmctl agent --prewarm``; default 60); a ``WarmSnapshot``
+      created, changed or deleted starts a pass at once (a watch), a node's labels are read
+      each pass.
     - ``termination_message_path``: where a failing ``up --foreground`` writes its one-line
       error for ``kubectl describe pod`` (unset: ``/dev/termination-log`` when ``pod_name`` is
       set, else nowhere).
@@ -294,6 +299,7 @@ class Settings(BaseModel):
     pod_name: str | None = None
     pod_namespace: str | None = None
     node_name: str | None = None
+    prewarm_interval_s: float = Field(60.0, gt=0)
     termination_message_path: Path | None = None
     image_digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
     config_file: Path = DEFAULT_CONFIG_FILE

@@ -22,7 +22,7 @@ from warmctl import diskspace, faults
 from warmctl.catalog import Accepted, Catalog, CatalogEntry, DriverPolicy, Ref, Rejection, entry_key, nothing_fits, select
 from warmctl.config import Settings
 from warmctl.errors import SnapshotNotFound, WarmctlError
-from warmctl.host import HostFingerprint
+from warmctl.host import HostFingerprint, fingerprint
 from warmctl.manifest import Manifest
 from warmctl.store import CopyReport, Store, copy_manifest, open_store
 from warmctl.trust import EntrySignatures, check_entry, load_trusted_keys, sign_entry, verify_manifest
@@ -151,6 +151,23 @@ def entries_to_copy(src: Store, ref: Ref, fp: HostFingerprint | None = None, *,
     if chosen is None:
         raise nothing_fits(str(ref), len(entries), fp, rejections, cat.location())
     return [chosen]
+
+
+def pull(settings: Settings, src: Store, dst: Store, ref: Ref, *, progress: Progress | None = None,
+         allow_rollback: bool = False, notes: list[str] | None = None) -> list[Copied]:
+    """``warmctl pull NAME[:TAG]`` (or ``NAME@DIGEST``) from ``src`` into ``dst`` as a library
+    call: the one entry this host would restore (:func:`entries_to_copy` with this host's
+    fingerprint, ``settings.match_driver``), accepted only when trusted keys
+    (``settings.keys_dir``) signed it and its manifest and it is no rollback below what this
+    node accepted (unless ``allow_rollback``), copied by :func:`copy_entry` with every chunk
+    verified on the way. Returns the one :class:`Copied`. Raises what those two raise
+    (:class:`SnapshotNotFound`, :class:`warmctl.trust.TrustError`,
+    :class:`warmctl.errors.IntegrityError`, :class:`warmctl.errors.HostError`, the backends'
+    errors); nothing is named in ``dst`` on a failure. The stores stay open (the caller closes)."""
+    fp = fingerprint(criu=settings.criu)
+    entries = entries_to_copy(src, ref, fp, driver=settings.match_driver, keys_dir=settings.keys_dir,
+                              accepted=Accepted.for_settings(settings), allow_rollback=allow_rollback, notes=notes)
+    return [copy_entry(src, dst, e, progress, keys_dir=settings.keys_dir) for e in entries]
 
 
 def fallback_line(r: Rejection) -> str:

@@ -3,7 +3,7 @@
 Each area registers its commands from its own module (``core``: snapshot/up/down/status/ls;
 ``store``: push/pull/verify/gc/du; ``catalog``: host/catalog/keygen/config; ``profiles``:
 profile ls/show/check/command/diff; ``keys``: keys ls/trust/rm; ``bench``;
-``agent``). Expected failures (:class:`warmctl.errors.WarmctlError`) print one clear message
+``agent``; ``kube``: prewarm). Expected failures (:class:`warmctl.errors.WarmctlError`) print one clear message
 to stderr and exit non-zero; nothing else is caught. How output looks on terminals and in logs
 (no hard wrapping off a terminal, NO_COLOR, ``--json``): :mod:`warmctl.cli.output`.
 """
@@ -31,9 +31,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from warmctl.cli import agent, bench, catalog, core, keys, profiles, store
+    from warmctl.cli import agent, bench, catalog, core, keys, kube, profiles, store
 
-    for mod in (core, store, catalog, keys, profiles, bench, agent):
+    for mod in (core, store, catalog, keys, profiles, bench, agent, kube):
         mod.register(app)
 
 

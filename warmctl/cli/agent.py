@@ -24,6 +24,9 @@ def register(app: typer.Typer) -> None:
         insecure_no_tls: bool = typer.Option(
             False, "--insecure-no-tls",
             help="Listen beyond loopback without TLS anyway (the token crosses the network in clear text)."),
+        prewarm: bool = typer.Option(
+            False, "--prewarm",
+            help="Also run the node pre-warm controller in a thread (`warmctl prewarm`; the node DaemonSet)."),
     ) -> None:
         """Run the agent: warmctl's operations over a REST API for schedulers (FastAPI on uvicorn).
 
@@ -33,6 +36,10 @@ def register(app: typer.Typer) -> None:
         cleans up what an interrupted operation left, then tells systemd READY=1.
         See docs/operations.md.
 
+        With `--prewarm` (the Kubernetes node DaemonSet, docs/kubernetes.md) it also keeps the
+        snapshots that WarmSnapshot objects name pulled on this node (node_name) and labels the
+        Node with them, as `warmctl prewarm` does, in a thread beside the API.
+
         Example: `warmctl agent --port 7420` then
         `curl -H "Authorization: Bearer $(cat /var/lib/warmctl/agent/token)" localhost:7420/v1/engines`
         """
@@ -40,5 +47,13 @@ def register(app: typer.Typer) -> None:
         from warmctl.config import load_settings
 
         settings = load_settings(config)
+        if prewarm:
+            import logging
+
+            from warmctl.cli.kube import LOG_FORMAT
+            from warmctl.kube.prewarm import Prewarmer
+
+            logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+            Prewarmer(settings).start()  # refuses at once without node_name or cluster credentials
         run(AgentConfig.from_settings(settings, host=host, port=port, token_file=token_file,
                                       tls_cert=tls_cert, tls_key=tls_key, insecure_no_tls=insecure_no_tls or None))
