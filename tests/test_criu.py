@@ -389,3 +389,53 @@ def test_the_host_lock_is_the_file_it_is_given(tmp_path):
         with criu.host_lock(timeout_s=0.3, path=tmp_path / "other.lock"):
             pass
     assert waited == [1]
+
+
+_BIG = """
+import sys, time
+b = bytearray(256 << 20)
+b[::4096] = bytes(range(1, 251)) * (len(b) // 4096 // 250) + bytes(len(b) // 4096 % 250)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
+    """``criu dump`` of a 256 MiB tree bounded at 0.3 s: warmctl kills CRIU mid-dump, removes its
+    partial image and any ``link_remap`` file it made, and raises DumpTimeout naming the phase,
+    the bound and the seconds waited; the tree is no longer traced. The default bound grows
+    with the tree's memory."""
+    import sys
+
+    from warmctl.checkpoint.rankfaults import _tracer
+
+    log = open(tmp_path / "out.log", "ab")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", _BIG], stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while b"ready" not in (tmp_path / "out.log").read_bytes():
+            assert time.monotonic() < deadline and p.poll() is None, "the tree did not start"
+            time.sleep(0.05)
+        root = psutil.Process(p.pid).children()[0].pid
+        assert criu.dump_timeout(root) >= criu.DUMP_FLOOR_S + (256 << 20) / criu.DUMP_MIN_RATE
+        remaps = {x.name for x in criu.SHM.glob("link_remap.*")}
+        img = tmp_path / "img"
+        t0 = time.monotonic()
+        with pytest.raises(criu.DumpTimeout) as e:
+            criu.dump(root, img, timeout_s=0.3)
+        took = time.monotonic() - t0
+        assert took < 0.3 + 5, took
+        msg = str(e.value)
+        assert "criu_dump phase stalled" in msg and f"criu dump of pid {root}" in msg and "bound of 0.3 s" in msg, msg
+        assert "killed after 0." in msg or "killed after 1." in msg, msg
+        assert not img.exists()  # no partial image
+        assert {x.name for x in criu.SHM.glob("link_remap.*")} == remaps
+        assert not [c for c in psutil.Process().children(recursive=True) if "criu" in c.name()]  # CRIU reaped
+        if psutil.pid_exists(root):
+            assert _tracer(root) == 0  # released by the killed CRIU
+        assert isinstance(e.value, CheckpointError) and e.value.exit_code == 42
+    finally:
+        kill_tree(ProcessId.of(p.pid))
+        p.wait(10)
