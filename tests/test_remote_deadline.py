@@ -170,5 +170,25 @@ def test_a_trickled_registry_blob_ends_at_its_deadline(tmp_path, monkeypatch, tm
             assert took < 1.0 + 0.3 + 1.0, took
             msg = str(ei.value)
             assert f"load chunk {chunk}" in msg and f"https://{ph}" in msg and "bytes received in" in msg, msg
+
+            # an upload the registry takes at 320 KiB/s against a 64 MiB/s minimum: 24 MiB, 1.375 s
+            p.trickle = ("up", 64 * KiB, 0.05, 16 * KiB)
+            up = OCIBackend(ph, repo, ca_bundle=ca.ca_cert, bound=TransferBound(1.0, 64 * MiB))
+            blob = os.urandom(24 * MiB)
+            import hashlib
+
+            digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+            t0 = time.monotonic()
+            with pytest.raises(RemoteTooSlow) as ei:
+                up._put_blob(digest, blob, len(blob), "upload a test blob")
+            took = time.monotonic() - t0
+            assert took < 1.375 + 1.5, took
+            msg = str(ei.value)
+            assert "upload a test blob" in msg and "bytes sent in" in msg, msg
+            p.trickle = None
+            from warmctl.store import ObjectNotFound
+
+            with pytest.raises(ObjectNotFound):  # nothing half-uploaded under its digest
+                direct.backend._send("HEAD", direct.backend._url(f"blobs/{digest}"), "probe").close()
         finally:
             p.stop()

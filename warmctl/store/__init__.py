@@ -108,7 +108,9 @@ def open_backend(url: str | Path, retry: bool = True, outage_window: float | Non
 
     ``settings``: the :class:`warmctl.config.Settings` the caller resolved at its edge (CLI,
     agent, test); None: the built-in defaults (``Settings()``; no config file or environment
-    is read here). Remote backends are wrapped in :class:`RetryingBackend` when ``retry``,
+    is read here). S3 and OCI backends bound each transfer by ``settings.remote_deadline_floor_s``
+    + its size / ``settings.remote_min_rate_bytes_s`` (:class:`TransferBound`; past it
+    :class:`RemoteTooSlow`). Remote backends are wrapped in :class:`RetryingBackend` when ``retry``,
     retrying an outage for ``outage_window`` seconds (default: ``settings.s3_outage_s``); a
     sealed store (one holding ``sealed.json``, :mod:`warmctl.store.sealed`) in
     :class:`SealedBackend` with ``settings.seal_key`` (``unseal=False``: the raw backend,
