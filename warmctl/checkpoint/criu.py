@@ -264,12 +264,14 @@ def _plugin_libdir(plugins: Sequence[str] = (), binary: str | None = None) -> It
 
 
 
-def _log_tail(path: Path, n: int = 15) -> str:
+def _log_tail(path: Path, n: int = 15, errors_first: bool = True) -> str:
+    """The last ``n`` lines of CRIU's log ``path``: its error lines when it has some and
+    ``errors_first``, else its last lines (what it was doing)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no CRIU log)"
-    errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln] if errors_first else []
     return "\n".join((errs or lines)[-n:])
 
 
@@ -286,7 +288,7 @@ def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequen
             r = subprocess.run([*cmd, *libdir], capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:  # subprocess.run has killed CRIU (SIGKILL) and reaped it
         raise timeout_error(f"{what} did not finish within its bound of {timeout_s:g} s: killed after "
-                            f"{time.monotonic() - t0:.1f} s; the last lines of its log:\n{_log_tail(log, 5)}") from None
+                            f"{time.monotonic() - t0:.1f} s; the last lines of its log:\n{_log_tail(log, 5, errors_first=False)}") from None
     if r.returncode != 0:
         raise CheckpointError(f"{what} failed (exit {r.returncode}); {log}:\n{_log_tail(log)}")
     return time.monotonic() - t0

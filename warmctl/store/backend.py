@@ -99,8 +99,8 @@ class TransferClock:
     def error(self, done: int, verb: str = "received") -> RemoteTooSlow:
         waited = time.monotonic() - self.t0
         return RemoteTooSlow(
-            f"{self.what}: too slow: {done:,} of {self.size:,} bytes {verb} in {waited:.1f} s, over its "
-            f"{self.limit:.1f} s bound (remote_deadline_floor_s {self.bound.floor_s:g} s + {self.size:,} bytes "
+            f"{self.what}: too slow: {done:,} of {self.size:,} bytes {verb} in {waited:.2f} s, over its "
+            f"{self.limit:.2f} s bound (remote_deadline_floor_s {self.bound.floor_s:g} s + {self.size:,} bytes "
             f"at remote_min_rate_bytes_s {self.bound.min_rate:,} B/s); check the network path to the remote")
 
 
