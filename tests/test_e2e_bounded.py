@@ -4,7 +4,7 @@ two-process stand-in engine (tests/fake_vllm.py) and the real CRIU:
 - a rank that stays alive but stops answering during the warm-up (the fake engine core hangs on
   ``SIGUSR2``, sent by the rank fault hook after the grid's first cell: state S, no CPU time) is
   named within ``rank_silence_s`` instead of the request's 600 s timeout (exit 39, RankError);
-- a ``criu dump`` past ``dump_timeout_s`` is killed (exit 43, DumpTimeout naming the phase).
+- a ``criu dump`` past ``dump_timeout_s`` is killed (exit 44, DumpTimeout naming the phase).
 
 Each ends with nothing left: no engine process, no ``/dev/shm`` file, no run scratch, nothing
 named in the catalog, and the store still verifies.
@@ -50,7 +50,7 @@ def test_a_dump_past_its_bound_is_killed_and_nothing_is_stored(fk_env, fake_port
     shm0 = shm_names()
     env = {**fk_env, "WARMCTL_DUMP_TIMEOUT_S": "0.05"}
     r = warmctl("snapshot", "fake", "--tag", "stalled", env=env, check=False, timeout=300)
-    assert r.returncode == 43, (r.returncode, r.stdout, r.stderr)
+    assert r.returncode == 44, (r.returncode, r.stdout, r.stderr)
     msg = " ".join(r.stderr.split())
     assert "the criu_dump phase stalled: criu dump of pid" in msg and "bound of 0.05 s: killed after" in msg, msg
     assert "dump_timeout_s" in msg and "Traceback" not in msg, msg

@@ -1,6 +1,6 @@
 """Every read and write of an S3 or OCI remote has a total deadline: a server that trickles its
 answer (one byte every 0.2 s here, as one every 19 s would keep a 20 s read timeout from ever
-firing) or reads an upload slowly ends in ``RemoteTooSlow`` (exit 42) within
+firing) or reads an upload slowly ends in ``RemoteTooSlow`` (exit 43) within
 ``remote_deadline_floor_s`` + size / ``remote_min_rate_bytes_s``, naming the object, the remote,
 the bytes moved and the seconds waited. Real servers on loopback (moto, the Distribution
 registry) behind ``tests/tcp_proxy.py``'s trickle; small bounds, so each test takes seconds."""
@@ -65,7 +65,7 @@ def test_a_trickled_s3_body_ends_at_its_deadline(bucket, moto_endpoint, proxy):
         m = re.search(r"too slow: ([\d,]+) of ([\d,]+) bytes received in ([\d.]+) s", msg)
         assert m and int(m.group(1).replace(",", "")) < int(m.group(2).replace(",", "")), msg
         assert float(m.group(3)) >= 1.0 and "remote_min_rate_bytes_s" in msg
-    assert RemoteTooSlow.exit_code == 42
+    assert RemoteTooSlow.exit_code == 43
 
 
 def test_through_open_store_a_trickle_is_not_retried_as_an_outage(bucket, moto_endpoint, proxy):
@@ -98,7 +98,7 @@ def test_an_upload_the_server_takes_slowly_ends_at_its_deadline(bucket, moto_end
     assert not S3Backend(bucket, "t", endpoint_url=moto_endpoint).exists("chunks/up")  # nothing half-written
 
 
-def test_pull_of_a_trickling_remote_exits_42_within_its_bound(bucket, moto_endpoint, proxy, tmp_path):
+def test_pull_of_a_trickling_remote_exits_43_within_its_bound(bucket, moto_endpoint, proxy, tmp_path):
     from test_store_fixtures import push, snapshot, write_payload
     from warmctl.store import open_store
     from warmctl.trust import generate_keypair
@@ -116,7 +116,7 @@ def test_pull_of_a_trickling_remote_exits_42_within_its_bound(bucket, moto_endpo
     r = warmctl("pull", "tiny", "--all", "--from", f"s3://{bucket}/snaps", "--store", str(tmp_path / "dst"),
                 env=env, check=False, timeout=120)
     took = time.monotonic() - t0
-    assert r.returncode == 42, (r.returncode, r.stderr)
+    assert r.returncode == 43, (r.returncode, r.stderr)
     assert "too slow" in r.stderr and f"s3://{bucket}/snaps/" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert took < 20, took  # interpreter start + a few requests + one 1.1 s deadline, not 30 s of retries
     cfg = warmctl("config", "show", "--json", env=env, check=False)
@@ -161,8 +161,8 @@ def test_a_trickled_registry_blob_ends_at_its_deadline(tmp_path, monkeypatch, tm
             slow = OCIBackend(ph, repo, ca_bundle=ca.ca_cert, bound=TransferBound(1.0, MiB))
             slow._scan()  # metadata read untrickled: only the chunk's bytes trickle below
             p.trickle = ("down", 4 * KiB, 0.2)
-            slow.client.close()
-            slow.client = OCIBackend(ph, repo, ca_bundle=ca.ca_cert).client
+            slow.api.client.close()  # new connections (the trickle counts per connection)
+            slow.api.client = OCIBackend(ph, repo, ca_bundle=ca.ca_cert).api.client
             t0 = time.monotonic()
             with pytest.raises(RemoteTooSlow) as ei:
                 slow.load(chunk_key(chunk))
@@ -180,7 +180,7 @@ def test_a_trickled_registry_blob_ends_at_its_deadline(tmp_path, monkeypatch, tm
             digest = "sha256:" + hashlib.sha256(blob).hexdigest()
             t0 = time.monotonic()
             with pytest.raises(RemoteTooSlow) as ei:
-                up._put_blob(digest, blob, len(blob), "upload a test blob")
+                up.api.put_blob(digest, blob, len(blob), "upload a test blob")
             took = time.monotonic() - t0
             assert took < 1.375 + 1.5, took
             msg = str(ei.value)
@@ -189,6 +189,6 @@ def test_a_trickled_registry_blob_ends_at_its_deadline(tmp_path, monkeypatch, tm
             from warmctl.store import ObjectNotFound
 
             with pytest.raises(ObjectNotFound):  # nothing half-uploaded under its digest
-                direct.backend._send("HEAD", direct.backend._url(f"blobs/{digest}"), "probe").close()
+                direct.backend.api.send("HEAD", direct.backend.api.url(f"blobs/{digest}"), "probe").close()
         finally:
             p.stop()

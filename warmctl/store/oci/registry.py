@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import ssl
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
