@@ -31,7 +31,10 @@ Test hooks, from the engine's environment (a profile's ``[engine.env]``): ``FAKE
 ``FAKE_VLLM_HOLD`` names exists (at most 120 s), a completion that asks for logprobs (the
 canary's) waits: a test holds an ``up`` or ``snapshot`` in its canary phase for as long as it
 needs, with no race against a fast restore. ``FAKE_VLLM_PAD_MIB`` (default 0): the engine core
-holds that many MiB of random bytes (incompressible: a benchmark's snapshot of a chosen size). Standard library and ``setproctitle`` only (no
+holds that many MiB of random bytes (incompressible: a benchmark's snapshot of a chosen size).
+``SIGUSR2`` to the engine core makes it hang: alive, sleeping, using no CPU time, answering
+nothing (a rank that stops answering; ``WARMCTL_TEST_KILL_RANK=warmup:EngineCore:USR2``).
+Standard library and ``setproctitle`` only (no
 vLLM import).
 """
 
@@ -81,6 +84,13 @@ def completion(prompt, max_tokens: int, n_top: int, seed: int, shm: bytes) -> di
 def engine_core(sock: socket.socket, seed: int) -> None:
     """The child: answers one JSON request line per line on ``sock`` until it closes."""
     setproctitle.setproctitle("VLLM::EngineCore")
+
+    def hang(signum, frame):  # alive, not stopped, silent: a deadlocked rank
+        log("engine core: SIGUSR2, hanging")
+        while True:
+            time.sleep(3600)
+
+    signal.signal(signal.SIGUSR2, hang)
     path = f"/dev/shm/fake_vllm_{secrets.token_hex(6)}"
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
     os.ftruncate(fd, SHM_BYTES)

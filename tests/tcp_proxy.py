@@ -8,7 +8,12 @@ again. With ``down_after`` set, the proxy goes down by itself once it has forwar
 bytes (both directions: a download or an upload; the bytes that cross the mark are not
 delivered), so the outage lands mid-transfer whoever the client is, and comes back after
 ``down_for`` seconds when that is set. ``stall = True`` accepts connections but forwards
-nothing (a server that hangs: the client's read timeout fires).
+nothing (a server that hangs: the client's read timeout fires). With ``trickle`` set to
+``(direction, after, every[, step])`` the proxy forwards, in ``direction`` (``"down"``:
+answers, server to client; ``"up"``: requests, client to server), the first ``after`` bytes of
+each connection at full speed and then ``step`` bytes (default 1) every ``every`` seconds: a
+server that trickles its answer, or reads an upload slowly, never silent long enough for the
+client's read timeout to fire.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -31,6 +37,7 @@ class TcpProxy:
         self.down_for: float | None = None
         self.on_down: Callable[[], None] | None = None
         self.stall = False
+        self.trickle: tuple | None = None
         self._mu = threading.Lock()
         self._listener: socket.socket | None = None
         self._socks: set[socket.socket] = set()
@@ -102,8 +109,8 @@ class TcpProxy:
                 continue
             if not (self._track(client) and self._track(server)):
                 continue
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "down"), daemon=True).start()
 
     def _track(self, s: socket.socket) -> bool:
         with self._mu:
@@ -113,16 +120,30 @@ class TcpProxy:
             self._socks.add(s)
             return True
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str = "") -> None:
+        sent = 0
         try:
             while True:
-                data = src.recv(65536)
+                tr = self.trickle if self.trickle and self.trickle[0] == direction else None
+                slow = tr is not None and sent >= tr[1]
+                step = int(tr[3]) if tr is not None and len(tr) > 3 else 1
+                data = src.recv(step if slow else 65536)
                 if not data:
                     break
                 if self._count(len(data)):
                     self._went_down()  # these bytes are never delivered
                     break
-                dst.sendall(data)
+                if tr is not None and not slow and sent + len(data) > tr[1]:  # the fast part ends here
+                    dst.sendall(data[: tr[1] - sent])
+                    data, sent = data[tr[1] - sent:], tr[1]
+                    slow = True
+                if slow:
+                    for i in range(0, len(data), step):
+                        time.sleep(tr[2])  # type: ignore[index]
+                        dst.sendall(data[i:i + step])
+                else:
+                    dst.sendall(data)
+                sent += len(data)
         except OSError:
             pass
         for s in (src, dst):

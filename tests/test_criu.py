@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -389,3 +390,40 @@ def test_the_host_lock_is_the_file_it_is_given(tmp_path):
         with criu.host_lock(timeout_s=0.3, path=tmp_path / "other.lock"):
             pass
     assert waited == [1]
+
+
+
+def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
+    """A dump that stalls for real: its ``pstree.img`` is a FIFO nobody reads, so CRIU, having
+    seized and frozen the tree, blocks opening it for ever. Bounded at 1 s, warmctl kills CRIU,
+    removes the partial image and any ``link_remap`` file it made, and raises DumpTimeout naming
+    the phase, the bound and the seconds waited; the tree, released, runs on. The default bound
+    grows with the tree's memory."""
+    from warmctl.checkpoint.rankfaults import _tracer
+
+    launcher, root = _tree(tmp_path)
+    try:
+        assert criu.DUMP_FLOOR_S <= criu.dump_timeout(root) < criu.DUMP_FLOOR_S + 1
+        img = tmp_path / "img"
+        img.mkdir()
+        os.mkfifo(img / "pstree.img")
+        remaps = {x.name for x in criu.SHM.glob("link_remap.*")}
+        t0 = time.monotonic()
+        with pytest.raises(criu.DumpTimeout) as e:
+            criu.dump(root, img, timeout_s=1.0)
+        took = time.monotonic() - t0
+        assert 1.0 <= took < 1.0 + 3, took
+        msg = str(e.value)
+        assert "criu_dump phase stalled" in msg and f"criu dump of pid {root}" in msg and "bound of 1 s" in msg, msg
+        assert "killed after 1." in msg and "dump_timeout_s" in msg, msg
+        assert isinstance(e.value, CheckpointError) and e.value.exit_code == criu.DumpTimeout.exit_code > 12
+        assert not img.exists()  # no partial image
+        assert {x.name for x in criu.SHM.glob("link_remap.*")} == remaps
+        assert not [c for c in psutil.Process().children(recursive=True) if "criu" in c.name()]  # CRIU reaped
+        assert _tracer(root) == 0 and psutil.Process(root).status() != psutil.STATUS_STOPPED  # released
+        size = (tmp_path / "out.log").stat().st_size
+        time.sleep(0.5)
+        assert (tmp_path / "out.log").stat().st_size > size  # and it runs on
+    finally:
+        os.kill(root, signal.SIGKILL)  # the namespace's init: SIGTERM it ignores
+        launcher.wait(10)

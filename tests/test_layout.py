@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -338,6 +339,72 @@ def test_the_watch_names_a_dead_rank_at_once_and_a_stopped_one_after_its_grace(t
         err = watch2.problem("the canary record")
         assert err is not None and err.ranks == ["Worker_TP1"] and f"rank Worker_TP1 (pid {tp1}) died during the canary record" in str(err)
         assert "rank 1 up" in str(err)  # its log lines
+    finally:
+        kill_tree(ProcessId.of(root))
+        launcher.wait(10)
+
+
+_BUSY_RANK = ("taskset -c {cpu} bash -c 'echo \"(Worker_TP0 pid=$$) INFO rank 0 up\"; "
+              "exec -a VLLM::Worker_TP0 {python} {script}' &")
+#: A rank computing slowly: a little CPU time every 20 ms.
+_BUSY = "import time\nwhile True:\n    sum(range(30000))\n    time.sleep(0.02)\n"
+
+
+def _working_and_silent_tree(tmp_path):
+    """Like :func:`_ranks_tree`, but Worker_TP0 works (a little CPU time every 20 ms, as a rank
+    computing slowly on a loaded host) while Worker_TP1 sleeps: alive, not stopped, silent."""
+    cpus = sorted(os.sched_getaffinity(0))
+    (tmp_path / "busy.py").write_text(_BUSY)
+    script = (_BUSY_RANK.format(cpu=cpus[0], python=sys.executable, script=tmp_path / "busy.py") + " "
+              + _RANK.format(i=1, cpu=cpus[min(1, len(cpus) - 1)]) + " wait")
+    log = open(tmp_path / "engine.log", "ab")
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "bash", "-c", script], stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kids = psutil.Process(p.pid).children()
+        if kids and len(layout.live_ranks(kids[0].pid)) == 2:
+            return p, kids[0].pid
+        time.sleep(0.05)
+    kill_tree(ProcessId.of(p.pid))
+    raise AssertionError("the rank processes did not start")
+
+
+@needs_root
+def test_the_watch_names_a_silent_rank_only_while_requests_are_in_flight(tmp_path):
+    """A rank alive and running (state S) but using no CPU time is named once it has been silent
+    ``silence_s`` while requests are in flight (between busy() and idle()); the rank that works,
+    however slowly, never is; silence outside requests is not counted; 0 turns the watch off."""
+    launcher, root = _working_and_silent_tree(tmp_path)
+    try:
+        tp1 = layout.live_ranks(root)["Worker_TP1"].pid
+        watch = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log", silence_s=1.0)
+        off = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log", silence_s=0)
+        off.busy()
+        t_end = time.monotonic() + 1.6  # no request in flight: silence is not counted
+        while time.monotonic() < t_end:
+            assert watch.problem() is None and off.problem() is None
+            time.sleep(0.1)
+        watch.busy()
+        t0 = time.monotonic()
+        err = None
+        while err is None and time.monotonic() - t0 < 10:
+            err = watch.problem("the canary record")
+            assert off.problem() is None
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        assert err is not None and 1.0 <= took < 3.0, took
+        assert err.ranks == ["Worker_TP1"], err  # the working rank is not blamed
+        msg = str(err)
+        assert f"rank Worker_TP1 (pid {tp1}) is alive (state S) but silent: it used no CPU time for 1." in msg, msg
+        assert "during the canary record" in msg and "rank_silence_s = 1 s" in msg and "rank 1 up" in msg
+        watch2 = layout.RankWatch(root, Sizes(tp=2), silence_s=1.0)
+        watch2.busy()
+        time.sleep(0.5)
+        watch2.problem()
+        watch2.idle()  # the request ended before the silence was long enough: forgotten
+        time.sleep(1.2)
+        assert watch2.problem() is None
     finally:
         kill_tree(ProcessId.of(root))
         launcher.wait(10)

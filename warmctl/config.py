@@ -59,6 +59,10 @@ ENV_VARS = {
     "s3_endpoint": "WARMCTL_S3_ENDPOINT",
     "oci_pack_bytes": "WARMCTL_OCI_PACK_BYTES",
     "oci_read_deadline_s": "WARMCTL_OCI_READ_DEADLINE_S",
+    "remote_deadline_floor_s": "WARMCTL_REMOTE_DEADLINE_FLOOR_S",
+    "remote_min_rate_bytes_s": "WARMCTL_REMOTE_MIN_RATE_BYTES_S",
+    "rank_silence_s": "WARMCTL_RANK_SILENCE_S",
+    "dump_timeout_s": "WARMCTL_DUMP_TIMEOUT_S",
     "oci_ca_bundle": "WARMCTL_OCI_CA_BUNDLE",
     "oci_certs_d": "WARMCTL_OCI_CERTS_D",
     "oci_insecure": "WARMCTL_OCI_INSECURE",
@@ -215,7 +219,21 @@ class Settings(BaseModel):
     - ``oci_pack_bytes``: largest pack (bytes) of chunks uploaded to an ``oci://`` store
       (default 1 GiB; docs/store-format.md, section 8).
     - ``oci_read_deadline_s``: seconds one metadata read from a registry may take in all
-      (default 120).
+      (default 120; the ``remote_*`` bound below applies too, the smaller wins).
+    - ``remote_deadline_floor_s``/``remote_min_rate_bytes_s``: the total deadline of every
+      read and write of an object on an S3 or OCI remote: ``remote_deadline_floor_s`` (default
+      30) + the object's size / ``remote_min_rate_bytes_s`` (default 1048576, 1 MiB/s) seconds;
+      past it the transfer ends in :class:`warmctl.store.RemoteTooSlow` naming the object, the
+      remote, the bytes moved and the seconds waited (a server trickling a byte every 19 s never
+      trips the 20 s read timeout). A directory remote on a network filesystem is not bounded.
+    - ``rank_silence_s``: seconds a rank of the engine may use no CPU time at all while a
+      warm-up or canary-record request is in flight before it is declared silent
+      (:class:`warmctl.checkpoint.layout.RankError` naming it) instead of waiting out the
+      request's 600 s timeout (default 30; 0 = not watched).
+    - ``dump_timeout_s``: seconds ``criu dump`` may run before warmctl kills it, removes what it
+      wrote and fails naming the phase (:class:`warmctl.checkpoint.criu.DumpTimeout`); unset
+      (the default): derived from the tree's resident memory,
+      :func:`warmctl.checkpoint.criu.dump_timeout` (120 s + 32 MiB/s).
     - ``oci_ca_bundle``: PEM CA bundle a registry's certificate is verified against; unset:
       ``<oci_certs_d>/HOST[:PORT]/ca.crt`` when that file exists, else the system's.
     - ``oci_certs_d``: Docker's per-registry certificate directory (default ``/etc/docker/certs.d``).
@@ -286,6 +304,10 @@ class Settings(BaseModel):
     s3_endpoint: str | None = None
     oci_pack_bytes: int = Field(1 << 30, ge=1)
     oci_read_deadline_s: float = Field(120.0, gt=0)
+    remote_deadline_floor_s: float = Field(30.0, gt=0)
+    remote_min_rate_bytes_s: int = Field(1 << 20, ge=1)
+    rank_silence_s: float = Field(30.0, ge=0)
+    dump_timeout_s: float | None = Field(None, gt=0)
     oci_ca_bundle: Path | None = None
     oci_certs_d: Path = Path("/etc/docker/certs.d")
     oci_insecure: list[str] = []

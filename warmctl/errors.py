@@ -61,6 +61,8 @@ EXIT_CODES: dict[str, tuple[int, str]] = {
     "CredentialInProfile": (40, "warmctl.profile"),
     "KubeError": (41, "warmctl.kube.client"),
     "ImageMismatch": (42, "warmctl.errors"),
+    "RemoteTooSlow": (43, "warmctl.store.backend"),
+    "DumpTimeout": (44, "warmctl.checkpoint.criu"),
     # cases of a failure above that code tells apart by type; each exits with its parent's code
     "RollbackRefused": (8, "warmctl.catalog.errors"),
 }

@@ -547,7 +547,7 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
                                public_port=port, served_model_name=profile.engine.served_model_name,
                                **gate.enforces,
                                log_path=str(run.log_path)))
-        record = cold.warm_and_record(run, profile, reporter)
+        record = cold.warm_and_record(run, profile, reporter, settings.rank_silence_s)
         run.state.layout = layout.profile_sizes(profile).describe()  # type: ignore[union-attr]
         run.state.ranks = {r: x.pid for r, x in layout.live_ranks(run.root_pid).items()}  # type: ignore[union-attr]
         if snapshot_after:

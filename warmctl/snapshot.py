@@ -135,7 +135,7 @@ def snapshot(profile: Profile, settings: Settings, reporter: Reporter, tag: str 
         startup = cold.start(run, profile, cold.resolve_model(profile, settings.models_dir), reporter,
                              settings.engine_env_passthrough)
         try:
-            record = cold.warm_and_record(run, profile, reporter)
+            record = cold.warm_and_record(run, profile, reporter, settings.rank_silence_s)
         except BaseException:
             run.teardown()
             raise
@@ -173,7 +173,8 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
         time.sleep(0.2)  # let in-flight responses finish before freezing (requests are all done)
         weights = plan.before_dump(run, reporter)
         ranks_ = _ranks(run, profile, settings)
-        dumped = _dump(run, plan, leave_running, settings.criu, reporter, ranks_, settings.criu_lock)
+        dumped = _dump(run, plan, leave_running, settings.criu, reporter, ranks_, settings.criu_lock,
+                       settings.dump_timeout_s)
         dumped.layout = ranks_
         if leave_running:
             plan.after_dump(run, reporter)
@@ -247,13 +248,17 @@ def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayo
 
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
-          reporter: Reporter, lay: ParallelLayout | None = None, criu_lock: Path | None = None) -> _Dumped:
+          reporter: Reporter, lay: ParallelLayout | None = None, criu_lock: Path | None = None,
+          timeout_s: float | None = None) -> _Dumped:
     """The ``criu_dump`` phase: the plan's dump of ``run`` into ``run.images`` under the host's
     CRIU lock, with the ``/dev/shm`` files of the tree recorded on the run (so a teardown finds
     them by inode) and CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` before the lock is
     released: one that is a hard link of a captured file is recorded as such, any other is
     copied to the run's scratch first. Then every file to store is listed. ``criu_lock``: the
     host lock's file (the ``criu_lock`` setting; :func:`warmctl.checkpoint.criu.host_lock`).
+    ``timeout_s``: the dump's bound (the ``dump_timeout_s`` setting; None: derived from the
+    tree's memory, :func:`warmctl.checkpoint.criu.dump_timeout`); past it
+    :class:`~warmctl.checkpoint.criu.DumpTimeout`, CRIU killed and its partial image removed.
 
     A dump that fails with a rank of ``lay`` (the layout :func:`_ranks` just checked) gone
     since (a ``kill -9`` of the rank while CRIU ran: CRIU then fails on the dead task) raises
@@ -272,11 +277,11 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
         shm_before = capture.shm_names()
         try:
             with rankfaults.kill_rank_during_dump(run.root_pid):  # a test's kill -9 of a rank amid the dump
-                out.gpu = plan.dump(run, leave_running, criu_bin)
+                out.gpu = plan.dump(run, leave_running, criu_bin, timeout_s)
         except CheckpointError as e:
             lost = layout.died(run.root_pid, lay.sizes() if lay is not None else "the", ranks_before,
                                "the CRIU dump", run.log_path)
-            if lost is None:
+            if lost is None or isinstance(e, criu.DumpTimeout):  # a killed dump is named as such
                 raise
             raise layout.RankError(f"{lost}\n  {e}", lost.ranks) from e
         remaps = capture.link_remaps_since(shm_before)

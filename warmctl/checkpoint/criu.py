@@ -264,33 +264,68 @@ def _plugin_libdir(plugins: Sequence[str] = (), binary: str | None = None) -> It
 
 
 
-def _log_tail(path: Path, n: int = 15) -> str:
+def _log_tail(path: Path, n: int = 15, errors_first: bool = True) -> str:
+    """The last ``n`` lines of CRIU's log ``path``: its error lines when it has some and
+    ``errors_first``, else its last lines (what it was doing)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no CRIU log)"
-    errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+    errs = [ln for ln in lines if "Error" in ln or "error" in ln] if errors_first else []
     return "\n".join((errs or lines)[-n:])
 
 
 def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequence[str] = (),
-         env: dict[str, str] | None = None) -> float:
+         env: dict[str, str] | None = None, timeout_error: type[CheckpointError] = CheckpointError) -> float:
     """Run a CRIU command (with :func:`_plugin_libdir` of ``plugins`` appended, in ``env``,
     default ours); seconds it took.
     Raises :class:`CheckpointError` naming ``what`` with the relevant lines of ``log`` on failure
-    or after ``timeout_s``."""
+    or after ``timeout_s`` (then CRIU has been killed and reaped; ``timeout_error``: the class
+    raised, the last lines of ``log`` in its message)."""
     t0 = time.monotonic()
     try:
         with _plugin_libdir(plugins, cmd[0]) as libdir:
             r = subprocess.run([*cmd, *libdir], capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        raise CheckpointError(f"{what} did not finish in {timeout_s:.0f} s") from None
+    except subprocess.TimeoutExpired:  # subprocess.run has killed CRIU (SIGKILL) and reaped it
+        raise timeout_error(f"{what} did not finish within its bound of {timeout_s:g} s: killed after "
+                            f"{time.monotonic() - t0:.1f} s; the last lines of its log:\n{_log_tail(log, 5, errors_first=False)}") from None
     if r.returncode != 0:
         raise CheckpointError(f"{what} failed (exit {r.returncode}); {log}:\n{_log_tail(log)}")
     return time.monotonic() - t0
 
 
-def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float = 600,
+class DumpTimeout(CheckpointError):
+    """``criu dump`` ran past its bound (the ``dump_timeout_s`` setting, else
+    :func:`dump_timeout` of the tree): warmctl killed it and removed what it had written (the
+    partial image, CRIU's ``link_remap`` files in ``/dev/shm``). The message names the phase,
+    the bound and the seconds waited, with the last lines of CRIU's log."""
+
+
+#: :func:`dump_timeout`: seconds any dump may take, and the slowest rate (bytes/s) at which
+#: CRIU must write the tree's memory (32 MiB/s: a disk, or a tmpfs under memory pressure, far
+#: slower than this host's dumps, docs/benchmarks.md).
+DUMP_FLOOR_S = 120.0
+DUMP_MIN_RATE = 32 << 20
+
+
+def dump_timeout(root_pid: int) -> float:
+    """The default bound of a dump of ``root_pid``'s tree: :data:`DUMP_FLOOR_S` + the resident
+    memory of its processes (shared pages counted in each: an overestimate, which only
+    lengthens the bound) at :data:`DUMP_MIN_RATE`, in seconds."""
+    import psutil
+
+    from warmctl.proc import tree_pids
+
+    rss = 0
+    for pid in tree_pids(root_pid):
+        try:
+            rss += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+    return DUMP_FLOOR_S + rss / DUMP_MIN_RATE
+
+
+def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float | None = None,
          binary: str | None = None, plugins: Sequence[str] = (), network_lock: str | None = "auto") -> float:
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).
 
@@ -305,20 +340,38 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     (:func:`_plugin_libdir`; ``amdgpu_plugin.so`` for AMD GPU state), none by default.
     ``network_lock``: CRIU's ``--network-lock`` method for the tree's established TCP
     connections (``"auto"``: the host's, :func:`network_lock_method`; None: CRIU's default).
+    ``timeout_s``: the dump's bound (None: :func:`dump_timeout` of the tree); past it CRIU is
+    killed, ``images_dir`` and the ``link_remap`` files it made in ``/dev/shm`` are removed and
+    :class:`DumpTimeout` is raised (the tree is no longer traced; a tree CRIU had injected its
+    parasite code into may not survive: the caller tears it down or checks it).
     """
     images_dir = Path(images_dir)
     images_dir.mkdir(parents=True, exist_ok=True)
     bin_ = _usable(binary)  # the restore library is the restore's concern (and the pipelines' pre-flight)
+    if timeout_s is None:
+        timeout_s = dump_timeout(root_pid)
     cmd = [bin_, "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
            *DUMP_FLAGS, *_network_lock_flags(bin_, network_lock)]
-    if not leave_running:
-        return _run(cmd, f"criu dump of pid {root_pid}", images_dir / "dump.log", timeout_s, plugins)
+    what = f"criu dump of pid {root_pid}"
+    remaps_before = {p.name for p in SHM.glob("link_remap.*")}
     script = images_dir.parent / f".warmctl-post-dump-{os.getpid()}.sh"
-    script.write_text(KEEP_REMAPS_SCRIPT)
-    script.chmod(0o700)
     try:
-        return _run([*cmd, "--leave-running", "--action-script", str(script)], f"criu dump of pid {root_pid}",
-                    images_dir / "dump.log", timeout_s, plugins)
+        if not leave_running:
+            return _run(cmd, what, images_dir / "dump.log", timeout_s, plugins, timeout_error=DumpTimeout)
+        script.write_text(KEEP_REMAPS_SCRIPT)
+        script.chmod(0o700)
+        return _run([*cmd, "--leave-running", "--action-script", str(script)], what,
+                    images_dir / "dump.log", timeout_s, plugins, timeout_error=DumpTimeout)
+    except DumpTimeout as e:  # CRIU killed mid-dump: nothing of it stays
+        shutil.rmtree(images_dir, ignore_errors=True)
+        for p in SHM.glob(KEPT_PREFIX + "link_remap.*"):
+            p.unlink(missing_ok=True)
+        for p in SHM.glob("link_remap.*"):
+            if p.name not in remaps_before:
+                p.unlink(missing_ok=True)
+        raise DumpTimeout(f"the criu_dump phase stalled: {e}\n(the dump_timeout_s setting is the bound; unset: "
+                          f"{DUMP_FLOOR_S:g} s + the tree's resident memory at {DUMP_MIN_RATE >> 20} MiB/s; its "
+                          f"partial image {images_dir} was removed)") from None
     finally:
         script.unlink(missing_ok=True)
         for kept in SHM.glob(KEPT_PREFIX + "link_remap.*"):

@@ -295,6 +295,29 @@ def proc_state(pid: int) -> str:
     return rest[:1].decode(errors="replace")
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """CPU time ``pid`` and its live descendants have used, in clock ticks
+    (:data:`warmctl.proc.CLK_TCK` per second): user + system time of each (all its threads),
+    with that of the children each has reaped (``/proc/PID/stat`` fields 14-17). A rank's
+    compile workers and other helpers count as the rank. None when ``pid`` is gone."""
+    from warmctl.proc import tree_pids
+
+    total, seen = 0, False
+    for p in tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2:].split()
+        try:
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime (fields 14-17)
+        except (ValueError, IndexError):
+            continue
+        seen = seen or p == pid
+    return total if seen else None
+
+
 def stopped(pid: int) -> bool:
     """True while ``pid`` is stopped (state ``T`` or ``t``): it runs no instruction, its peers
     in a collective wait on it."""
@@ -370,15 +393,53 @@ class RankWatch:
     missing already). :meth:`problem` looks at each of them (every
     :data:`WATCH_INTERVAL_S` seconds, by the caller): a rank whose process is gone (a
     ``kill -9``) is an error at the first look; one stopped (``SIGSTOP``: its peers wait in
-    the all-reduce for ever) once it has stayed stopped ``stop_grace_s`` seconds."""
+    the all-reduce for ever) once it has stayed stopped ``stop_grace_s`` seconds; one alive and
+    running but **silent** (a deadlock, a wait on a peer or a device that never answers) once it
+    has used no CPU time at all (:func:`cpu_ticks`: the rank and its descendants, so a
+    compile in helper processes counts) for ``silence_s`` seconds while requests are in flight:
+    between :meth:`busy` and :meth:`idle` (the caller's warm-up grid and canary record). A
+    rank computing, compiling or spinning in a collective uses CPU time, however slowly the
+    loaded host runs it; the silence is counted only while requests run, so time between
+    them (or before the first) is never silence. ``silence_s`` 0: not watched (the
+    ``rank_silence_s`` setting)."""
 
     def __init__(self, root_pid: int, sizes: Sizes, log_path: Path | str | None = None,
-                 stop_grace_s: float = STOP_GRACE_S):
+                 stop_grace_s: float = STOP_GRACE_S, silence_s: float = 0.0):
         self.root_pid, self.sizes, self.log_path, self.stop_grace_s = root_pid, sizes, log_path, stop_grace_s
+        self.silence_s = silence_s
         self.ranks = discover(root_pid, sizes, log_path, stop_grace_s=stop_grace_s)
         self._stopped_since: dict[str, float] = {}
+        #: role -> (CPU ticks last seen, monotonic time they last changed), while busy
+        self._cpu: dict[str, tuple[int, float]] | None = None
+        self._cpu_look = 0.0
         #: the first problem seen (kept: the ranks a dead one takes with it are not blamed)
         self.first: RankError | None = None
+
+    def busy(self) -> None:
+        """Requests are in flight from now on: a rank's silence is counted from here."""
+        self._cpu = {}
+        self._cpu_look = 0.0
+
+    def idle(self) -> None:
+        """No request in flight: silence is not counted until the next :meth:`busy`."""
+        self._cpu = None
+
+    def _silent(self, now: float, live: list[LiveRank]) -> list[tuple[LiveRank, float]]:
+        """(rank, seconds without CPU time) of each rank of ``live`` silent for ``silence_s``."""
+        if self._cpu is None or self.silence_s <= 0 or now - self._cpu_look < min(1.0, self.silence_s / 4):
+            return []
+        self._cpu_look = now
+        out = []
+        for r in live:
+            ticks = cpu_ticks(r.pid)
+            if ticks is None:
+                continue
+            last = self._cpu.get(r.role)
+            if last is None or last[0] != ticks:
+                self._cpu[r.role] = (ticks, now)
+            elif now - last[1] >= self.silence_s:
+                out.append((r, now - last[1]))
+        return out
 
     def problem(self, what: str = "the warm-up") -> RankError | None:
         """A :class:`RankError` naming the ranks that died or stayed stopped during ``what``
@@ -388,7 +449,7 @@ class RankWatch:
         import time
 
         now = time.monotonic()
-        dead, halted = [], []
+        dead, halted, running = [], [], []
         for r in self.ranks:
             if _gone(r):
                 dead.append(r)
@@ -396,16 +457,24 @@ class RankWatch:
                 since = self._stopped_since.setdefault(r.role, now)
                 if now - since >= self.stop_grace_s:
                     halted.append(r)
+                if self._cpu is not None:
+                    self._cpu.pop(r.role, None)  # a stopped rank is judged as stopped, not as silent
             else:
                 self._stopped_since.pop(r.role, None)
-        if not dead and not halted:
+                running.append(r)
+        silent = self._silent(now, running) if not dead and not halted else []
+        if not dead and not halted and not silent:
             return None
         msgs = [_named(r.role, f"died during {what}", self.log_path, r.pid) for r in dead]
         msgs += [_named(r.role, f"is stopped (state {proc_state(r.pid) or '?'}) for {now - self._stopped_since[r.role]:.1f} s "
                         f"during {what}: its peers wait on it in their collectives", self.log_path, r.pid)
                  for r in halted]
+        msgs += [_named(r.role, f"is alive (state {proc_state(r.pid) or '?'}) but silent: it used no CPU time for "
+                        f"{quiet:.1f} s during {what} while a request was in flight (rank_silence_s = "
+                        f"{self.silence_s:g} s); it no longer answers", self.log_path, r.pid)
+                 for r, quiet in silent]
         self.first = RankError(f"{self.sizes.describe()} engine (pid {self.root_pid}): " + "; ".join(msgs),
-                               [r.role for r in dead + halted])
+                               [r.role for r in dead + halted] + [r.role for r, _ in silent])
         return self.first
 
 

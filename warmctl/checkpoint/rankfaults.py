@@ -26,7 +26,8 @@ def kill_rank(name: str, root_pid: int) -> list[int]:
     send the rank ``ROLE`` (its process title ``VLLM::ROLE``, :mod:`warmctl.checkpoint.layout`)
     of ``root_pid``'s tree ``SIGNAL`` (``KILL``, the default: then wait until it is dead, as a
     ``kill -9`` of one rank would; ``STOP``: then wait until it is stopped, as a rank stuck would be, its peers
-    waiting on it in their collectives). Points: ``warmup``, while the warm-up grid runs (after
+    waiting on it in their collectives; any other name, e.g. ``USR2``: sent, not waited on; the
+    test engine's rank hangs on it, alive and silent, tests/fake_vllm.py). Points: ``warmup``, while the warm-up grid runs (after
     its first cell, :func:`warmctl.engine.cold.warm_and_record`); ``before_dump``, after the
     warm-up and canary; ``ranks``, after a restore, before its ranks are checked (``dump``,
     while ``criu dump`` runs, is :func:`kill_rank_during_dump`'s). The hook
@@ -46,12 +47,15 @@ def kill_rank(name: str, root_pid: int) -> list[int]:
         role, _, sig_name = rest.partition(":")
         if point_ != name or not role:
             continue
-        sig = signal.SIGSTOP if sig_name.upper() in ("STOP", "SIGSTOP") else signal.SIGKILL
+        name_ = sig_name.upper().removeprefix("SIG") or "KILL"
+        sig = signal.Signals["SIG" + name_]
         r = live_ranks(root_pid).get(role)
         if r is None:
             continue
         signal_process(ProcessId.of(r.pid), sig)
         done.append(r.pid)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            continue
         deadline = time.monotonic() + 10
         while (pid_alive(r.pid) if sig == signal.SIGKILL else not stopped(r.pid)) and time.monotonic() < deadline:
             time.sleep(0.01)

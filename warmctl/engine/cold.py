@@ -115,7 +115,7 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
     return phases
 
 
-def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> CanaryRecord:
+def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter, silence_s: float = 0.0) -> CanaryRecord:
     """Run the warm-up grid, then record the canary, with the engine's ranks watched
     (:class:`warmctl.checkpoint.layout.RankWatch`) and its ``/dev/shm`` files sampled
     (:meth:`EngineRun.sample_shm`) while they run.
@@ -124,7 +124,9 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
     :data:`~warmctl.checkpoint.layout.WATCH_INTERVAL_S` seconds. A rank that dies ends the
     wait at once, one that stays stopped after
     :data:`~warmctl.checkpoint.layout.STOP_GRACE_S` seconds (its peers wait in the all-reduce
-    for ever) too: :class:`~warmctl.checkpoint.layout.RankError` naming it, its process and
+    for ever) too, and one alive but silent (no CPU time for ``silence_s`` seconds while the
+    grid's or the canary's requests are in flight: the ``rank_silence_s`` setting; 0: not
+    watched): :class:`~warmctl.checkpoint.layout.RankError` naming it, its process and
     its log lines, instead of a request that would wait out its 600 s timeout. A request that
     fails because a rank died is reported as that rank's error. Raises :class:`EngineError`
     otherwise; the caller owns the run (and tears it down on failure, which ends the
@@ -134,7 +136,7 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
 
     from warmctl.checkpoint import rankfaults
 
-    watch = layout.RankWatch(run.root_pid, layout.profile_sizes(profile), run.log_path)
+    watch = layout.RankWatch(run.root_pid, layout.profile_sizes(profile), run.log_path, silence_s=silence_s)
 
     def after_cell(done: int, total: int, cell) -> None:
         if done == 1:  # in the grid's own thread, before its next request: the same moment on any machine
@@ -155,11 +157,13 @@ def warm_and_record(run: EngineRun, profile: Profile, reporter: Reporter) -> Can
         # a daemon thread: neither this wait nor the interpreter's exit ever waits on a request
         # a stopped rank holds up (the teardown's kill of the tree ends it)
         t = threading.Thread(target=body, name="warmctl-" + what.split()[-1], daemon=True)
+        watch.busy()  # its requests are in flight from here until it returns
         t.start()
         last_sample = 0.0
         while True:
             t.join(layout.WATCH_INTERVAL_S)
             if not t.is_alive():
+                watch.idle()
                 if "error" in out:
                     e = out["error"]
                     if isinstance(e, EngineError):

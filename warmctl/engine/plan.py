@@ -120,16 +120,20 @@ class CheckpointPlan:
                       "kept out of the image")
         return w
 
-    def dump(self, run: EngineRun, leave_running: bool, criu_bin: str | None = None) -> GpuRestore | None:
+    def dump(self, run: EngineRun, leave_running: bool, criu_bin: str | None = None,
+             timeout_s: float | None = None) -> GpuRestore | None:
         """CRIU dump of ``run``'s tree into ``run.images``; with ``cuda`` first optional vLLM
         sleep, then every rank locked and checkpointed through the driver around the dump
         (rolled back if anything fails). Returns what the GPU restore needs (``cuda``) or None.
+        ``timeout_s``: the bound of ``criu dump`` (None: derived from the tree's memory,
+        :func:`warmctl.checkpoint.criu.dump_timeout`; past it
+        :class:`~warmctl.checkpoint.criu.DumpTimeout`).
         Raises :class:`CheckpointError`. The GPU part is not run on CPU-only hosts (no GPU was
         available to this project's CI; ``scripts/gpu-check.sh`` exercises the parts)."""
         if self.vendor == "amd":
-            return self._dump_amd(run, leave_running, criu_bin)
+            return self._dump_amd(run, leave_running, criu_bin, timeout_s)
         if not self.cuda:
-            criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
+            criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin, timeout_s=timeout_s)
             return None
         from warmctl.checkpoint import cuda, ranks
 
@@ -143,10 +147,11 @@ class CheckpointPlan:
             sc.checkpoint_prepare()
         with ranks.checkpoint_ranks(pids, self.lock_timeout_s, api=cuda.load(self.libcuda, self.cuda_checkpoint),
                                     nvml_path=self.libnvml) as rep:
-            criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin)
+            criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin, timeout_s=timeout_s)
         return GpuRestore(nspids=list(rep.nspids.values()), gpu_bytes=rep.gpu_bytes, ranks=rep.to_dict())
 
-    def _dump_amd(self, run: EngineRun, leave_running: bool, criu_bin: str | None) -> GpuRestore:
+    def _dump_amd(self, run: EngineRun, leave_running: bool, criu_bin: str | None,
+                  timeout_s: float | None = None) -> GpuRestore:
         """AMD: optional vLLM sleep, the VRAM every GPU holds for the tree recorded (KFD's
         ``proc/<pid>/vram_<gpu_id>``, by the GPU's UUID), then CRIU with the amdgpu plugin."""
         from warmctl import host
@@ -162,7 +167,8 @@ class CheckpointPlan:
         held = kfd.process_vram(tree_pids(run.root_pid))
         by_id = {g.kfd_gpu_id: g.uuid for g in gpus}
         gpu_bytes = {by_id[gid]: n for gid, n in sorted(held.items()) if gid in by_id}
-        criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin, plugins=self.criu_plugins)
+        criu.dump(run.root_pid, run.images, leave_running=leave_running, binary=criu_bin, plugins=self.criu_plugins,
+                  timeout_s=timeout_s)
         return GpuRestore(nspids=[], gpu_bytes=gpu_bytes, ranks={"vendor": "amd", "vram_source": "kfd proc"})
 
     def after_dump(self, run: EngineRun, reporter: Reporter) -> None:

@@ -28,7 +28,9 @@ from warmctl.store.backend import (
     BackendUnavailable,
     ObjectInfo,
     ObjectNotFound,
+    RemoteTooSlow,
     RetryingBackend,
+    TransferBound,
     TransientBackendError,
 )
 from warmctl.store.cache import CachingBackend
@@ -64,6 +66,7 @@ __all__ = [
     "LocalBackend",
     "ObjectInfo",
     "ObjectNotFound",
+    "RemoteTooSlow",
     "RetryingBackend",
     "S3Backend",
     "SealedBackend",
@@ -73,6 +76,7 @@ __all__ = [
     "Store",
     "LockLost",
     "StoreLocked",
+    "TransferBound",
     "TransientBackendError",
     "VerifyReport",
     "ZSTD_LEVEL",
@@ -104,7 +108,9 @@ def open_backend(url: str | Path, retry: bool = True, outage_window: float | Non
 
     ``settings``: the :class:`warmctl.config.Settings` the caller resolved at its edge (CLI,
     agent, test); None: the built-in defaults (``Settings()``; no config file or environment
-    is read here). Remote backends are wrapped in :class:`RetryingBackend` when ``retry``,
+    is read here). S3 and OCI backends bound each transfer by ``settings.remote_deadline_floor_s``
+    + its size / ``settings.remote_min_rate_bytes_s`` (:class:`TransferBound`; past it
+    :class:`RemoteTooSlow`). Remote backends are wrapped in :class:`RetryingBackend` when ``retry``,
     retrying an outage for ``outage_window`` seconds (default: ``settings.s3_outage_s``); a
     sealed store (one holding ``sealed.json``, :mod:`warmctl.store.sealed`) in
     :class:`SealedBackend` with ``settings.seal_key`` (``unseal=False``: the raw backend,
@@ -138,19 +144,21 @@ def _open_plain(url: str | Path, retry: bool, outage_window: float | None, setti
     s = str(url)
     u = urlparse(s)
     window = settings.s3_outage_s if outage_window is None else outage_window
+    bound = TransferBound(settings.remote_deadline_floor_s, settings.remote_min_rate_bytes_s)
     if u.scheme == "oci":
         from warmctl.store.oci import OCIBackend, parse_url
 
         b: Backend = OCIBackend(*parse_url(s), pack_bytes=settings.oci_pack_bytes,
                                 read_deadline=settings.oci_read_deadline_s, ca_bundle=settings.oci_ca_bundle,
-                                certs_d=settings.oci_certs_d, insecure=settings.oci_insecure)
+                                certs_d=settings.oci_certs_d, insecure=settings.oci_insecure, bound=bound)
         return _retrying(b, retry, window)
     if u.scheme == "s3":
         if not u.netloc:
             raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
         from warmctl.store.s3 import S3Backend
 
-        return _retrying(S3Backend(u.netloc, u.path.lstrip("/"), endpoint_url=settings.s3_endpoint), retry, window)
+        return _retrying(S3Backend(u.netloc, u.path.lstrip("/"), endpoint_url=settings.s3_endpoint, bound=bound),
+                         retry, window)
     if u.scheme == "file":
         return LocalBackend(Path(u.path))
     if u.scheme in ("", None) or (len(u.scheme) == 1 and s[1:2] == ":"):

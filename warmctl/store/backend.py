@@ -44,6 +44,66 @@ class BackendUnavailable(TransientBackendError):
     operation later is safe (copies resume: only what is still missing is moved)."""
 
 
+class RemoteTooSlow(WarmctlError):
+    """A transfer with a remote (S3, an OCI registry) did not finish within its total
+    deadline (:class:`TransferBound`: ``remote_deadline_floor_s`` + its size at
+    ``remote_min_rate_bytes_s``): a server that trickles its answer, or reads an upload
+    slowly, ends here instead of stretching the transfer without bound. The message names the
+    operation, the object, the remote, the bytes moved and the seconds waited. Not retried: a
+    retry of a trickle is one more trickle."""
+
+
+#: Default ``remote_deadline_floor_s``: seconds every remote transfer may take whatever its size.
+DEADLINE_FLOOR_S = 30.0
+#: Default ``remote_min_rate_bytes_s``: the slowest transfer rate (bytes/s) a remote may keep.
+MIN_RATE_BYTES_S = 1 << 20
+
+
+@dataclass(frozen=True)
+class TransferBound:
+    """The total deadline of one remote transfer of ``size`` bytes: ``floor_s + size /
+    min_rate`` seconds (:meth:`seconds`); the ``remote_deadline_floor_s`` and
+    ``remote_min_rate_bytes_s`` settings. :meth:`start` starts a :class:`TransferClock`."""
+
+    floor_s: float = DEADLINE_FLOOR_S
+    min_rate: int = MIN_RATE_BYTES_S
+
+    def seconds(self, size: int) -> float:
+        return self.floor_s + max(0, size) / self.min_rate
+
+    def start(self, what: str, size: int, t0: float | None = None) -> "TransferClock":
+        """A clock for the transfer ``what`` (op, object and remote, for the message) of
+        ``size`` bytes, started now (or at monotonic ``t0``)."""
+        return TransferClock(self, what, size, time.monotonic() if t0 is None else t0)
+
+
+class TransferClock:
+    """The running deadline of one transfer (:meth:`TransferBound.start`). :meth:`check` after
+    each piece moved raises :class:`RemoteTooSlow` once the deadline has passed; :meth:`left`
+    is what remains (for clamping a socket timeout)."""
+
+    def __init__(self, bound: TransferBound, what: str, size: int, t0: float):
+        self.bound, self.what, self.size, self.t0 = bound, what, size, t0
+        self.limit = bound.seconds(size)
+
+    def left(self) -> float:
+        return self.t0 + self.limit - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.left() <= 0
+
+    def check(self, done: int, verb: str = "received") -> None:
+        if self.expired():
+            raise self.error(done, verb)
+
+    def error(self, done: int, verb: str = "received") -> RemoteTooSlow:
+        waited = time.monotonic() - self.t0
+        return RemoteTooSlow(
+            f"{self.what}: too slow: {done:,} of {self.size:,} bytes {verb} in {waited:.2f} s, over its "
+            f"{self.limit:.2f} s bound (remote_deadline_floor_s {self.bound.floor_s:g} s + {self.size:,} bytes "
+            f"at remote_min_rate_bytes_s {self.bound.min_rate:,} B/s); check the network path to the remote")
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """An object's ``key``, ``size`` in bytes and ``mtime`` (seconds since the epoch)."""

@@ -20,22 +20,35 @@ Every failure of the S3 client becomes one of (see :meth:`S3Backend._err`):
   rejected, other 4xx.
 
 botocore's own retries are off and its timeouts short (connect 5 s, read 20 s without a
-byte), so the outage window of :class:`warmctl.store.RetryingBackend` (which ``open_store``
+byte). Every load and save also has a total deadline (``bound``, a :class:`TransferBound`:
+the ``remote_deadline_floor_s`` + the object's size at ``remote_min_rate_bytes_s``): a body is
+read piece by piece as it arrives, with the socket's timeout clamped to what is left of the
+deadline, and an upload's body is handed over piece by piece, so a server that trickles (a
+byte every 19 s keeps a 20 s read timeout from ever firing) ends in :class:`RemoteTooSlow`
+naming the object, the endpoint, the bytes moved and the seconds waited. The wait for an
+answer's head (status line and headers) is bounded by the read timeout between its bytes only.
+The outage window of :class:`warmctl.store.RetryingBackend` (which ``open_store``
 wraps around this backend) is the one place that decides how long an outage is survived.
 """
 
 from __future__ import annotations
 
 import http.client
+import io
 import os
 import re
 import socket
+import time
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
 
 from warmctl.errors import HostError
-from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError, too_large
+from warmctl.store.backend import (Backend, BackendProperties, ObjectInfo, ObjectNotFound, RemoteTooSlow, TransferBound,
+                                   TransferClock, TransientBackendError, too_large)
+
+#: Bytes asked of the socket per read of a body (a read returns what has arrived, up to this).
+READ_PIECE = 1 << 20
 
 #: S3 error codes worth retrying (any HTTP status >= 500 is retried too).
 TRANSIENT_CODES = frozenset({
@@ -112,7 +125,8 @@ class S3Backend(Backend):
     ``multipart_threshold``/``part_size``: bytes; objects at least the threshold are sent with
     multipart upload in parts of ``part_size`` (>= 5 MiB, S3's minimum except the last part).
     ``connect_timeout``/``read_timeout``: seconds to establish a connection / to wait for the
-    next bytes of an answer (not the whole transfer); each bounds one attempt.
+    next bytes of an answer; each bounds one attempt. ``bound``: the total deadline of each
+    load and save (module docstring; default :class:`TransferBound`'s).
     Raises :class:`HostError` when the endpoint URL is malformed.
     """
 
@@ -129,6 +143,7 @@ class S3Backend(Backend):
         part_size: int = 16 * 1024 * 1024,
         connect_timeout: float = 5.0,
         read_timeout: float = 20.0,
+        bound: TransferBound | None = None,
     ):
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -137,6 +152,7 @@ class S3Backend(Backend):
         self.part_size = part_size
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.bound = bound or TransferBound()
         _load_sdk()
         cfg = botocore.config.Config(
             max_pool_connections=max_connections,
@@ -240,22 +256,27 @@ class S3Backend(Backend):
         k = self.prefix + key
         if not isinstance(data, bytes):
             data = bytes(data)  # boto3 wants bytes (a view may be a memory map of a local object)
+        clock = self.bound.start(f"save {self.location(key)} at {self.endpoint()}", len(data))
         try:
             if len(data) < self.multipart_threshold:
-                self.client.put_object(Bucket=self.bucket, Key=k, Body=data)
+                self.client.put_object(Bucket=self.bucket, Key=k, Body=_TimedBody(data, clock))
                 return
-            self._multipart(k, data)
+            self._multipart(k, data, clock)
+        except RemoteTooSlow:
+            raise
         except Exception as e:  # noqa: BLE001 - translated
+            if clock.expired():  # the socket timed out at the deadline's end
+                raise clock.error(0, "sent") from e
             raise self._err("save", key, e) from e
 
-    def _multipart(self, k: str, data: bytes) -> None:
+    def _multipart(self, k: str, data: bytes, clock: TransferClock) -> None:
         up = self.client.create_multipart_upload(Bucket=self.bucket, Key=k)
         uid = up["UploadId"]
         try:
             parts = []
             view = memoryview(data)
             for i, off in enumerate(range(0, len(data), self.part_size), start=1):
-                body = view[off : off + self.part_size].tobytes()
+                body = _TimedBody(view[off : off + self.part_size].tobytes(), clock, off)
                 r = self.client.upload_part(Bucket=self.bucket, Key=k, UploadId=uid, PartNumber=i, Body=body)
                 parts.append({"PartNumber": i, "ETag": r["ETag"]})
             self.client.complete_multipart_upload(
@@ -278,8 +299,9 @@ class S3Backend(Backend):
         elif offset:
             kw["Range"] = f"bytes={offset}-"
         try:
-            r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, **kw)
-            data = r["Body"].read()
+            r, data = self._get(key, kw, None)
+        except (RemoteTooSlow, ObjectNotFound):
+            raise
         except Exception as e:  # noqa: BLE001 - translated
             raise self._err("load", key, e) from e
         return self._check_length(key, r, data, offset, length if "Range" in kw else None, "Range" in kw)
@@ -292,12 +314,9 @@ class S3Backend(Backend):
         if limit is None:
             return memoryview(self.load(key))
         try:
-            r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes=0-{limit}")
-            body = r["Body"]
-            try:
-                data = body.read(limit + 1)
-            finally:
-                body.close()
+            r, data = self._get(key, {"Range": f"bytes=0-{limit}"}, limit + 1)
+        except (RemoteTooSlow, ObjectNotFound):
+            raise
         except Exception as e:  # noqa: BLE001 - translated
             if ((getattr(e, "response", None) or {}).get("Error") or {}).get("Code") == "InvalidRange":
                 return memoryview(b"")  # an empty object has no byte 0
@@ -311,6 +330,42 @@ class S3Backend(Backend):
             raise TransientBackendError(f"load {self.location(key)} at {self.endpoint()}: body cut short: "
                                         f"{len(data)} of {total} bytes")
         return memoryview(data)
+
+    def _get(self, key: str, kw: dict, most: int | None) -> tuple[dict, bytes]:
+        """(GET answer, its body: at most ``most`` bytes, else all) of ``key`` with the extra
+        arguments ``kw``, within the total deadline of its ``Content-Length``: the body is read
+        as it arrives, the socket's timeout clamped to what is left of the deadline. Raises
+        :class:`RemoteTooSlow` past the deadline; the client's exceptions otherwise."""
+        t0 = time.monotonic()
+        r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, **kw)
+        size = int(r.get("ContentLength") or 0)
+        if most is not None:
+            size = min(size, most)
+        clock = self.bound.start(f"load {self.location(key)} at {self.endpoint()}", size, t0)
+        body = r["Body"]
+        raw = getattr(body, "_raw_stream", None)  # urllib3's response: read1 returns what has arrived
+        read1 = getattr(raw, "read1", None)
+        out = bytearray()
+        try:
+            while most is None or len(out) < most:
+                clock.check(len(out))
+                want = READ_PIECE if most is None else min(READ_PIECE, most - len(out))
+                try:
+                    body.set_socket_timeout(max(0.01, min(self.read_timeout, clock.left())))
+                except (AttributeError, OSError):
+                    pass
+                try:
+                    piece = read1(want) if read1 is not None else body.read(want)
+                except Exception as e:  # noqa: BLE001 - a timeout at the deadline is the deadline's
+                    if clock.expired():
+                        raise clock.error(len(out)) from e
+                    raise
+                if not piece:
+                    break
+                out += piece
+        finally:
+            body.close()
+        return r, bytes(out)
 
     def _check_length(self, key: str, r: dict, data: bytes, offset: int, length: int | None, ranged: bool) -> bytes:
         """The body of GET answer ``r`` if it has the length asked for; a server that ignored
@@ -365,3 +420,17 @@ class S3Backend(Backend):
 
     def close(self) -> None:
         self.client.close()
+
+
+class _TimedBody(io.BytesIO):
+    """An upload's body (``data``, at byte ``offset`` of the object) that the HTTP client reads
+    piece by piece: each read first checks ``clock`` (:class:`TransferClock`), so a server that
+    takes the body too slowly ends the upload in :class:`RemoteTooSlow`."""
+
+    def __init__(self, data: bytes, clock: TransferClock, offset: int = 0):
+        super().__init__(data)
+        self.clock, self.offset = clock, offset
+
+    def read(self, n: int | None = -1) -> bytes:
+        self.clock.check(self.offset + self.tell(), "sent")
+        return super().read(n)

@@ -44,10 +44,17 @@ rejected, deletes disabled, other 4xx). :class:`~warmctl.store.RetryingBackend` 
 wraps this backend in it) decides how long an outage is survived.
 
 Reads of metadata (OCI manifests, pack indexes, small objects, warmctl manifests) are bounded
-(:data:`MAX_OCI_MANIFEST`, :data:`MAX_INDEX`, :data:`MAX_OBJECT`, :data:`MAX_MANIFEST`) and
-each read has a deadline (``read_deadline``: the ``oci_read_deadline_s`` setting, default
-:data:`READ_DEADLINE`); a registry that sends more, or sends it too
-slowly, is refused with an error naming the object.
+(:data:`MAX_OCI_MANIFEST`, :data:`MAX_INDEX`, :data:`MAX_OBJECT`, :data:`MAX_MANIFEST`); a
+registry that sends more is refused with an error naming the object. Every read and upload
+has a total deadline (``bound``, a :class:`~warmctl.store.backend.TransferBound`: the
+``remote_deadline_floor_s`` + its size at ``remote_min_rate_bytes_s``; a metadata read at most
+``read_deadline`` too, the ``oci_read_deadline_s`` setting, default :data:`READ_DEADLINE`),
+checked as each piece of a body arrives or is handed to the connection: a registry that
+trickles ends in :class:`~warmctl.store.backend.RemoteTooSlow` naming the object, the bytes
+moved and the seconds waited: each request's read and write timeouts (20 s) are clamped to
+what is left of its deadline, so a stall between two pieces (or a TLS record that never
+completes) ends there too. Over plain HTTP an answer's head trickled a byte at a time is
+bounded only by the read timeout between its bytes.
 
 The package, by concern: this module is the backend (:class:`OCIBackend`); :mod:`.registry`
 the HTTP client of one repository (:class:`~.registry.RegistryClient`: requests, errors,
@@ -68,7 +75,8 @@ from pathlib import Path
 import httpx
 
 from warmctl.errors import HostError, IntegrityError
-from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransientBackendError
+from warmctl.store.backend import (Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransferBound,
+                                   TransientBackendError)
 from warmctl.store.layout import _digest_from_chunk_key, chunk_key
 
 from .auth import CERTS_D, Credentials, auth_file, credentials
@@ -123,6 +131,7 @@ class OCIBackend(Backend):
     """A store in repository ``repo`` of registry ``registry`` (``HOST[:PORT]``); see the module
     docstring for the layout, protocol and errors. ``pack_bytes``: largest pack (bytes, default
     :data:`PACK_BYTES`); ``read_deadline``: seconds one metadata read may take in all;
+    ``bound``: the total deadline of every read and upload (module docstring);
     ``ca_bundle``/``certs_d``: where the registry's CA is found; ``insecure``: registries
     (``host:port``) spoken to in plain HTTP. :func:`warmctl.store.open_backend` passes the
     ``oci_*`` settings."""
@@ -131,11 +140,11 @@ class OCIBackend(Backend):
 
     def __init__(self, registry: str, repo: str, pack_bytes: int | None = None, connect_timeout: float = 5.0,
                  read_timeout: float = 20.0, *, read_deadline: float = READ_DEADLINE, ca_bundle: Path | None = None,
-                 certs_d: Path = CERTS_D, insecure: Iterable[str] = ()):
+                 certs_d: Path = CERTS_D, insecure: Iterable[str] = (), bound: TransferBound | None = None):
         self.registry, self.repo = registry, repo
         self.pack_bytes = pack_bytes or PACK_BYTES
         self.api = RegistryClient(registry, repo, connect_timeout, read_timeout, read_deadline=read_deadline,
-                                  ca_bundle=ca_bundle, certs_d=certs_d, insecure=insecure)
+                                  ca_bundle=ca_bundle, certs_d=certs_d, insecure=insecure, bound=bound)
         self.base = self.api.base
         self._mu = threading.Lock()
         self._chunks: dict[str, tuple[str, int, int]] = {}  # chunk digest -> (pack, offset, length)
@@ -456,28 +465,41 @@ class OCIBackend(Backend):
         finishes its copy and the origin serves the pack once; the later reads get ranges from the
         mirror. Without ``first``, a whole-blob answer is read only up to the range wanted."""
         what = f"load chunk {d} from pack {pack}"
+        where = f"{what} at {self.base}"
+        clock = self.api.clock(where, want)
         try:
             r = self.api.send("GET", self.api.url(f"blobs/{pack}"), what, stream=True, ok=(200, 206),
-                           headers={"Range": f"bytes={start}-{start + want - 1}"})
+                              headers={"Range": f"bytes={start}-{start + want - 1}"}, clock=clock)
         except ObjectNotFound:
             raise ObjectNotFound(key, self.location(key)) from None
-        where = f"{what} at {self.base}"
+        pos = 0
+        n = r.headers.get("content-length", "")
+        if r.status_code == 200 and n.isdigit():  # the whole blob comes: its size is the transfer's
+            clock = self.api.clock(where, int(n))
         try:
             if r.status_code == 206:
                 cr = r.headers.get("content-range", "")
                 if not cr.startswith(f"bytes {start}-"):
                     raise TransientBackendError(f"{where}: asked for bytes {start}- but got range {cr!r}")
-                data = r.read()
+                got = bytearray()
+                for b in r.iter_bytes():
+                    got += b
+                    pos = len(got)
+                    clock.check(pos)
+                data = bytes(got)
             else:  # the Range was ignored (a pull-through mirror filling its cache): skip to ours
-                out, pos = bytearray(), 0
+                out = bytearray()
                 for b in r.iter_bytes():
                     if pos + len(b) > start and len(out) < want:
                         out += b[max(0, start - pos): start + want - pos]
                     pos += len(b)
                     if len(out) >= want and not first:
                         break
+                    clock.check(pos)
                 data = bytes(out[:want])
         except httpx.HTTPError as e:
+            if clock.expired():
+                raise clock.error(pos) from e
             raise self.api._transport_error(where, e) from e
         finally:
             r.close()

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import re
 import ssl
-import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
 
 import httpx
 
 from warmctl.errors import HostError, IntegrityError
-from warmctl.store.backend import ObjectNotFound, TransientBackendError
+from warmctl.store.backend import ObjectNotFound, TransferBound, TransferClock, TransientBackendError
 
 from .auth import CERTS_D, Login, RegistryAuth, credentials, is_insecure, ssl_context
 from .pack import OCI_INDEX, OCI_MANIFEST, _sha
@@ -25,6 +24,8 @@ from .pack import OCI_INDEX, OCI_MANIFEST, _sha
 MAX_OCI_MANIFEST = 4 << 20  # the distribution spec's limit registries apply
 #: Seconds one metadata read may take in all (the per-byte read timeout is shorter).
 READ_DEADLINE = 120.0
+#: Bytes of an upload's body handed to the connection at a time (its deadline checked between).
+UPLOAD_PIECE = 256 << 10
 _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*$")
 
 
@@ -64,13 +65,17 @@ class RegistryClient:
     when ``registry`` is one of ``insecure``), with the CA of ``ca_bundle``/``certs_d``
     (:func:`~.auth.ssl_context`) and the login the Docker conventions hold for it
     (:func:`~.auth.credentials`). ``connect_timeout``/``read_timeout``: seconds per connect and
-    per read; ``read_deadline``: seconds one bounded metadata read may take in all."""
+    per read; ``read_deadline``: seconds one bounded metadata read may take in all; ``bound``:
+    the total deadline of every transfer (:meth:`clock`: ``remote_deadline_floor_s`` + its size
+    at ``remote_min_rate_bytes_s``)."""
 
     def __init__(self, registry: str, repo: str, connect_timeout: float = 5.0, read_timeout: float = 20.0, *,
                  read_deadline: float = READ_DEADLINE, ca_bundle: Path | None = None, certs_d: Path = CERTS_D,
-                 insecure: Iterable[str] = ()):
+                 insecure: Iterable[str] = (), bound: TransferBound | None = None):
         self.registry, self.repo = registry, repo
         self.read_deadline = read_deadline
+        self.bound = bound or TransferBound()
+        self.connect_timeout = connect_timeout
         self.certs_d = Path(certs_d)
         self.scheme = "http" if is_insecure(registry, insecure) else "https"
         self.base = f"{self.scheme}://{registry}"
@@ -92,24 +97,40 @@ class RegistryClient:
         """The API URL of ``path`` in the repository (``blobs/<digest>``, ``manifests/<ref>``...)."""
         return f"{self.base}/v2/{self.repo}/{path}"
 
+    def clock(self, where: str, size: int, cap: float | None = None) -> TransferClock:
+        """The total deadline of a transfer of ``size`` bytes (:attr:`bound`), started now, at
+        most ``cap`` seconds."""
+        c = self.bound.start(where, size)
+        if cap is not None and cap < c.limit:
+            c.limit = cap
+        return c
+
     def send(self, method: str, url: str, what: str, *, headers: dict | None = None, content=None,
-             stream: bool = False, ok: tuple[int, ...] = (200,)) -> httpx.Response:
+             stream: bool = False, ok: tuple[int, ...] = (200,), clock: TransferClock | None = None) -> httpx.Response:
         """One request with authentication (:class:`~.auth.RegistryAuth`: a 401 challenge is
         answered, twice at most); a GET or HEAD follows redirects (httpx's handling: a blob
         served from storage elsewhere gets no ``Authorization``). Translates failures (the
         package docstring): a status not in ``ok`` raises. ``content``: bytes, or a function
         returning a fresh iterator of bytes per attempt. ``stream``: the caller reads and closes
-        the response. ``what`` names the object in messages."""
+        the response. ``what`` names the object in messages. ``clock``: the transfer's total
+        deadline (:meth:`clock`): the read and write timeouts are clamped to what is left of it,
+        and a timeout once it has passed is :class:`~warmctl.store.backend.RemoteTooSlow`."""
         where = f"{what} at {self.base}"
         again = content if callable(content) else None
         auth = RegistryAuth(self.login, self.client, where, again)
         try:
             request = self.client.build_request(method, url, headers=dict(headers or {}),
                                                 content=content() if again else content)
+            if clock is not None:  # this request's timeouts (httpx's request extension)
+                t = max(0.01, min(self.read_timeout, clock.left()))
+                request.extensions["timeout"] = httpx.Timeout(connect=self.connect_timeout, read=t, write=t,
+                                                              pool=60.0).as_dict()
             r = self.client.send(request, stream=stream, auth=auth, follow_redirects=method in ("GET", "HEAD"))
         except httpx.TooManyRedirects as e:
             raise HostError(f"{where}: the registry redirects too many times ({e})") from e
         except httpx.HTTPError as e:
+            if clock is not None and clock.expired():
+                raise clock.error(0, "sent" if content is not None else "received") from e
             raise self._transport_error(where, e) from e
         if r.status_code in ok:
             return r
@@ -156,23 +177,29 @@ class RegistryClient:
                              "storage.delete.enabled in Distribution, or the registry's delete permission)")
         return HostError(f"{where}: {label}" + (f": {body[:200]}" if body and not code else ""))
 
-    def _read_bounded(self, r: httpx.Response, limit: int, what: str, expect: int | None = None) -> bytes:
+    def _read_bounded(self, r: httpx.Response, limit: int, what: str, expect: int | None = None,
+                      clock: TransferClock | None = None) -> bytes:
         """The body of streamed response ``r``: at most ``limit`` bytes (else IntegrityError), read
-        within ``read_deadline`` seconds (else TransientBackendError); closes ``r``."""
+        within its total deadline (``clock``, started before the request; else the size it
+        announces, else ``expect``, else ``limit``, at :attr:`bound`, at most ``read_deadline``
+        seconds; past it :class:`~warmctl.store.backend.RemoteTooSlow`); closes ``r``."""
         where = f"{what} at {self.base}"
-        deadline = time.monotonic() + self.read_deadline
         out = bytearray()
+        n = r.headers.get("content-length")
+        if clock is None:
+            size = int(n) if n is not None and n.isdigit() else expect if expect is not None else limit
+            clock = self.clock(where, size, self.read_deadline)
         try:
-            n = r.headers.get("content-length")
             if n is not None and n.isdigit() and int(n) > limit:
                 raise IntegrityError(f"{where}: the registry offers {int(n):,} bytes, more than the {limit:,} allowed for it; refused")
             for b in r.iter_bytes():
                 out += b
                 if len(out) > limit:
                     raise IntegrityError(f"{where}: the registry sent more than the {limit:,} bytes allowed for it; refused")
-                if time.monotonic() > deadline:
-                    raise TransientBackendError(f"{where}: not read within {self.read_deadline:g} s")
+                clock.check(len(out))
         except httpx.HTTPError as e:
+            if clock.expired():
+                raise clock.error(len(out)) from e
             raise self._transport_error(where, e) from e
         finally:
             r.close()
@@ -182,8 +209,10 @@ class RegistryClient:
 
     def get_manifest(self, ref: str, what: str) -> tuple[str, dict]:
         """(OCI digest, parsed manifest) of tag or digest ``ref``. Raises ObjectNotFound."""
-        r = self.send("GET", self.url(f"manifests/{ref}"), what, headers={"Accept": f"{OCI_MANIFEST}, {OCI_INDEX}"}, stream=True)
-        data = self._read_bounded(r, MAX_OCI_MANIFEST, what)
+        clock = self.clock(f"{what} at {self.base}", MAX_OCI_MANIFEST, self.read_deadline)
+        r = self.send("GET", self.url(f"manifests/{ref}"), what, headers={"Accept": f"{OCI_MANIFEST}, {OCI_INDEX}"},
+                      stream=True, clock=clock)
+        data = self._read_bounded(r, MAX_OCI_MANIFEST, what, clock=clock)
         digest = _sha(data)
         if ref.startswith("sha256:") and digest != ref:
             raise IntegrityError(f"{what} at {self.base}: the registry sent a manifest of digest {digest}, not {ref}; refused")
@@ -196,8 +225,9 @@ class RegistryClient:
         return digest, doc
 
     def get_blob(self, digest: str, limit: int, what: str, size: int | None = None) -> bytes:
-        r = self.send("GET", self.url(f"blobs/{digest}"), what, stream=True)
-        data = self._read_bounded(r, limit, what, size)
+        clock = self.clock(f"{what} at {self.base}", limit if size is None else size, self.read_deadline)
+        r = self.send("GET", self.url(f"blobs/{digest}"), what, stream=True, clock=clock)
+        data = self._read_bounded(r, limit, what, size, clock=clock)
         if _sha(data) != digest:
             raise IntegrityError(f"{what}: blob {digest} in {self.location()} is corrupt (its bytes hash to {_sha(data)}); refused")
         return data
@@ -217,10 +247,27 @@ class RegistryClient:
         loc = urljoin(self.url("blobs/uploads/"), r.headers.get("location", ""))
         r.close()
         sep = "&" if "?" in loc else "?"
-        # ``data`` itself, not one iterator of it: a PUT refused for an expired token is sent
-        # again, and its body must be whole again (send calls a function once per attempt).
-        self.send("PUT", f"{loc}{sep}digest={quote(digest)}", what, ok=(201,), content=data,
-                   headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}).close()
+        clock = self.clock(f"{what} at {self.base}", size)
+
+        def timed() -> Iterator[bytes]:
+            """The body (``data()`` called now, as each attempt is built), piece by piece,
+            within its total deadline."""
+            pieces = data() if callable(data) else (data[i:i + UPLOAD_PIECE] for i in range(0, len(data), UPLOAD_PIECE))
+
+            def gen() -> Iterator[bytes]:
+                sent = 0
+                for b in pieces:
+                    clock.check(sent, "sent")
+                    yield b
+                    sent += len(b)
+                clock.check(sent, "sent")
+
+            return gen()
+
+        # a function, not one iterator: a PUT refused for an expired token is sent again, and
+        # its body must be whole again (send calls it once per attempt).
+        self.send("PUT", f"{loc}{sep}digest={quote(digest)}", what, ok=(201,), content=timed, clock=clock,
+                  headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}).close()
         self.have_blobs.add(digest)
 
     def put_manifest(self, ref: str, doc: dict, what: str) -> str:
