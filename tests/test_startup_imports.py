@@ -108,6 +108,16 @@ def test_up_path_imports_no_heavy_module_when_it_calls_lifecycle_up(tmp_path):
     assert bench.loaded(present) == []
 
 
+def test_up_path_loads_the_profile_without_detect_secrets_or_requests(tmp_path):
+    """``up``'s first step, the profile load, runs the credential rules without importing the
+    detect_secrets package and its ``requests`` (they read the plugins' expressions from source)."""
+    dump = tmp_path / "modules.json"
+    bench.run_once(bench.UP_PROFILE_CODE, {**bench.make_env(tmp_path), "WARMCTL_IMPORTS_DUMP": str(dump)}, tmp_path)
+    present = json.loads(dump.read_text())
+    assert {"warmctl.lifecycle", "warmctl.profile", "warmctl.credentials"} <= set(present)
+    assert _loaded(present, NOT_ON_UP_PATH + ("detect_secrets", "requests", "urllib3")) == []
+
+
 def test_up_path_import_time_within_budget(tmp_path):
     env = bench.make_env(tmp_path)
     for code in (bench.SIDES["bare"], bench.UP_CODE):  # writes the bytecode, as an install has it
