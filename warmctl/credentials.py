@@ -15,7 +15,7 @@ bucket; whatever secret the engine holds is published with it. Three lines of de
 **The shape rules** (:func:`shape_rules`, :func:`find_shapes`). A value looks like it holds a
 credential when it matches one: a URL's ``user:password@`` in any scheme, a PEM private key,
 cloud, hub and registry tokens (the expressions of Yelp's detect-secrets plugins, listed in
-:data:`_DETECT_SECRETS_RULES`), and warmctl's own for what those lack (Hugging Face, Docker
+:data:`_DETECT_SECRETS_RULES`, read from the plugins' source by :func:`plugin_denylist`), and warmctl's own for what those lack (Hugging Face, Docker
 Hub and GitHub fine-grained tokens, Google API keys, ``Authorization``/``Bearer`` values and
 ``Basic`` strings that decode to ``user:password``). What the scan searches for is the secret
 *part* (the URL's password, the token), never the whole value.
@@ -181,13 +181,17 @@ def plugin_denylist(module: str, cls: str) -> tuple[re.Pattern, ...] | None:
     ns: dict = {"re": re}
 
     def assign(stmt: ast.stmt) -> None:
-        if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
-            try:
-                value = eval(compile(ast.Expression(stmt.value), str(path), "eval"), ns)  # noqa: S307
-            except Exception:  # needs a name this evaluation does not have: not an expression's part
-                return
-            for t in stmt.targets:
-                ns[t.id] = value  # type: ignore[attr-defined]
+        if not isinstance(stmt, ast.Assign):
+            return
+        names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+        if len(names) != len(stmt.targets):
+            return
+        try:
+            value = eval(compile(ast.Expression(stmt.value), str(path), "eval"), ns)
+        except Exception:  # needs a name this evaluation does not have: not an expression's part
+            return
+        for name in names:
+            ns[name] = value
 
     for stmt in tree.body:
         if isinstance(stmt, ast.ClassDef) and stmt.name == cls:
