@@ -8,8 +8,11 @@ compare within one run):
   every ``warmctl`` command, ``--help`` included, pays);
 - **up path**: the real ``python -m warmctl up tiny --json --cold-start never`` (a config with
   the ``tiny`` profile in a temporary directory), ended at the moment the command calls
-  :func:`warmctl.lifecycle.up`: the CLI, typer/click, the settings and the profile loaded, and
-  everything ``warmctl.lifecycle`` imports at its top.
+  :func:`warmctl.lifecycle.up`: the CLI, typer/click, the settings, and
+  everything ``warmctl.lifecycle`` imports at its top;
+- **up path with the profile loaded**: the same, continued through ``up``'s first step, the
+  profile load (:func:`warmctl.lifecycle.find_profile`: the TOML, the models, the credential
+  rules), ended there.
 
 Each side's extra over **bare** is reported (best and median of the runs; the test
 ``tests/test_startup_imports.py`` holds the best to a budget); then one ``python -X importtime``
@@ -55,9 +58,11 @@ NOT_ON_UP_PATH = ("fastapi", "uvicorn", "starlette", "boto3", "botocore", "httpx
 
 #: The up path, ended where the `up` command calls lifecycle.up (exit 0 there; any other exit
 #: means the path changed: a failure). WARMCTL_IMPORTS_DUMP: write sys.modules there first.
+#: lifecycle.up is replaced as the command's own import of warmctl.lifecycle loads it (a finder
+#: first on sys.meta_path), so the modules load in the order `warmctl up` loads them: the CLI
+#: first (which may set up the process, e.g. pydantic's plugins), then what the command imports.
 UP_CODE = """\
 import os, runpy, sys
-import warmctl.lifecycle as lc
 def up(*a, **kw):
     dump = os.environ.get("WARMCTL_IMPORTS_DUMP")
     if dump:
@@ -66,13 +71,31 @@ def up(*a, **kw):
             json.dump(sorted(sys.modules), f)
     sys.stdout.flush()
     os._exit(0)
-lc.up = up
+class PatchUp:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "warmctl.lifecycle":
+            return None
+        sys.meta_path.remove(PatchUp)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.up = up
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, PatchUp)
 sys.argv = ["warmctl", "up", "tiny", "--json", "--cold-start", "never"]
 runpy.run_module("warmctl", run_name="__main__")
 os._exit(3)
 """
+#: The up path continued through ``up``'s first step, the profile load (lifecycle.find_profile:
+#: the TOML, the models, the credential rules), then ended as UP_CODE ends.
+UP_PROFILE_CODE = UP_CODE.replace("def up(*a, **kw):\n", "def up(*a, **kw):\n"
+                                  "    sys.modules['warmctl.lifecycle'].find_profile(a[0].name, a[1])\n", 1)
 CLI_CODE = "import typer.main, warmctl.cli as c; c._register(); typer.main.get_command(c.app)"
-SIDES = {"bare": "pass", "cli": CLI_CODE, "up": UP_CODE}
+SIDES = {"bare": "pass", "cli": CLI_CODE, "up": UP_CODE, "up_profile": UP_PROFILE_CODE}
 
 
 def make_env(work: Path, repo: Path = REPO, bytecode: bool = True) -> dict[str, str]:
@@ -186,7 +209,7 @@ def main() -> None:
             for what, t in (("", times[str(r)]), ("cpu_", cpu[str(r)])):
                 bare_b, bare_m = min(t["bare"]), statistics.median(t["bare"])
                 row.update({f"{what}bare_best_s": bare_b, f"{what}bare_median_s": bare_m})
-                for side in ("cli", "up"):
+                for side in ("cli", "up", "up_profile"):
                     row[f"{what}{side}_best_s"] = min(t[side]) - bare_b
                     row[f"{what}{side}_median_s"] = statistics.median(t[side]) - bare_m
             mods = up_modules(envs[str(r)], work)
@@ -195,18 +218,22 @@ def main() -> None:
             result["repos"][str(r)] = row
             print(f"  {r}:\n    wall: bare {row['bare_best_s'] * 1e3:.0f} / {row['bare_median_s'] * 1e3:.0f} ms; "
                   f"cli +{row['cli_best_s'] * 1e3:.0f} / +{row['cli_median_s'] * 1e3:.0f} ms; "
-                  f"up path +{row['up_best_s'] * 1e3:.0f} / +{row['up_median_s'] * 1e3:.0f} ms\n"
+                  f"up path +{row['up_best_s'] * 1e3:.0f} / +{row['up_median_s'] * 1e3:.0f} ms; "
+                  f"with the profile loaded +{row['up_profile_best_s'] * 1e3:.0f} / +{row['up_profile_median_s'] * 1e3:.0f} ms\n"
                   f"    CPU:  bare {row['cpu_bare_best_s'] * 1e3:.0f} / {row['cpu_bare_median_s'] * 1e3:.0f} ms; "
                   f"cli +{row['cpu_cli_best_s'] * 1e3:.0f} / +{row['cpu_cli_median_s'] * 1e3:.0f} ms; "
-                  f"up path +{row['cpu_up_best_s'] * 1e3:.0f} / +{row['cpu_up_median_s'] * 1e3:.0f} ms\n"
+                  f"up path +{row['cpu_up_best_s'] * 1e3:.0f} / +{row['cpu_up_median_s'] * 1e3:.0f} ms; "
+                  f"with the profile loaded +{row['cpu_up_profile_best_s'] * 1e3:.0f} / "
+                  f"+{row['cpu_up_profile_median_s'] * 1e3:.0f} ms\n"
                   f"    the up path imports {len(mods)} modules; of {', '.join(NOT_ON_UP_PATH)}: "
                   f"{', '.join(row['heavy_loaded']) or 'none'}")
         if len(repos) == 2:
             b, c = (result["repos"][str(r)] for r in repos)
-            for k in ("up_best_s", "up_median_s", "cpu_up_best_s", "cpu_up_median_s"):
+            keys = ("up_best_s", "up_median_s", "cpu_up_best_s", "cpu_up_median_s", "cpu_up_profile_best_s",
+                    "cpu_up_profile_median_s")
+            for k in keys:
                 result[f"ratio_{k[:-2]}"] = c[k] / b[k]
-            print("  up path, second / first: " + ", ".join(f"{k[:-2].replace('_', ' ')} {c[k] / b[k]:.2f}x" for k in
-                                                            ("up_best_s", "up_median_s", "cpu_up_best_s", "cpu_up_median_s")))
+            print("  second / first: " + ", ".join(f"{k[:-2].replace('_', ' ')} {c[k] / b[k]:.2f}x" for k in keys))
         for r in repos:
             rows = importtime(envs[str(r)], work)
             groups: dict[str, int] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -224,6 +225,42 @@ def test_a_credential_inside_a_value_is_recognised_by_its_shape(value, rule, par
 ])
 def test_ordinary_values_match_no_shape_rule(value):
     assert credentials.find_shapes(value) == []
+
+
+def test_detect_secrets_expressions_read_from_source_equal_the_imported_plugins():
+    """The shape rules take detect-secrets' expressions from the plugins' source files (importing
+    a plugin imports ``requests``); they are the very expressions the imported plugins hold."""
+    import importlib
+
+    for name, _what, module, cls, _parts in credentials._DETECT_SECRETS_RULES:
+        read = credentials.plugin_denylist(module, cls)
+        assert read is not None, f"{name}: detect_secrets.plugins.{module}.{cls}.denylist not read from its source"
+        imported = getattr(importlib.import_module(f"detect_secrets.plugins.{module}"), cls).denylist
+        assert [(x.pattern, x.flags) for x in read] == [(x.pattern, x.flags) for x in imported], name
+    rules = {r.name: r for r in credentials.shape_rules()}
+    assert [p.pattern for p in rules["url-userinfo"].patterns][1:] == list(credentials._EXTRA_PATTERNS["url-userinfo"])
+
+
+def test_loading_a_profile_checks_shapes_without_importing_detect_secrets_or_requests(tmp_path):
+    """Every profile load (``up``'s included) runs the shape rules; it imports neither the
+    detect_secrets package nor ``requests`` (70-90 ms of CPU), and still refuses a credential
+    inside a value."""
+    bad = tmp_path / "mirror.toml"
+    bad.write_text((PROFILES_DIR / "tiny.toml").read_text().replace(
+        'HF_HUB_OFFLINE = "1"', 'HF_HUB_OFFLINE = "1"\nHF_ENDPOINT = "https://ci-bot:s3cretPassw0rd@mirror.internal"'))
+    code = ("import sys\n"
+            "from warmctl.profile import CredentialInProfile, load_profile_file\n"
+            f"load_profile_file({str(PROFILES_DIR / 'tiny.toml')!r})\n"
+            "try:\n"
+            f"    load_profile_file({str(bad)!r})\n"
+            "    print('accepted')\n"
+            "except CredentialInProfile as e:\n"
+            "    print('refused', 'url-userinfo' in str(e))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('detect_secrets', 'requests', 'urllib3')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(credentials.__file__).parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["refused True", "[]"], r.stdout
 
 
 def test_known_secrets_adds_the_secret_part_of_shaped_values_and_of_the_files_variables_name(tmp_path):

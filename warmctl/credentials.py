@@ -15,7 +15,7 @@ bucket; whatever secret the engine holds is published with it. Three lines of de
 **The shape rules** (:func:`shape_rules`, :func:`find_shapes`). A value looks like it holds a
 credential when it matches one: a URL's ``user:password@`` in any scheme, a PEM private key,
 cloud, hub and registry tokens (the expressions of Yelp's detect-secrets plugins, listed in
-:data:`_DETECT_SECRETS_RULES`), and warmctl's own for what those lack (Hugging Face, Docker
+:data:`_DETECT_SECRETS_RULES`, read from the plugins' source by :func:`plugin_denylist`), and warmctl's own for what those lack (Hugging Face, Docker
 Hub and GitHub fine-grained tokens, Google API keys, ``Authorization``/``Bearer`` values and
 ``Basic`` strings that decode to ``user:password``). What the scan searches for is the secret
 *part* (the URL's password, the token), never the whole value.
@@ -146,19 +146,83 @@ _EXTRA_PATTERNS = {"url-userinfo": (r"://:([^:/?#\[\]@!$&'()*+,;=\s]+)@",)}
 _RULES: list[ShapeRule] | None = None
 
 
+def _plugin_source(module: str) -> Path | None:
+    """The source file of ``detect_secrets.plugins.<module>``, found without importing the
+    package (None when detect-secrets is not installed as source files)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("detect_secrets")  # a top-level package: found, not run
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "plugins" / f"{module}.py"
+    return path if path.is_file() else None
+
+
+def plugin_denylist(module: str, cls: str) -> tuple[re.Pattern, ...] | None:
+    """The expressions (``denylist``) of detect-secrets' plugin ``cls`` in
+    ``detect_secrets.plugins.<module>``, evaluated from the plugin's source file without
+    importing it; None when they cannot be evaluated so (then :func:`shape_rules` imports the
+    plugin). Importing any plugin runs the ``detect_secrets`` package, whose scanner imports
+    every plugin and ``requests`` (70-90 ms of CPU on the development hosts, on every profile
+    load, ``up``'s included); warmctl takes only the expressions. Evaluated: the module's
+    top-level assignments and those of the class body up to ``denylist``, each with ``re`` and
+    the names assigned before it (an assignment that needs anything else is skipped); the
+    result must be a list or tuple of compiled expressions.
+    ``tests/test_credentials.py`` checks the expressions equal those of the imported plugins."""
+    import ast
+
+    path = _plugin_source(module)
+    if path is None:
+        return None
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    ns: dict = {"re": re}
+
+    def assign(stmt: ast.stmt) -> None:
+        if not isinstance(stmt, ast.Assign):
+            return
+        names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+        if len(names) != len(stmt.targets):
+            return
+        try:
+            value = eval(compile(ast.Expression(stmt.value), str(path), "eval"), ns)
+        except Exception:  # needs a name this evaluation does not have: not an expression's part
+            return
+        for name in names:
+            ns[name] = value
+
+    for stmt in tree.body:
+        if isinstance(stmt, ast.ClassDef) and stmt.name == cls:
+            for inner in stmt.body:
+                assign(inner)
+                if isinstance(inner, ast.Assign) and any(getattr(t, "id", None) == "denylist" for t in inner.targets):
+                    found = ns.get("denylist")
+                    if isinstance(found, (list, tuple)) and found and all(isinstance(x, re.Pattern) for x in found):
+                        return tuple(found)
+                    return None
+            return None
+        assign(stmt)
+    return None
+
+
 def shape_rules() -> list[ShapeRule]:
     """Every shape rule, in the order they are tried (detect-secrets' first). The
-    detect-secrets plugins are imported on the first call (about 80 ms)."""
+    detect-secrets plugins' expressions are read from their source on the first call
+    (:func:`plugin_denylist`, a few ms), else the plugin is imported (about 80 ms)."""
     global _RULES
     if _RULES is None:
         import importlib
 
         rules = []
         for name, what, module, cls, parts in _DETECT_SECRETS_RULES:
-            plugin = getattr(importlib.import_module(f"detect_secrets.plugins.{module}"), cls)
+            denylist = plugin_denylist(module, cls)
+            if denylist is None:
+                denylist = tuple(getattr(importlib.import_module(f"detect_secrets.plugins.{module}"), cls).denylist)
             extra = tuple(re.compile(e) for e in _EXTRA_PATTERNS.get(name, ()))
             origin = f"detect-secrets {cls}" + (" and warmctl" if extra else "")
-            rules.append(ShapeRule(name, what, origin, tuple(plugin.denylist) + extra, parts))
+            rules.append(ShapeRule(name, what, origin, denylist + extra, parts))
         for name, what, exprs, parts in _WARMCTL_RULES:
             rules.append(ShapeRule(name, what, "warmctl", tuple(re.compile(e) for e in exprs), parts))
         _RULES = rules

@@ -38,7 +38,15 @@ def _register() -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    Sets ``PYDANTIC_DISABLE_PLUGINS=__all__`` unless the environment sets it (warmctl uses no
+    pydantic plugin; typer sets the same while it builds its parameters): pydantic otherwise
+    searches every installed distribution's entry points for plugins when it builds the first
+    model, 6-7 ms of CPU of every command on the development hosts, more beside a large engine
+    environment. The gate's process inherits it; the engine does not (its environment is
+    declared, :func:`warmctl.engine.vllm.engine_environment`)."""
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     from warmctl.cli.output import err, plain_usage_errors
 
     _register()

@@ -11,11 +11,14 @@ a key never does. Light to import (no asyncio, no pydantic): ``up`` and the gate
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warmctl.gate.routes import DEFAULT_PUBLIC_PATHS
+
+if TYPE_CHECKING:  # the gate's process parses its arguments; `up` only writes them
+    import argparse
 
 
 @dataclass(frozen=True)
