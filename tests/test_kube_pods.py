@@ -1,0 +1,241 @@
+"""Pods on a real kubelet (tests/kubenode.py: containerd 1.6 + runc + kubelet v1.20.2 on
+loopback, registered with the test cluster of tests/kubecluster.py), images from a loopback
+registry. Opt-in: ``bash scripts/test.sh --kubernetes tests/test_kube_pods.py`` (or
+``WARMCTL_TEST_KUBERNETES=1``); the default run and ``--fast`` skip them, saying so.
+
+- A busybox pod behind an HTTP readiness probe: not Ready while nothing answers, Ready once
+  something does, NotReady again when it stops; deleted: its containers gone, nothing mounted or
+  running left on the node.
+- The ``tiny`` engine in a pod of the project's image (deploy/image/build.sh), running
+  ``warmctl up tiny --foreground`` (privileged, hostNetwork on loopback, tini as PID 1) with the
+  readiness probe on the gate's ``/health``: not Ready before its canary passed, Ready after; a
+  chat request through the pod's address answered "Paris."; the pod deleted: drained, the engine
+  gone, nothing left on the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.kubelet,
+    pytest.mark.skipif(os.environ.get("WARMCTL_TEST_KUBERNETES") != "1",
+                       reason="pod tests on a real kubelet are opt-in: bash scripts/test.sh --kubernetes, "
+                              "or WARMCTL_TEST_KUBERNETES=1"),
+]
+
+
+def _ready(pod: dict | None) -> bool | None:
+    """The pod's Ready condition (None when it has none yet)."""
+    for c in (pod or {}).get("status", {}).get("conditions", []):
+        if c["type"] == "Ready":
+            return c["status"] == "True"
+    return None
+
+
+def _create(node, pod: dict) -> None:
+    st, body = node.cluster.request("POST", f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods", body=pod)
+    assert st == 201, f"create pod: HTTP {st}: {body}"
+
+
+def _delete(node, namespace: str, name: str, grace: int) -> None:
+    st, body = node.cluster.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                                    body={"gracePeriodSeconds": grace})
+    assert st in (200, 202), f"delete pod: HTTP {st}: {body}"
+
+
+def _get(url: str, timeout: float = 2) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def test_busybox_pod_readiness_follows_its_probe_and_deletion_leaves_nothing(kube_node, kube_images):
+    from kubecluster import free_port
+
+    image = kube_images.busybox()
+    port = free_port()
+    name = f"bb-{uuid.uuid4().hex[:6]}"
+    # the container serves HTTP only while /tmp/serve exists (busybox nc answers one request per
+    # connection); kubectl-less: the test flips it through the pod's own hostPath directory
+    share = kube_node.workdir / "share" / name
+    share.mkdir(parents=True)
+    script = (f"while true; do if [ -e /share/serve ]; then "
+              f"printf 'HTTP/1.0 200 OK\\r\\n\\r\\nok' | nc -l -p {port} >/dev/null; "
+              f"else sleep 0.2; fi; done")
+    _create(kube_node, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": kube_node.name, "hostNetwork": True, "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 2, "restartPolicy": "Never",
+            "containers": [{
+                "name": "c", "image": image, "command": ["/bin/sh", "-c", script],
+                "readinessProbe": {"httpGet": {"host": "127.0.0.1", "port": port, "path": "/health"},
+                                   "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1},
+                "volumeMounts": [{"name": "share", "mountPath": "/share"}],
+            }],
+            "volumes": [{"name": "share", "hostPath": {"path": str(share), "type": "Directory"}}],
+        },
+    })
+    pod = kube_node.wait_pod("default", name, lambda p: (p or {}).get("status", {}).get("phase") == "Running",
+                             timeout=120, what="Running")
+    assert pod["status"]["podIP"] == "127.0.0.1" and pod["status"]["hostIP"] == "127.0.0.1"
+    time.sleep(3)  # three probe periods with nothing listening
+    assert _ready(kube_node.pod("default", name)) is False
+    (share / "serve").touch()
+    kube_node.wait_pod("default", name, lambda p: _ready(p) is True, timeout=30, what="Ready")
+    (share / "serve").unlink()
+    kube_node.wait_pod("default", name, lambda p: _ready(p) is False, timeout=30, what="NotReady again")
+    _delete(kube_node, "default", name, grace=2)
+    kube_node.wait_pod("default", name, lambda p: p is None, timeout=60, what="deleted")
+    assert _wait_no_leftovers(kube_node) == []
+
+
+def _wait_no_leftovers(node, timeout: float = 30) -> list[str]:
+    """The node's leftovers once none remain, or those still there after ``timeout`` s (the
+    kubelet removes a deleted pod's sandbox shortly after the API object is gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = node.leftovers()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def engine_image(kube_images) -> str:
+    """The project's image (deploy/image/build.sh: the base cached per install recipe, the
+    checkout's source on top), pushed to the session's registry; its reference."""
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "deploy" / "image" / "build.sh")], capture_output=True, text=True,
+                       timeout=3600)
+    assert r.returncode == 0, f"deploy/image/build.sh exited {r.returncode}:\n{r.stderr[-4000:]}"
+    layout, tag = r.stdout.split()[-2:]
+    ref = kube_images.push(Path(layout), tag, "warmctl/engine")
+    print(f"\nengine image {ref}: built/cached and pushed in {time.monotonic() - t0:.1f} s")
+    return ref
+
+
+def _engine_pod(name: str, image: str, share: Path, gate_port: int, args: list[str], grace: int = 30) -> dict:
+    """An engine pod as deploy/kubernetes/engine-deployment.yaml has it, on loopback: privileged,
+    hostNetwork, the image's tini as PID 1 running ``warmctl ARGS`` with the node directory
+    ``share`` (config, profiles, data dir) mounted at the same path, readiness on the gate's
+    /health."""
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": "127.0.0.1", "hostNetwork": True, "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": grace, "restartPolicy": "Never",
+            "containers": [{
+                "name": "engine", "image": image, "args": ["warmctl", *args],
+                "env": [{"name": "WARMCTL_CONFIG", "value": str(share / "config.toml")},
+                        {"name": "PYTHONUNBUFFERED", "value": "1"}],
+                "securityContext": {"privileged": True},
+                "readinessProbe": {"httpGet": {"host": "127.0.0.1", "port": gate_port, "path": "/health"},
+                                   "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1},
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+                "volumeMounts": [{"name": "share", "mountPath": str(share)},
+                                 {"name": "shm", "mountPath": "/dev/shm"}],
+            }],
+            "volumes": [{"name": "share", "hostPath": {"path": str(share), "type": "Directory"}},
+                        {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        },
+    }
+
+
+def _share(node, name: str, engine_port: int, gate_port: int) -> Path:
+    from conftest import tiny_profile
+
+    share = node.workdir / "share" / name
+    (share / "profiles").mkdir(parents=True)
+    (share / "profiles" / "tiny.toml").write_text(tiny_profile(engine_port, gate_port))
+    (share / "config.toml").write_text(f'home = "{share / "home"}"\nprofile_dirs = ["{share / "profiles"}"]\n'
+                                       f'keys_dir = "{share / "keys"}"\n')
+    return share
+
+
+def _chat(port: int) -> str:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": "tiny", "temperature": 0, "max_tokens": 24, "messages": [
+            {"role": "user", "content": "What is the capital of France? One word."}]}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def _engine_pids() -> list[int]:
+    """Processes in a pod cgroup whose command line names vLLM or warmctl."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if "/kubepods" not in Path(f"/proc/{pid}/cgroup").read_text():
+                    continue
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"vllm" in cmd.lower() or b"warmctl" in cmd or b"VLLM" in Path(f"/proc/{pid}/comm").read_bytes():
+                out.append(int(pid))
+    return out
+
+
+@pytest.mark.e2e
+def test_tiny_engine_pod_ready_only_after_canary_answers_and_deletion_drains(kube_node, engine_image, engine_ports):
+    engine_port, gate_port = engine_ports[0] + 11, engine_ports[1] + 11
+    name = f"tiny-{uuid.uuid4().hex[:6]}"
+    share = _share(kube_node, name, engine_port, gate_port)
+    t0 = time.monotonic()
+    _create(kube_node, _engine_pod(name, engine_image, share, gate_port, ["up", "tiny", "--foreground"]))
+    # until Ready: sample the pod and the gate; the gate must never answer before the pod is
+    # Running, and the pod must never be Ready while the gate does not answer
+    running_at = ready_at = None
+    not_ready_while_running = 0
+    deadline = t0 + 1500
+    while ready_at is None:
+        pod = kube_node.pod("default", name)
+        phase = (pod or {}).get("status", {}).get("phase")
+        assert phase in ("Pending", "Running"), f"pod {phase}: {json.dumps((pod or {}).get('status'))[-3000:]}"
+        health = _get(f"http://127.0.0.1:{gate_port}/health")
+        ready = _ready(pod)
+        if phase == "Running" and running_at is None:
+            running_at = time.monotonic()
+        if ready:
+            assert health == 200, "pod Ready while the gate's /health does not answer 200"
+            ready_at = time.monotonic()
+        elif phase == "Running":
+            not_ready_while_running += 1
+        assert time.monotonic() < deadline, f"pod not Ready within 1500 s{kube_node.tails()}"
+        time.sleep(0.5)
+    assert not_ready_while_running >= 3, "the pod was never seen Running and not Ready (canary not awaited?)"
+    logs = kube_node.cluster.kubectl("logs", "-n", "default", name).stdout
+    assert "canary" in logs.lower(), logs[-3000:]
+    answer = _chat(gate_port)
+    assert answer.strip() == "Paris.", answer
+    print(f"\npod-ready-seconds cold start in a pod: created->Running {running_at - t0:.1f} s (image pull, "
+          f"sandbox), created->Ready {ready_at - t0:.1f} s")
+    assert _engine_pids(), "no engine process found in the pod's cgroup while it serves"
+    # deleted: SIGTERM to tini -> warmctl drains and stops the engine; the pod goes away within
+    # its grace period, without SIGKILL being needed
+    td = time.monotonic()
+    _delete(kube_node, "default", name, grace=30)
+    kube_node.wait_pod("default", name, lambda p: p is None, timeout=90, what="deleted")
+    gone_s = time.monotonic() - td
+    assert gone_s < 30, f"pod took {gone_s:.1f} s to go: not drained within its grace period"
+    assert _get(f"http://127.0.0.1:{gate_port}/health") == 0 and _get(f"http://127.0.0.1:{engine_port}/health") == 0
+    assert _engine_pids() == []
+    assert _wait_no_leftovers(kube_node) == []
