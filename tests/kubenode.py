@@ -24,8 +24,10 @@ address a test reaches them at).
 :meth:`KubeNode.stop` deletes every pod still bound to the node, stops the kubelet, kills and
 removes every container and sandbox left in containerd, stops containerd and the shims it
 started, unmounts everything mounted under the working directory (the kubelet's volume mounts,
-containerd's overlay and shm mounts), removes the pods' cgroups, and removes the working
-directory; :meth:`KubeNode.leftovers` lists what of that remains (the pod tests assert it is
+containerd's overlay and shm mounts), removes the pods' cgroups and what the kubelet and the
+shims wrote to the host paths they use whatever their flags say (:data:`HOST_PATHS`: pod logs
+under /var/log/pods, /var/lib/kubelet/device-plugins, shim sockets under /run/containerd), and
+removes the working directory; :meth:`KubeNode.leftovers` lists what of that remains (the pod tests assert it is
 empty).
 
 Binaries: ``containerd``, ``containerd-shim-runc-v2``, ``runc``, ``ctr``, the CNI ``loopback``
@@ -59,6 +61,9 @@ KUBELET_USER = kubecluster.KUBELET
 assert KUBELET_USER == f"system:node:{NODE_NAME}"
 
 CNI_BIN = Path("/usr/lib/cni")
+#: Host directories the kubelet (pod and container logs, device plugins) and containerd's shims
+#: (their sockets) write to whatever their configuration says; a node removes what it added.
+HOST_PATHS = (Path("/var/log/pods"), Path("/var/log/containers"), Path("/var/lib/kubelet"), Path("/run/containerd"))
 IMAGE_CACHE = Path(os.environ.get("WARMCTL_IMAGE_CACHE") or "/var/cache/warmctl/image")
 BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "docker-registry", "skopeo", "umoci", "busybox")
 
@@ -164,6 +169,7 @@ class KubeNode:
         self.procs: dict[str, subprocess.Popen] = {}
         self.sock = self.workdir / "containerd" / "containerd.sock"
         self.start_s = 0.0
+        self._host_dirs: dict[Path, set[str] | None] = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -232,6 +238,10 @@ class KubeNode:
         w = self.workdir
         for d in ("log", "containerd", "cni", "kubelet", "runc"):
             (w / d).mkdir(parents=True, exist_ok=True)
+        # the host paths kubelet 1.20 and containerd's shims use whatever their flags say: what
+        # is in them now, so that stop() removes only what this node added
+        for d in HOST_PATHS:
+            self._host_dirs[d] = set(os.listdir(d)) if d.is_dir() else None
         sandbox = self.images.busybox()
         (w / "cni" / "10-loopback.conflist").write_text(json.dumps(
             {"cniVersion": "0.4.0", "name": "warmctl-loopback", "plugins": [{"type": "loopback"}]}))
@@ -314,7 +324,9 @@ state = "{w}/containerd/state"
         if "containerd" in self.procs and self.procs["containerd"].poll() is None:
             r = self.ctr("tasks", "ls", "-q", check=False)
             out += [f"containerd task {t}" for t in r.stdout.split()]
-        out += [f"mount {m}" for m in self._mounts()]
+        # the kubelet bind-mounts its root directory onto itself (a shared mount): the node's, not a pod's
+        own = str((self.workdir / "kubelet").resolve())
+        out += [f"mount {m}" for m in self._mounts() if m != own]
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:
@@ -332,6 +344,18 @@ state = "{w}/containerd/state"
             if mp == w or mp.startswith(w + "/"):
                 mounts.append(mp)
         return mounts
+
+    def _remove_host_paths(self) -> None:
+        for d, before in self._host_dirs.items():
+            if before is None:
+                shutil.rmtree(d, ignore_errors=True)
+            elif d.is_dir():
+                for entry in set(os.listdir(d)) - before:
+                    p = d / entry
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
 
     def stop(self) -> None:
         """Delete the node's pods, stop the kubelet, kill every container left, stop containerd
@@ -385,6 +409,7 @@ state = "{w}/containerd/state"
                     base.rmdir()
                 except OSError:
                     pass
+        self._remove_host_paths()
         if os.environ.get("WARMCTL_TEST_KEEP_TMP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 

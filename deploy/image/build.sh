@@ -33,20 +33,28 @@ START=$(date +%s)
 
 build_base() {
     local root="$DIR/rootfs" mirror
-    rm -rf "$root" "$OCI"
-    mkdir -p "$root"
-    mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
-    [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
-    [ -n "$mirror" ] || die "no Debian mirror found in /etc/apt"
-    say "base: debootstrap bookworm from $mirror into $root"
-    debootstrap --variant=minbase bookworm "$root" "$mirror" >"$DIR/debootstrap.log" 2>&1 \
-        || { tail -20 "$DIR/debootstrap.log" >&2; die "debootstrap failed (log: $DIR/debootstrap.log)"; }
+    rm -rf "$OCI"
+    # a root that debootstrap finished is reused (the installer is idempotent: a build stopped
+    # half-way resumes where it was)
+    if [ ! -f "$root/.debootstrap-done" ]; then
+        rm -rf "$root"
+        mkdir -p "$root"
+        mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+        [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+        [ -n "$mirror" ] || die "no Debian mirror found in /etc/apt"
+        say "base: debootstrap bookworm from $mirror into $root"
+        debootstrap --variant=minbase bookworm "$root" "$mirror" >"$DIR/debootstrap.log" 2>&1 \
+            || { tail -20 "$DIR/debootstrap.log" >&2; die "debootstrap failed (log: $DIR/debootstrap.log)"; }
+        touch "$root/.debootstrap-done"
+    fi
     # this machine's package sources and pip configuration, only while installing
     rm -f "$root/etc/apt/sources.list"; mkdir -p "$root/etc/apt/sources.list.d"
     cp /etc/apt/sources.list.d/*.sources "$root/etc/apt/sources.list.d/" 2>/dev/null || true
     [ -f /etc/apt/sources.list ] && cp /etc/apt/sources.list "$root/etc/apt/" || true
     cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
-    local f pipfiles=()
+    local f pipfiles=() pipenv=()
+    # this machine's pip settings from the environment too (e.g. PIP_FIND_LINKS: wheels on disk)
+    while IFS= read -r f; do pipenv+=("$f"); done < <(env | grep -E '^PIP_' | grep -v '^PIP_CERT=' || true)
     for f in /etc/pip.conf /etc/xdg/pip; do
         [ -e "$f" ] && { mkdir -p "$root$(dirname "$f")"; cp -a "$f" "$root$f"; pipfiles+=("$f"); }
     done
@@ -58,7 +66,7 @@ build_base() {
     say "base: scripts/install.sh inside the root (WARMCTL_VENV=/opt/warmctl-venv; minutes)"
     # a private mount namespace whose root is the new tree, as on a fresh machine (CRIU's check
     # reads the mount table)
-    ROOT=$root unshare --mount --fork /bin/bash -euc '
+    ROOT=$root PIPENV="${pipenv[*]:-}" unshare --mount --fork /bin/bash -euc '
       mount --make-rprivate /
       mount --bind "$ROOT" "$ROOT"
       b() { mkdir -p "$ROOT$2"; mount --rbind "$1" "$ROOT$2"; }
@@ -69,12 +77,12 @@ build_base() {
       umount -l /.old-root; rmdir /.old-root
       mount -t tmpfs -o mode=1777 tmpfs /tmp
       exec /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        PIP_CERT='"$hostca"' SSL_CERT_FILE='"$hostca"' WARMCTL_VENV=/opt/warmctl-venv DEBIAN_FRONTEND=noninteractive \
+        $PIPENV PIP_CERT='"$hostca"' SSL_CERT_FILE='"$hostca"' WARMCTL_VENV=/opt/warmctl-venv DEBIAN_FRONTEND=noninteractive \
         /bin/bash -euc "bash /opt/warmctl/scripts/install.sh && apt-get install -y -qq --no-install-recommends tini >/dev/null \
           && apt-get clean && rm -rf /var/lib/apt/lists/* /root/.cache"
     ' >"$DIR/install.log" 2>&1 || { tail -30 "$DIR/install.log" >&2; die "scripts/install.sh in the root failed (log: $DIR/install.log)"; }
     for f in "${pipfiles[@]}"; do rm -rf "${root:?}$f"; done
-    rm -rf "$root$(dirname "$hostca")" "$root/opt/warmctl/.git"
+    rm -rf "$root$(dirname "$hostca")" "$root/opt/warmctl/.git" "$root/.debootstrap-done"
     : > "$root/etc/resolv.conf"
     say "base: $(du -sh "$root" | cut -f1) root; packing with umoci (gzip of every file: a few minutes)"
     umoci init --layout "$OCI.tmp"
