@@ -9,7 +9,7 @@
 # Two layers:
 #   base  the root with everything scripts/install.sh installs (about 5 GB, several minutes: the
 #         vLLM install dominates). Cached under $WARMCTL_IMAGE_CACHE/<key>/oci, where <key> is a
-#         hash of this script, scripts/install.sh, requirements/ and pyproject.toml: built once per
+#         hash of its recipe here, scripts/install.sh, requirements/ and pyproject.toml: built once per
 #         change of those, reused otherwise (as scripts/install-kubernetes.sh caches Kubernetes).
 #   src   the checkout's warmctl/ and profiles/ on top (the base's editable install imports them
 #         from /opt/warmctl), tagged src-<hash of those files>: seconds, redone when they change.
@@ -26,7 +26,9 @@ CACHE=${WARMCTL_IMAGE_CACHE:-/var/cache/warmctl/image}
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, the installer inside the root)"
 for t in debootstrap umoci unshare; do command -v "$t" >/dev/null || die "$t not found (WARMCTL_KUBE_WITH_KUBELET=1 scripts/install-kubernetes.sh installs it)"; done
 
-KEY=$(cd "$REPO" && cat deploy/image/build.sh scripts/install.sh pyproject.toml requirements/* | sha256sum | cut -c1-16)
+# the base's inputs: its recipe (the build_base function below) and the installer's files
+KEY=$(cd "$REPO" && { sed -n '/^build_base() {/,/^}/p' deploy/image/build.sh; cat scripts/install.sh pyproject.toml requirements/*; } \
+    | sha256sum | cut -c1-16)
 DIR="$CACHE/$KEY"
 OCI="$DIR/oci"
 START=$(date +%s)
@@ -109,7 +111,7 @@ fi
 
 # the source layer: warmctl/ and profiles/ of the checkout as they are now (committed or not)
 SRCHASH=$(cd "$REPO" && git ls-files -z --cached --others --exclude-standard -- warmctl profiles \
-    | xargs -0 sha256sum 2>/dev/null | sha256sum | cut -c1-12)
+    | xargs -0 tar -cf - --no-recursion --sort=name --mtime=@0 --owner=0 --group=0 | sha256sum | cut -c1-12)
 TAG="src-$SRCHASH"
 if umoci stat --image "$OCI:$TAG" >/dev/null 2>&1; then
     say "src: $TAG cached"
