@@ -239,3 +239,40 @@ def test_tiny_engine_pod_ready_only_after_canary_answers_and_deletion_drains(kub
     assert _get(f"http://127.0.0.1:{gate_port}/health") == 0 and _get(f"http://127.0.0.1:{engine_port}/health") == 0
     assert _engine_pids() == []
     assert _wait_no_leftovers(kube_node) == []
+
+
+def _finished(pod: dict | None) -> bool:
+    return (pod or {}).get("status", {}).get("phase") in ("Succeeded", "Failed")
+
+
+def _terminated(pod: dict) -> dict:
+    """The engine container's ``state.terminated`` (exitCode, reason, message)."""
+    return pod["status"]["containerStatuses"][0]["state"].get("terminated", {})
+
+
+@pytest.mark.e2e
+def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_image, engine_ports):
+    engine_port, gate_port = engine_ports[0] + 12, engine_ports[1] + 12
+    name = f"snap-{uuid.uuid4().hex[:6]}"
+    share = _share(kube_node, name, engine_port, gate_port)
+    _create(kube_node, _engine_pod(name, engine_image, share, gate_port, ["snapshot", "tiny"]))
+    pod = kube_node.wait_pod("default", name, _finished, timeout=1500, what="finished")
+    term = _terminated(pod)
+    logs = kube_node.cluster.kubectl("logs", "-n", "default", name).stdout
+    assert pod["status"]["phase"] == "Succeeded", f"snapshot pod {term}\nlogs:\n{logs[-4000:]}"
+    _delete(kube_node, "default", name, grace=5)
+    kube_node.wait_pod("default", name, lambda p: p is None, timeout=60, what="deleted")
+    up = f"up-{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    _create(kube_node, _engine_pod(up, engine_image, share, gate_port,
+                                   ["up", "tiny", "--foreground", "--cold-start", "never"]))
+    pod = kube_node.wait_pod("default", up, lambda p: _ready(p) is True or _finished(p), timeout=900, what="Ready")
+    logs = kube_node.cluster.kubectl("logs", "-n", "default", up).stdout
+    assert _ready(pod), f"restore pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
+    ready_s = time.monotonic() - t0
+    assert _chat(gate_port).strip() == "Paris."
+    print(f"\npod-ready-seconds restore in a pod (local store on the node): created->Ready {ready_s:.1f} s")
+    _delete(kube_node, "default", up, grace=30)
+    kube_node.wait_pod("default", up, lambda p: p is None, timeout=90, what="deleted")
+    assert _engine_pids() == []
+    assert _wait_no_leftovers(kube_node) == []
