@@ -130,6 +130,13 @@ class ImageStore:
               f"oci:{layout}:{tag}", f"docker://{ref}"], timeout=1800)
         return ref
 
+    def digest(self, ref: str) -> str:
+        """The manifest digest (``sha256:<hex>``) the registry serves ``ref`` under: what a pod's
+        ``status.containerStatuses[].imageID`` ends with once it runs."""
+        r = _run(["skopeo", "--policy", str(self._tmp / "policy.json"), "inspect", "--tls-verify=false",
+                  f"docker://{ref}"], timeout=120)
+        return json.loads(r.stdout)["Digest"]
+
     def busybox(self) -> str:
         """A busybox image (Debian's busybox-static, one layer, ``sleep`` as its default
         command), made with umoci into the image cache once per busybox binary and pushed;

@@ -6,11 +6,15 @@ registry. Opt-in: ``bash scripts/test.sh --kubernetes tests/test_kube_pods.py`` 
 - A busybox pod behind an HTTP readiness probe: not Ready while nothing answers, Ready once
   something does, NotReady again when it stops; deleted: its containers gone, nothing mounted or
   running left on the node.
-- The ``tiny`` engine in a pod of the project's image (deploy/image/build.sh), running
+- The ``tiny`` engine in a pod of the project's image (deploy/image/build.sh), cold-started by
   ``warmctl up tiny --foreground`` (privileged, hostNetwork on loopback, tini as PID 1) with the
   readiness probe on the gate's ``/health``: not Ready before its canary passed, Ready after; a
   chat request through the pod's address answered "Paris."; the pod deleted: drained, the engine
   gone, nothing left on the node.
+- ``warmctl snapshot tiny`` in a pod (CRIU inside the privileged container) records the pod's
+  image digest; a pod of another image refuses to restore it (exit 42, ``ImageMismatch``, both
+  digests in its termination message); a fresh pod of the same image restores it from the
+  node's store (``--cold-start never``): Ready, "Paris.", deleted without leftovers.
 """
 
 from __future__ import annotations
@@ -117,32 +121,58 @@ def _wait_no_leftovers(node, timeout: float = 30) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def engine_image(kube_images) -> str:
+def engine_image(kube_images) -> tuple[str, str]:
     """The project's image (deploy/image/build.sh: the base cached per install recipe, the
-    checkout's source on top), pushed to the session's registry; its reference."""
+    checkout's source on top), pushed to the session's registry: (reference, manifest digest)."""
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(REPO / "deploy" / "image" / "build.sh")], capture_output=True, text=True,
                        timeout=3600)
     assert r.returncode == 0, f"deploy/image/build.sh exited {r.returncode}:\n{r.stderr[-4000:]}"
     layout, tag = r.stdout.split()[-2:]
     ref = kube_images.push(Path(layout), tag, "warmctl/engine")
-    print(f"\nengine image {ref}: built/cached and pushed in {time.monotonic() - t0:.1f} s")
-    return ref
+    digest = kube_images.digest(ref)
+    print(f"\nengine image {ref}@{digest}: built/cached and pushed in {time.monotonic() - t0:.1f} s")
+    _LAYOUT[ref] = (Path(layout), tag)
+    return ref, digest
 
 
-def _engine_pod(name: str, image: str, share: Path, gate_port: int, args: list[str], grace: int = 30) -> dict:
+_LAYOUT: dict[str, tuple[Path, str]] = {}
+
+
+@pytest.fixture(scope="session")
+def other_engine_image(kube_images, engine_image, tmp_path_factory) -> tuple[str, str]:
+    """:func:`engine_image` plus one small layer (a file ``/etc/warmctl-test-variant``): the same
+    software under another digest. (reference, digest)."""
+    import subprocess as sp
+
+    layout, tag = _LAYOUT[engine_image[0]]
+    marker = tmp_path_factory.mktemp("variant") / "variant"
+    marker.write_text("another image\n")
+    other = f"{tag}-variant"
+    if other not in sp.run(["umoci", "ls", "--layout", str(layout)], capture_output=True, text=True).stdout.split():
+        sp.run(["umoci", "insert", "--image", f"{layout}:{tag}", "--tag", other, str(marker),
+                "/etc/warmctl-test-variant"], check=True, capture_output=True)
+    ref = kube_images.push(layout, other, "warmctl/engine")
+    return ref, kube_images.digest(ref)
+
+
+def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, args: list[str],
+                grace: int = 30) -> dict:
     """An engine pod as deploy/kubernetes/engine-deployment.yaml has it, on loopback: privileged,
     hostNetwork, the image's tini as PID 1 running ``warmctl ARGS`` with the node directory
-    ``share`` (config, profiles, data dir) mounted at the same path, readiness on the gate's
-    /health."""
+    ``share`` (config, profiles, data dir) mounted at the same path, ``WARMCTL_IMAGE_DIGEST`` the
+    image's digest (as the Deployment sets it from its ConfigMap), readiness on the gate's
+    /health. ``image``: (reference, digest)."""
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "nodeName": "127.0.0.1", "hostNetwork": True, "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": grace, "restartPolicy": "Never",
             "containers": [{
-                "name": "engine", "image": image, "args": ["warmctl", *args],
+                "name": "engine", "image": image[0], "args": ["warmctl", *args],
                 "env": [{"name": "WARMCTL_CONFIG", "value": str(share / "config.toml")},
+                        {"name": "WARMCTL_IMAGE_DIGEST", "value": image[1]},
+                        {"name": "WARMCTL_TERMINATION_MESSAGE_PATH", "value": "/dev/termination-log"},
                         {"name": "PYTHONUNBUFFERED", "value": "1"}],
                 "securityContext": {"privileged": True},
                 "readinessProbe": {"httpGet": {"host": "127.0.0.1", "port": gate_port, "path": "/health"},
@@ -222,6 +252,8 @@ def test_tiny_engine_pod_ready_only_after_canary_answers_and_deletion_drains(kub
         assert time.monotonic() < deadline, f"pod not Ready within 1500 s{kube_node.tails()}"
         time.sleep(0.5)
     assert not_ready_while_running >= 3, "the pod was never seen Running and not Ready (canary not awaited?)"
+    image_id = pod["status"]["containerStatuses"][0]["imageID"]
+    assert image_id.endswith("@" + engine_image[1]), (image_id, engine_image)
     logs = kube_node.cluster.kubectl("logs", "-n", "default", name).stdout
     assert "canary" in logs.lower(), logs[-3000:]
     answer = _chat(gate_port)
@@ -251,7 +283,7 @@ def _terminated(pod: dict) -> dict:
 
 
 @pytest.mark.e2e
-def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_image, engine_ports):
+def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_image, other_engine_image, engine_ports):
     engine_port, gate_port = engine_ports[0] + 12, engine_ports[1] + 12
     name = f"snap-{uuid.uuid4().hex[:6]}"
     share = _share(kube_node, name, engine_port, gate_port)
@@ -262,6 +294,20 @@ def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_i
     assert pod["status"]["phase"] == "Succeeded", f"snapshot pod {term}\nlogs:\n{logs[-4000:]}"
     _delete(kube_node, "default", name, grace=5)
     kube_node.wait_pod("default", name, lambda p: p is None, timeout=60, what="deleted")
+    # the snapshot records the image it was made in (the digest rule)
+    entries = [json.loads(p.read_text()) for p in (share / "home" / "store" / "catalog" / "tiny" / "latest").glob("*.json")]
+    assert [e["host"].get("image_digest") for e in entries] == [engine_image[1]], entries
+    # a pod of another image refuses it: exit 42 (ImageMismatch), both digests in the message
+    other = f"other-{uuid.uuid4().hex[:6]}"
+    _create(kube_node, _engine_pod(other, other_engine_image, share, gate_port,
+                                   ["up", "tiny", "--foreground", "--cold-start", "never"]))
+    pod = kube_node.wait_pod("default", other, _finished, timeout=600, what="finished")
+    term = _terminated(pod)
+    assert pod["status"]["phase"] == "Failed" and _ready(pod) is not True, term
+    assert term["exitCode"] == 42, term
+    assert engine_image[1] in term.get("message", "") and other_engine_image[1] in term.get("message", ""), term
+    _delete(kube_node, "default", other, grace=5)
+    kube_node.wait_pod("default", other, lambda p: p is None, timeout=60, what="deleted")
     up = f"up-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
     _create(kube_node, _engine_pod(up, engine_image, share, gate_port,
