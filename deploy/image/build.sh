@@ -9,7 +9,8 @@
 # Two layers:
 #   base  the root with everything scripts/install.sh installs (about 5 GB, several minutes: the
 #         vLLM install dominates). Cached under $WARMCTL_IMAGE_CACHE/<key>/oci, where <key> is a
-#         hash of its recipe here, scripts/install.sh, requirements/ and pyproject.toml: built once per
+#         hash of its recipe here, scripts/install.sh, requirements/ and pyproject.toml's
+#         [build-system] and [project] tables: built once per
 #         change of those, reused otherwise (as scripts/install-kubernetes.sh caches Kubernetes).
 #   src   the checkout's warmctl/ and profiles/ on top (the base's editable install imports them
 #         from /opt/warmctl), tagged src-<hash of those files>: seconds, redone when they change.
@@ -26,8 +27,14 @@ CACHE=${WARMCTL_IMAGE_CACHE:-/var/cache/warmctl/image}
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, the installer inside the root)"
 for t in debootstrap umoci unshare; do command -v "$t" >/dev/null || die "$t not found (WARMCTL_KUBE_WITH_KUBELET=1 scripts/install-kubernetes.sh installs it)"; done
 
-# the base's inputs: its recipe (the build_base function below) and the installer's files
-KEY=$(cd "$REPO" && { sed -n '/^build_base() {/,/^}/p' deploy/image/build.sh; cat scripts/install.sh pyproject.toml requirements/*; } \
+# the base's inputs: its recipe (the build_base function below), the installer, the engine's
+# requirements and what pip reads from pyproject.toml ([build-system] and [project]: not the lint
+# and test settings, which change often and install nothing)
+pyproject_install() {
+    python3 -c 'import json, sys, tomllib; d = tomllib.load(open(sys.argv[1], "rb"))
+print(json.dumps({k: d.get(k) for k in ("build-system", "project")}, sort_keys=True))' "$REPO/pyproject.toml"
+}
+KEY=$(cd "$REPO" && { sed -n '/^build_base() {/,/^}/p' deploy/image/build.sh; cat scripts/install.sh requirements/*; pyproject_install; } \
     | sha256sum | cut -c1-16)
 DIR="$CACHE/$KEY"
 OCI="$DIR/oci"
