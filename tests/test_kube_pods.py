@@ -187,22 +187,25 @@ def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, 
     }
 
 
-def _share(node, name: str, engine_port: int, gate_port: int) -> Path:
-    from conftest import tiny_profile
+def _share(node, name: str, engine_port: int, gate_port: int, profile: str = "tiny") -> Path:
+    """The node directory a pod mounts: config.toml, ``profile``'s file on the given ports
+    (tests/conftest.py), the data dir and keys."""
+    from conftest import tiny_profile, tp2_profile
 
     share = node.workdir / "share" / name
     (share / "profiles").mkdir(parents=True)
-    (share / "profiles" / "tiny.toml").write_text(tiny_profile(engine_port, gate_port))
+    text = {"tiny": tiny_profile, "tiny-tp2": tp2_profile}[profile](engine_port, gate_port)
+    (share / "profiles" / f"{profile}.toml").write_text(text)
     (share / "config.toml").write_text(f'home = "{share / "home"}"\nprofile_dirs = ["{share / "profiles"}"]\n'
                                        f'keys_dir = "{share / "keys"}"\n')
     return share
 
 
-def _chat(port: int) -> str:
+def _chat(port: int, model: str = "tiny") -> str:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions", method="POST",
         headers={"Content-Type": "application/json"},
-        data=json.dumps({"model": "tiny", "temperature": 0, "max_tokens": 24, "messages": [
+        data=json.dumps({"model": model, "temperature": 0, "max_tokens": 24, "messages": [
             {"role": "user", "content": "What is the capital of France? One word."}]}).encode())
     with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310 - loopback
         return json.loads(r.read())["choices"][0]["message"]["content"]
@@ -317,7 +320,38 @@ def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_i
     assert _ready(pod), f"restore pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
     ready_s = time.monotonic() - t0
     assert _chat(gate_port).strip() == "Paris."
-    print(f"\npod-ready-seconds restore in a pod (local store on the node): created->Ready {ready_s:.1f} s")
+    phases = " ".join(ln.strip() for ln in logs.splitlines() if ln.startswith("ok "))
+    print(f"\npod-ready-seconds restore in a pod (local store on the node): created->Ready {ready_s:.1f} s; "
+          f"up's phases in the pod: {phases}")
+    _delete(kube_node, "default", up, grace=30)
+    kube_node.wait_pod("default", up, lambda p: p is None, timeout=90, what="deleted")
+    assert _engine_pids() == []
+    assert _wait_no_leftovers(kube_node) == []
+
+
+@pytest.mark.e2e
+def test_tiny_tp2_both_ranks_snapshot_and_restore_in_one_pod(kube_node, engine_image, engine_ports):
+    engine_port, gate_port = engine_ports[0] + 13, engine_ports[1] + 13
+    name = f"tp2snap-{uuid.uuid4().hex[:6]}"
+    share = _share(kube_node, name, engine_port, gate_port, profile="tiny-tp2")
+    _create(kube_node, _engine_pod(name, engine_image, share, gate_port, ["snapshot", "tiny-tp2"]))
+    pod = kube_node.wait_pod("default", name, _finished, timeout=1500, what="finished")
+    logs = kube_node.cluster.kubectl("logs", "-n", "default", name).stdout
+    assert pod["status"]["phase"] == "Succeeded", f"snapshot pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
+    _delete(kube_node, "default", name, grace=5)
+    kube_node.wait_pod("default", name, lambda p: p is None, timeout=60, what="deleted")
+    up = f"tp2up-{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    _create(kube_node, _engine_pod(up, engine_image, share, gate_port,
+                                   ["up", "tiny-tp2", "--foreground", "--cold-start", "never"]))
+    pod = kube_node.wait_pod("default", up, lambda p: _ready(p) is True or _finished(p), timeout=900, what="Ready")
+    logs = kube_node.cluster.kubectl("logs", "-n", "default", up).stdout
+    assert _ready(pod), f"restore pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
+    ready_s = time.monotonic() - t0
+    ranks = [pid for pid in _engine_pids() if b"Worker_TP" in Path(f"/proc/{pid}/comm").read_bytes()]
+    assert len(ranks) == 2, f"expected both ranks (VLLM::Worker_TP0/1) in the pod, found {len(ranks)}"
+    assert "Paris" in _chat(gate_port, model="tiny-tp2")
+    print(f"\npod-ready-seconds tiny-tp2 restore in a pod: created->Ready {ready_s:.1f} s")
     _delete(kube_node, "default", up, grace=30)
     kube_node.wait_pod("default", up, lambda p: p is None, timeout=90, what="deleted")
     assert _engine_pids() == []
