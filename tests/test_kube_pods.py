@@ -14,7 +14,10 @@ registry. Opt-in: ``bash scripts/test.sh --kubernetes tests/test_kube_pods.py`` 
 - ``warmctl snapshot tiny`` in a pod (CRIU inside the privileged container) records the pod's
   image digest; a pod of another image refuses to restore it (exit 42, ``ImageMismatch``, both
   digests in its termination message); a fresh pod of the same image restores it from the
-  node's store (``--cold-start never``): Ready, "Paris.", deleted without leftovers.
+  node's store (``--cold-start never``), run as deploy/kubernetes's ``warmctl-engine`` service
+  account with its own token: Ready, its ``warmctl.io/Restored`` condition walked to ``Serving``
+  naming the snapshot, "Paris.", deleted without leftovers.
+- ``tiny-tp2`` snapshotted and restored in pods, both ranks in one pod: Ready, "Paris.".
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ def _ready(pod: dict | None) -> bool | None:
         if c["type"] == "Ready":
             return c["status"] == "True"
     return None
+
+
+def _restored(pod: dict | None) -> dict:
+    """The pod's ``warmctl.io/Restored`` condition ({} when it has none)."""
+    for c in (pod or {}).get("status", {}).get("conditions", []):
+        if c["type"] == "warmctl.io/Restored":
+            return c
+    return {}
 
 
 def _create(node, pod: dict) -> None:
@@ -157,23 +168,35 @@ def other_engine_image(kube_images, engine_image, tmp_path_factory) -> tuple[str
 
 
 def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, args: list[str],
-                grace: int = 30) -> dict:
+                grace: int = 30, namespace: str = "default", api_port: int = 0) -> dict:
     """An engine pod as deploy/kubernetes/engine-deployment.yaml has it, on loopback: privileged,
     hostNetwork, the image's tini as PID 1 running ``warmctl ARGS`` with the node directory
     ``share`` (config, profiles, data dir) mounted at the same path, ``WARMCTL_IMAGE_DIGEST`` the
     image's digest (as the Deployment sets it from its ConfigMap), readiness on the gate's
-    /health. ``image``: (reference, digest)."""
+    /health. ``image``: (reference, digest). With ``api_port`` (the apiserver's), the pod runs as
+    deploy/kubernetes's ``warmctl-engine`` service account (namespace ``warmctl``, its token
+    mounted) with the downward-API variables the Deployment sets, so ``up --foreground`` keeps
+    the pod's ``warmctl.io/Restored`` condition; the in-cluster address is the apiserver's on
+    loopback (no kube-proxy here)."""
+    kube = [] if not api_port else [
+        {"name": "WARMCTL_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "WARMCTL_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "WARMCTL_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
+    ]
     return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "nodeName": "127.0.0.1", "hostNetwork": True, "automountServiceAccountToken": False,
+            "nodeName": "127.0.0.1", "hostNetwork": True, "automountServiceAccountToken": bool(api_port),
+            **({"serviceAccountName": "warmctl-engine"} if api_port else {}),
             "terminationGracePeriodSeconds": grace, "restartPolicy": "Never",
             "containers": [{
                 "name": "engine", "image": image[0], "args": ["warmctl", *args],
                 "env": [{"name": "WARMCTL_CONFIG", "value": str(share / "config.toml")},
                         {"name": "WARMCTL_IMAGE_DIGEST", "value": image[1]},
                         {"name": "WARMCTL_TERMINATION_MESSAGE_PATH", "value": "/dev/termination-log"},
-                        {"name": "PYTHONUNBUFFERED", "value": "1"}],
+                        {"name": "PYTHONUNBUFFERED", "value": "1"}, *kube],
                 "securityContext": {"privileged": True},
                 "readinessProbe": {"httpGet": {"host": "127.0.0.1", "port": gate_port, "path": "/health"},
                                    "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1},
@@ -311,20 +334,44 @@ def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_i
     assert engine_image[1] in term.get("message", "") and other_engine_image[1] in term.get("message", ""), term
     _delete(kube_node, "default", other, grace=5)
     kube_node.wait_pod("default", other, lambda p: p is None, timeout=60, what="deleted")
+    # the restore pod as the Deployment runs it: deploy/kubernetes's namespace, service accounts
+    # and RBAC, its own token; its supervisor keeps the warmctl.io/Restored condition
+    cluster = kube_node.cluster
+    for f in ("namespace.yaml", "serviceaccounts.yaml", "rbac.yaml"):
+        cluster.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / f), check=True)
+    deadline = time.monotonic() + 60
+    while not cluster.request("GET", "/api/v1/namespaces/warmctl/serviceaccounts/warmctl-engine")[1].get("secrets"):
+        assert time.monotonic() < deadline, "the warmctl-engine service account got no token within 60 s"
+        time.sleep(0.2)
     up = f"up-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
     _create(kube_node, _engine_pod(up, engine_image, share, gate_port,
-                                   ["up", "tiny", "--foreground", "--cold-start", "never"]))
-    pod = kube_node.wait_pod("default", up, lambda p: _ready(p) is True or _finished(p), timeout=900, what="Ready")
-    logs = kube_node.cluster.kubectl("logs", "-n", "default", up).stdout
+                                   ["up", "tiny", "--foreground", "--cold-start", "never"],
+                                   namespace="warmctl", api_port=cluster.port))
+    reasons: list[str] = []
+
+    def ready_or_done(p: dict | None) -> bool:
+        r = _restored(p).get("reason")
+        if r and (not reasons or reasons[-1] != r):
+            reasons.append(r)
+        return _ready(p) is True or _finished(p)
+    pod = kube_node.wait_pod("warmctl", up, ready_or_done, timeout=900, what="Ready")
+    logs = cluster.kubectl("logs", "-n", "warmctl", up).stdout
     assert _ready(pod), f"restore pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
     ready_s = time.monotonic() - t0
+    # the condition says Serving (status True) once the pod is Ready, naming the snapshot
+    pod = kube_node.wait_pod("warmctl", up, lambda p: ready_or_done(p) and _restored(p).get("reason") == "Serving",
+                             timeout=30, what="warmctl.io/Restored=Serving")
+    cond = _restored(pod)
+    assert cond["status"] == "True" and entries[0]["manifest"][:19] in cond["message"], cond
+    assert reasons[-1] == "Serving" and set(reasons) <= {"Resolving", "Pulling", "Restoring", "CanaryRunning",
+                                                         "Serving"}, reasons
     assert _chat(gate_port).strip() == "Paris."
     phases = " ".join(ln.strip() for ln in logs.splitlines() if ln.startswith("ok "))
     print(f"\npod-ready-seconds restore in a pod (local store on the node): created->Ready {ready_s:.1f} s; "
-          f"up's phases in the pod: {phases}")
-    _delete(kube_node, "default", up, grace=30)
-    kube_node.wait_pod("default", up, lambda p: p is None, timeout=90, what="deleted")
+          f"up's phases in the pod: {phases}; warmctl.io/Restored reasons seen: {' -> '.join(reasons)}")
+    _delete(kube_node, "warmctl", up, grace=30)
+    kube_node.wait_pod("warmctl", up, lambda p: p is None, timeout=90, what="deleted")
     assert _engine_pids() == []
     assert _wait_no_leftovers(kube_node) == []
 
