@@ -21,8 +21,13 @@
 # Environment:
 #   WARMCTL_KUBE_CACHE           cache root (default /var/cache/warmctl/kubernetes)
 #   WARMCTL_KUBE_SOURCE_VERSION  Debian source version (default below; the cache is keyed by it)
-#   WARMCTL_KUBE_WITH_KUBELET=1  also build the kubelet (a few more minutes; not needed by the
-#                                API tests, which run no pods)
+#   WARMCTL_KUBE_WITH_KUBELET=1  also build the kubelet (about 2 more minutes with the Go cache;
+#                                not needed by the API tests, which run no pods) and apt-install
+#                                what the pod tests run it with: containerd, runc,
+#                                containernetworking-plugins (the loopback CNI plugin),
+#                                docker-registry (the loopback image registry), skopeo, umoci,
+#                                busybox-static (the sandbox image) and debootstrap and tini (the
+#                                engine image, deploy/image/build.sh)
 set -euo pipefail
 say() { printf '\033[1m[install-kubernetes]\033[0m %s\n' "$*"; }
 die() { echo "[install-kubernetes] error: $*" >&2; exit 1; }
@@ -31,7 +36,11 @@ VERSION=${WARMCTL_KUBE_SOURCE_VERSION:-1.20.5+really1.20.2-1.1+deb12u1}
 CACHE=${WARMCTL_KUBE_CACHE:-/var/cache/warmctl/kubernetes}
 BIN="$CACHE/$VERSION/bin"
 WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kube-scheduler"
-[ "${WARMCTL_KUBE_WITH_KUBELET:-0}" = 1 ] && WHAT="$WHAT cmd/kubelet"
+NODE_PKGS=""
+if [ "${WARMCTL_KUBE_WITH_KUBELET:-0}" = 1 ]; then
+    WHAT="$WHAT cmd/kubelet"
+    NODE_PKGS="containerd runc containernetworking-plugins docker-registry skopeo umoci busybox-static debootstrap tini"
+fi
 NEED=""
 for w in $WHAT; do NEED="$NEED ${w#cmd/}"; done
 
@@ -44,8 +53,16 @@ have_all() {
 need_etcd() {
     command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ]
 }
+# the node packages (only with WARMCTL_KUBE_WITH_KUBELET=1): all installed?
+need_node_pkgs() {
+    local p
+    for p in $NODE_PKGS; do
+        [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || return 1
+    done
+    return 0
+}
 
-if have_all && need_etcd; then
+if have_all && need_etcd && need_node_pkgs; then
     say "binaries present in $BIN ($(cd "$BIN" && echo $NEED)); skipped"
     exit 0
 fi
@@ -56,7 +73,7 @@ export DEBIAN_FRONTEND=noninteractive
 # 1. packages. kubernetes-client is Debian's kubectl 1.20 (/usr/bin/kubectl is managed by
 # alternatives-free dpkg; a kubectl already on the machine from another source is left alone:
 # only install the package when no kubectl exists).
-PKGS="etcd-server golang-1.19-go rsync jq build-essential dpkg-dev golang-github-modern-go-reflect2-dev"
+PKGS="etcd-server golang-1.19-go rsync jq build-essential dpkg-dev golang-github-modern-go-reflect2-dev $NODE_PKGS"
 command -v kubectl >/dev/null 2>&1 || PKGS="$PKGS kubernetes-client"
 say "apt: installing $PKGS"
 # 2. deb-src, in a file of its own
@@ -82,6 +99,7 @@ apt-get update -qq
 # shellcheck disable=SC2086
 apt-get install -y -qq --no-install-recommends $PKGS >/dev/null
 need_etcd || die "etcd still missing after installing etcd-server"
+need_node_pkgs || die "some of $NODE_PKGS still missing after apt-get install"
 [ -x /usr/lib/go-1.19/bin/go ] || die "/usr/lib/go-1.19/bin/go missing after installing golang-1.19-go"
 REFLECT2=/usr/share/gocode/src/github.com/modern-go/reflect2
 [ -d "$REFLECT2" ] || die "$REFLECT2 missing after installing golang-github-modern-go-reflect2-dev"

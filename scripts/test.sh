@@ -15,12 +15,19 @@
 # called done. Many minutes; needs the clean-root tool (../shared/tools/clean-root.sh or
 # WARMCTL_CLEAN_ROOT_TOOL) and free ports 8000/18000. Only that test:
 #   bash scripts/test.sh --clean-root tests/test_clean_root.py
+#
+# --kubernetes: also run the pod tests on a real kubelet (tests/test_kube_pods.py, marker
+# `kubelet`, WARMCTL_TEST_KUBERNETES=1): builds the kubelet and installs containerd, runc and the
+# image tools (WARMCTL_KUBE_WITH_KUBELET=1 scripts/install-kubernetes.sh), then the engine image
+# (deploy/image/build.sh: cached; the first build takes many minutes). Only those tests:
+#   bash scripts/test.sh --kubernetes tests/test_kube_pods.py
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TIER=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --clean-root) export WARMCTL_TEST_CLEAN_ROOT=1; shift ;;
+    --kubernetes) export WARMCTL_TEST_KUBERNETES=1 WARMCTL_KUBE_WITH_KUBELET=1; shift ;;
     --fast) TIER=(-m "not e2e"); shift ;;
     *) break ;;
   esac
@@ -30,6 +37,9 @@ bash "$REPO/scripts/install-test-services.sh"
 # A real Kubernetes control plane for tests/kubecluster.py (built once from Debian's source, then
 # cached under /var/cache/warmctl/kubernetes: 15-20 minutes the first time, nothing after).
 bash "$REPO/scripts/install-kubernetes.sh"
+if [ "${WARMCTL_TEST_KUBERNETES:-0}" = 1 ]; then
+  bash "$REPO/deploy/image/build.sh" >/dev/null
+fi
 export WARMCTL_REQUIRE_RGW=${WARMCTL_REQUIRE_RGW:-1}
 export WARMCTL_REQUIRE_REGISTRY=${WARMCTL_REQUIRE_REGISTRY:-1}
 export WARMCTL_REQUIRE_KUBERNETES=${WARMCTL_REQUIRE_KUBERNETES:-1}

@@ -551,3 +551,28 @@ def kube_controllers(kube_api):
     need_service(missing(controllers=True), "WARMCTL_REQUIRE_KUBERNETES")
     kube_api.start_controllers()
     return kube_api
+
+
+@pytest.fixture(scope="session")
+def kube_images():
+    """The pod tests' image registry (tests/kubenode.py :class:`ImageStore`: Debian's
+    ``docker-registry`` on loopback, its storage in the image cache), one for the session."""
+    from kubenode import ImageStore, missing
+
+    need_service(missing(), "WARMCTL_REQUIRE_KUBERNETES")
+    with ImageStore() as images:
+        yield images
+
+
+@pytest.fixture(scope="session")
+def kube_node(kube_controllers, kube_images, tmp_path_factory):
+    """A real node of :func:`kube_api`'s cluster (tests/kubenode.py :class:`KubeNode`:
+    containerd + runc + a kubelet v1.20.2, named and addressed ``127.0.0.1``, ``hostNetwork``
+    pods only), Ready, one for the session; at the end its pods are deleted, every container
+    killed, everything it mounted unmounted and its directories removed. Skipped, or failed under
+    ``CI`` / ``WARMCTL_REQUIRE_KUBERNETES=1``, when a binary is missing
+    (``WARMCTL_KUBE_WITH_KUBELET=1 scripts/install-kubernetes.sh`` installs them)."""
+    from kubenode import KubeNode
+
+    with KubeNode(kube_controllers, session_tmp(tmp_path_factory, "kube-node"), kube_images) as node:
+        yield node

@@ -58,6 +58,8 @@ NODE = "system:serviceaccount:warmctl:warmctl-node"
 ENGINE = "system:serviceaccount:warmctl:warmctl-engine"
 SNAPSHOT = "system:serviceaccount:warmctl:warmctl-snapshot"
 DEFAULT_SA = "system:serviceaccount:default:default"
+#: The test node's kubelet (tests/kubenode.py): node ``127.0.0.1``, group ``system:nodes``.
+KUBELET = "system:node:127.0.0.1"
 
 
 def _sa_groups(user: str) -> list[str]:
@@ -69,6 +71,7 @@ def _sa_groups(user: str) -> list[str]:
 USERS: dict[str, list[str]] = {
     ADMIN: ["system:masters"],
     **{u: _sa_groups(u) for u in (NODE, ENGINE, SNAPSHOT, DEFAULT_SA)},
+    KUBELET: ["system:nodes", "system:authenticated"],
 }
 
 

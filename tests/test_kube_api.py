@@ -186,7 +186,7 @@ def test_apply_k_stores_every_object(kube_api, deployed):
     pod = ds["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert pod["hostPID"] is True and pod["serviceAccountName"] == "warmctl-node"
-    assert c["securityContext"]["privileged"] is True and c["command"][:2] == ["warmctl", "agent"]
+    assert c["securityContext"]["privileged"] is True and c["args"][:2] == ["warmctl", "agent"] and "command" not in c
     env = {e["name"]: e for e in c["env"]}
     assert env["WARMCTL_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["WARMCTL_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -199,7 +199,7 @@ def test_apply_k_stores_every_object(kube_api, deployed):
                                       check=True).stdout)
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["command"][:4] == ["warmctl", "up", "tiny", "--foreground"]
+    assert c["args"][:4] == ["warmctl", "up", "tiny", "--foreground"] and "command" not in c
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
     assert c["terminationMessagePath"] == "/dev/termination-log"
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
@@ -209,7 +209,8 @@ def test_apply_k_stores_every_object(kube_api, deployed):
     job = json.loads(kube_api.kubectl("get", "-n", "warmctl", "job/warmctl-snapshot-tiny", "-o", "json",
                                       check=True).stdout)
     pod = job["spec"]["template"]["spec"]
-    assert pod["containers"][0]["command"] == ["warmctl", "snapshot", "tiny", "--push"]
+    assert pod["containers"][0]["args"] == ["warmctl", "snapshot", "tiny", "--push"]
+    assert "command" not in pod["containers"][0]
     assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"] == "warmctl-snapshot"
 
 
