@@ -129,8 +129,8 @@ class World:
         self.remotes: dict[tuple[str, str], Remote] = {}
         with open_store(Path(a_env["WARMCTL_TEST_HOME"]) / "store") as a:
             m = a.get_manifest(digest)
-        chunks = sorted({c.digest for f in m.files for c in f.chunks})
-        self.nchunks = len(chunks)
+        self.refs = {c.digest: c for f in m.files for c in f.chunks}
+        self.nchunks = len(self.refs)
         big = max(m.files, key=lambda f: len(f.chunks))
         self.target = big.chunks[len(big.chunks) // 2].digest  # the object each data fault damages
         self.other = next(c.digest for c in big.chunks if c.digest != self.target)
@@ -187,11 +187,12 @@ class Node:
         with open_store(self.store_dir) as s:
             return Catalog(s).names()
 
-    def verifies(self) -> bool:
-        if not (self.store_dir / "config").exists():
-            return True
-        with open_store(self.store_dir) as s:
-            return maintenance.verify(s).ok
+    def verifies(self, refs: dict) -> None:
+        """Every chunk object in the node's store is one of the snapshot's (``refs``: digest ->
+        ChunkRef) and reads back whole (its digest checked)."""
+        if (self.store_dir / "config").exists():
+            with open_store(self.store_dir) as s:
+                intact(s, refs)
 
     def procs(self) -> list[psutil.Process]:
         out = []
@@ -202,6 +203,19 @@ class Node:
             except (psutil.Error, OSError):
                 continue
         return out
+
+
+def intact(store, refs: dict) -> None:
+    """Every chunk object ``store`` holds is one of ``refs`` (digest -> ChunkRef) and reads back
+    whole, its digest checked (a partial or damaged object raises), and ``maintenance.verify``
+    of its manifests passes."""
+    keys = {chunk_key(d) for d in refs}
+    stray = {o.key for o in store.backend.list("chunks/") if o.key not in keys}
+    assert stray == set(), f"objects that are no chunk of the snapshot: {sorted(stray)[:5]}"
+    for ref in refs.values():
+        if store.has_chunk(ref.digest):
+            store.load_chunk(ref)
+    assert maintenance.verify(store).ok
 
 
 def _proxy(cell: Cell, moto: str, push: bool):
@@ -305,15 +319,15 @@ def test_fault(cell: Cell, world: World, tmp_path, engine_ports):
     assert node.named() == []
     assert left == [], f"processes left: {left}"
     assert {n for n in shm_leaked(before) if not n.startswith("tmp:")} == set()
-    assert node.verifies(), "the node's store holds a damaged object"
+    node.verifies(world.refs)
     if push:
         with remote.store() as s:
             assert Catalog(s).names() == [], "a push that failed named its snapshot"
-            assert maintenance.verify(s).ok
+            intact(s, world.refs)
     if cell.path == "gc":
         assert remote.keys("locks/") == [], "a failed gc left its lock"
         with remote.store() as s:
-            assert maintenance.verify(s).ok
+            intact(s, world.refs)
 
     # the fault removed: the same command succeeds, moving only what is missing
     env = dict(env, WARMCTL_S3_ENDPOINT=remote.moto) if proxy is not None else env
