@@ -32,10 +32,10 @@ FAULTS = {
     "swap": "a chunk object holding another chunk's object",
     "vanish": "a chunk object deleted while the manifest names it",
     "stall": ("the endpoint accepts connections and answers nothing (tests/tcp_proxy.py); a request whose answer "
-              "never starts is bounded by the S3 client's 20 s read timeout, retried for `s3_outage_s`"),
+              "never starts is bounded by `s3_read_timeout_s` (3 s here), retried for `s3_outage_s`"),
     "trickle": ("the endpoint trickles its answers (reads: 64 KiB, then a byte every 0.2 s) or takes uploads "
                 "slowly (20 KiB/s; tests/tcp_proxy.py); an upload that fits the socket buffers then waits for "
-                "its answer, which the S3 client's 20 s read timeout ends, not the total deadline"),
+                "its answer, which `s3_read_timeout_s` ends, not the total deadline"),
     "5xx": "every request for a chunk (all requests for gc) answered 503 SlowDown (tests/test_store_proxy.py)",
 }
 DATA = ("flip", "truncate", "swap", "vanish")
@@ -43,12 +43,12 @@ NET = ("stall", "trickle", "5xx")
 
 #: the settings every cell runs under (environment of the failing and the next run)
 SETTINGS = {"WARMCTL_REMOTE_DEADLINE_FLOOR_S": "1", "WARMCTL_REMOTE_MIN_RATE_BYTES_S": str(64 << 20),
-            "WARMCTL_S3_OUTAGE_S": "2"}
+            "WARMCTL_S3_OUTAGE_S": "2", "WARMCTL_S3_READ_TIMEOUT_S": "3"}
 
 #: seconds each failing command must end within, by fault: interpreter start and a few requests
 #: on a loaded 2-core host, plus the fault's own bound (remote_deadline_floor_s 1 s + size at
-#: 64 MiB/s; s3_outage_s 2 s; a stalled request: the S3 client's 20 s read timeout)
-BOUND_S = {"flip": 30, "truncate": 30, "swap": 30, "vanish": 30, "stall": 50, "trickle": 30, "5xx": 30}
+#: 64 MiB/s; s3_outage_s 2 s; a stalled request: s3_read_timeout_s 3 s)
+BOUND_S = {"flip": 30, "truncate": 30, "swap": 30, "vanish": 30, "stall": 30, "trickle": 30, "5xx": 30}
 
 #: what is left after the failure, by path
 LEFT = {
