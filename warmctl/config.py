@@ -51,6 +51,7 @@ ENV_VARS = {
     "criu": "WARMCTL_CRIU",
     "match_driver": "WARMCTL_MATCH_DRIVER",
     "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
+    "s3_read_timeout_s": "WARMCTL_S3_READ_TIMEOUT_S",
     "cold_start": "WARMCTL_COLD_START",
     "restore_pages": "WARMCTL_RESTORE_PAGES",
     "restore_stream": "WARMCTL_RESTORE_STREAM",
@@ -168,6 +169,10 @@ class Settings(BaseModel):
     - ``s3_outage_s``: seconds an S3 store that stopped answering (connection refused, DNS,
       timeouts, 5xx, throttling, cut-off bodies) is retried before the command fails with one
       line naming the endpoint and object (default 60; 0 = fail at the first error).
+    - ``s3_read_timeout_s``: seconds one S3 request waits for the next bytes of its answer
+      (default 20): what ends a request to an endpoint that accepted the connection and then
+      said nothing, or an upload taken into the socket buffers whose answer never comes;
+      the attempt is then retried for ``s3_outage_s``.
     - ``cold_start``: what ``up`` does when no snapshot fits this host: ``fallback`` (default:
       say why, then cold-start from the profile) or ``never`` (fail, naming every candidate
       and why it was rejected: a fleet node should not silently spend a 14-minute cold start).
@@ -295,6 +300,7 @@ class Settings(BaseModel):
     criu: str = "criu"
     match_driver: Literal["exact", "major"] = "exact"
     s3_outage_s: float = Field(60.0, ge=0)
+    s3_read_timeout_s: float = Field(20.0, gt=0)
     cold_start: Literal["fallback", "never"] = "fallback"
     restore_pages: Literal["auto", "lazy", "eager"] = "eager"
     restore_stream: Literal["auto", "never"] = "never"

@@ -157,7 +157,8 @@ def _open_plain(url: str | Path, retry: bool, outage_window: float | None, setti
             raise ValueError(f"store URL {s!r} names no bucket (want s3://bucket/prefix)")
         from warmctl.store.s3 import S3Backend
 
-        return _retrying(S3Backend(u.netloc, u.path.lstrip("/"), endpoint_url=settings.s3_endpoint, bound=bound),
+        return _retrying(S3Backend(u.netloc, u.path.lstrip("/"), endpoint_url=settings.s3_endpoint, bound=bound,
+                                   read_timeout=settings.s3_read_timeout_s),
                          retry, window)
     if u.scheme == "file":
         return LocalBackend(Path(u.path))
