@@ -121,7 +121,7 @@ def main() -> None:
     if a.config:
         env["WARMCTL_CONFIG"] = a.config
     os.environ.update({"WARMCTL_CONFIG": env.get("WARMCTL_CONFIG", "")})
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
 
     settings = load_settings()
     port = _free_port()

@@ -103,9 +103,9 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     env = isolated_env(root, ENGINE_PORT, GATE_PORT)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
-    from warmctl.state import load as load_state
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
+    from warmctl.records.state import load as load_state
     from warmctl.store import open_store
 
     settings = load_settings()

@@ -110,7 +110,7 @@ def pages_in(image_dir: Path) -> list[Path]:
 def pages_from_store(store_dir: Path, out: Path, ref: str | None = None) -> Path:
     """Materialize the ``pages-*.img`` files of a snapshot in the local store ``store_dir``
     (``ref`` ``NAME[:TAG]``, default: the first ``*:latest``) into ``out``; returns ``out``."""
-    from warmctl.catalog import Catalog
+    from warmctl.naming.catalog import Catalog
     from warmctl.store import open_store
 
     s = open_store(store_dir)

@@ -181,8 +181,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="warmctl-fleet-"))
     env_a = home_env(root_a)
     os.environ["WARMCTL_CONFIG"] = env_a["WARMCTL_CONFIG"]
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     store_a = open_store(load_settings().store_dir)
@@ -276,9 +276,9 @@ def main() -> None:
             url, extra = remotes["rgw"]
             os.environ.update(extra)
             dst = open_store(work / "pull-dst")
-            from warmctl.catalog import Ref
-            from warmctl.config import load_settings
-            from warmctl.fleet import entries_to_copy, transfer
+            from warmctl.naming.catalog import Ref
+            from warmctl.records.config import load_settings
+            from warmctl.naming.fleet import entries_to_copy, transfer
 
             src = open_store(url, settings=load_settings())  # the endpoint from $WARMCTL_S3_ENDPOINT (extra)
             t0 = time.monotonic()
@@ -302,9 +302,9 @@ def oci_fetch(remote: tuple[str, dict], work: Path, digest: str) -> None:
     """warmctl's pull from the registry against a plain parallel download of the artifact's layers."""
     url, extra = remote
     os.environ.update(extra)
-    from warmctl.catalog import Ref
-    from warmctl.config import load_settings
-    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.naming.catalog import Ref
+    from warmctl.records.config import load_settings
+    from warmctl.naming.fleet import entries_to_copy, transfer
     from warmctl.store import open_store
     from warmctl.store.oci import OCIBackend, parse_url
 

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 CHILD = r"""
 import json, os, sys, time
-from warmctl.catalog import Catalog
+from warmctl.naming.catalog import Catalog
 from warmctl.checkpoint.imagecache import ImageCache
-from warmctl.config import load_settings
+from warmctl.records.config import load_settings
 from warmctl.store import Fetched, open_store
 remote, node = sys.argv[1], sys.argv[2]
 r = open_store(remote, settings=load_settings())  # an edge: the S3 endpoint from $WARMCTL_S3_ENDPOINT
@@ -65,8 +65,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     os.environ["WARMCTL_CONFIG"] = str(a.home / "config.toml")
-    from warmctl.catalog import Ref
-    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.naming.catalog import Ref
+    from warmctl.naming.fleet import entries_to_copy, transfer
     from warmctl.store import open_store
 
     store_a = open_store(a.home / "home" / "store")
@@ -86,7 +86,7 @@ def main() -> None:
             remotes["rgw"] = (f"s3://{bucket}/warmctl", extra)
         for url, extra in remotes.values():
             os.environ.update(extra)
-            from warmctl.config import load_settings
+            from warmctl.records.config import load_settings
 
             transfer(store_a, open_store(url, settings=load_settings()), entries_to_copy(store_a, Ref.parse("tiny")))
         checkouts = {"new": REPO, **({"old": a.old.resolve()} if a.old else {})}

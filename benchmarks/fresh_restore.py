@@ -228,10 +228,10 @@ def main() -> None:
 
     env_a = isolated_env(a.keep_home, ENGINE_PORT, GATE_PORT)
     os.environ["WARMCTL_CONFIG"] = env_a["WARMCTL_CONFIG"]
-    from warmctl.catalog import Catalog, Ref
+    from warmctl.naming.catalog import Catalog, Ref
     from warmctl.checkpoint.imagecache import ImageCache
-    from warmctl.config import load_settings
-    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.records.config import load_settings
+    from warmctl.naming.fleet import entries_to_copy, transfer
     from warmctl.store import open_store
 
     if "deferred" in variants and "fill" not in inspect.signature(ImageCache.get).parameters:

@@ -421,12 +421,12 @@ def main() -> None:
     key_file.chmod(0o600)
     env["WARMCTL_GATE_API_KEY_FILE"] = str(key_file)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     from warmctl import gate
-    from warmctl.state import load as load_state
+    from warmctl.records.state import load as load_state
 
     levels = [int(x) for x in a.concurrency.split(",")]
     paced = a.upstream == "paced"

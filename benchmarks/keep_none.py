@@ -80,8 +80,8 @@ def run_all(a, root: Path) -> None:
 
     env = isolated_env(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     settings = load_settings()

@@ -125,8 +125,8 @@ def run_all(a, root: Path) -> None:
     env = isolated_env(root, a.engine_port, a.gate_port)
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
     from warmctl.checkpoint import criu
-    from warmctl.config import load_settings
-    from warmctl.catalog import Catalog
+    from warmctl.records.config import load_settings
+    from warmctl.naming.catalog import Catalog
     from warmctl.engine.run import EngineRun
     from warmctl.store import open_store
 

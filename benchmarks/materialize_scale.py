@@ -86,7 +86,7 @@ HEAP = (b"{'layer': 17, 'op': 'matmul', 'shape': (4096, 4096), 'ptr': 0x7f3a" * 
 CHILD = r"""
 import json, os, resource, sys, time
 from pathlib import Path
-from warmctl.manifest import ChunkRef
+from warmctl.records.manifest import ChunkRef
 from warmctl.store import open_store
 store_dir, refs_file, dest = sys.argv[1:4]
 refs = [ChunkRef(**r) for r in json.loads(Path(refs_file).read_text())]

@@ -123,8 +123,8 @@ def pull_bench(a) -> None:
     sys.path.insert(0, str(HERE / "tests"))
     from test_store_fixtures import push, snapshot, write_payload
 
-    from warmctl.catalog import Ref
-    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.naming.catalog import Ref
+    from warmctl.naming.fleet import entries_to_copy, transfer
     from warmctl.store import open_store
     from warmctl.store import oci as ocimod
     from warmctl.store.oci import OCIBackend, parse_url
@@ -133,7 +133,7 @@ def pull_bench(a) -> None:
         d = Path(td)
         ca = rs.make_ca(d / "ca")
         with rs.Registry(d / "reg", rs.free_port(), ca=ca, users={USER: PW}) as reg:
-            from warmctl.config import Settings
+            from warmctl.records.config import Settings
 
             st = Settings(oci_ca_bundle=ca.ca_cert, oci_pack_bytes=a.pack_mib << 20)
             os.environ["REGISTRY_AUTH_FILE"] = str(rs.docker_config(d / "auth.json", reg.host, USER, PW))

@@ -9,7 +9,7 @@ stores, trusting the publisher's key):
 
 - ``pull``: ``warmctl pull NAME --from REMOTE --json``;
 - ``prewarm``: ``warmctl prewarm --once --json`` as a new Node (created for the round) with the
-  node service account's token: the same pull (``warmctl.fleet.pull``) plus reading the Node,
+  node service account's token: the same pull (``warmctl.naming.fleet.pull``) plus reading the Node,
   listing the WarmSnapshots, the label patch and the status write;
 - ``prewarm again``: a second ``prewarm --once`` on that node (all chunks there: the steady-state
   cost of one pass).

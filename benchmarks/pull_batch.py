@@ -47,9 +47,9 @@ CH = 4 << 20
 CHILD = r"""
 import json, resource, sys, time
 import warmctl, warmctl.store.copy as cp
-from warmctl.catalog import Ref
-from warmctl.fleet import entries_to_copy, transfer
-from warmctl.config import load_settings
+from warmctl.naming.catalog import Ref
+from warmctl.naming.fleet import entries_to_copy, transfer
+from warmctl.records.config import load_settings
 from warmctl.store import open_store
 if sys.argv[3] != "-":
     cp.COMMIT_SECONDS = float(sys.argv[3])
@@ -96,8 +96,8 @@ def main() -> None:
     from test_store_fixtures import snapshot
 
     from warmctl.store import open_store
-    from warmctl.catalog import Ref
-    from warmctl.fleet import entries_to_copy, transfer
+    from warmctl.naming.catalog import Ref
+    from warmctl.naming.fleet import entries_to_copy, transfer
 
     work = Path(a.work or f"/tmp/pull-batch-{uuid.uuid4().hex[:6]}")
     work.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def main() -> None:
             remotes.append(("rgw", f"s3://{bucket}/warmctl", env))
         with open_store(work / "a") as s:
             for kind, url, _ in remotes:
-                from warmctl.config import load_settings
+                from warmctl.records.config import load_settings
 
                 with open_store(url, settings=load_settings()) as r:
                     transfer(s, r, entries_to_copy(s, Ref(name="synth")))

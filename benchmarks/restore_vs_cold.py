@@ -111,9 +111,9 @@ def run(a, root: Path) -> None:
 
 def run_profile(a, root: Path, env: dict[str, str], name: str) -> tuple[float, float]:
     """Both sides for profile ``name``; (median cold, median up) in seconds."""
-    from warmctl.config import load_settings
-    from warmctl.profile import load_profile
-    from warmctl.catalog import Catalog
+    from warmctl.records.config import load_settings
+    from warmctl.records.profile import load_profile
+    from warmctl.naming.catalog import Catalog
     from warmctl.engine.cold import resolve_model
     from warmctl.store import open_store
 

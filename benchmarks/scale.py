@@ -2,7 +2,7 @@
 
 One size per invocation (``--size tiny`` = the shipped 2.7 GiB ``tiny`` profile; ``8g`` / ``16g``
 = ``benchmarks/profiles/scale-8g.toml`` / ``scale-16g.toml``, random-weight Llamas of
-``warmctl/randmodel.py``), so a shared host can interleave other engine work between sizes.
+``warmctl/models/randmodel.py``), so a shared host can interleave other engine work between sizes.
 Everything runs through the real ``warmctl`` CLI (a fresh process per command) and is timed
 from outside, beside the floors measured in the same run on the same bytes:
 
@@ -350,8 +350,8 @@ def run(a, work: Path, models: Path, res: dict) -> None:
     root_a = work / "a"
     env_a = node(root_a, a.size, models, outside=a.weights_outside)
     os.environ["WARMCTL_CONFIG"] = env_a["WARMCTL_CONFIG"]
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     du = shutil.disk_usage(work)
@@ -360,8 +360,8 @@ def run(a, work: Path, models: Path, res: dict) -> None:
         f"mem available {mem_available() / GiB:.1f} GiB")
 
     # -- the model (built by the CLI's first cold start if missing; timed here when built)
-    from warmctl import builtinmodels
-    from warmctl.profile import load_profile
+    from warmctl.models import builtinmodels
+    from warmctl.records.profile import load_profile
 
     settings = load_settings()
     prof = load_profile(name, settings.profile_dirs)
@@ -536,7 +536,7 @@ def run(a, work: Path, models: Path, res: dict) -> None:
                 prefix = "warmctl/"
                 keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "chunks/")
                         for o in page.get("Contents", [])]
-                from warmctl.config import load_settings
+                from warmctl.records.config import load_settings
                 from warmctl.store import open_store as _open
 
                 os.environ.update(extra)  # the S3 endpoint and credentials, for this process's store

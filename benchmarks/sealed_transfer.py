@@ -40,9 +40,9 @@ def main() -> None:
         key.chmod(0o600)
         (t / "config.toml").write_text(f'seal_key = "{key}"\n')
         os.environ["WARMCTL_CONFIG"] = str(t / "config.toml")
-        from warmctl.catalog import Catalog, Ref
-        from warmctl.fleet import entries_to_copy, transfer
-        from warmctl.config import load_settings
+        from warmctl.naming.catalog import Catalog, Ref
+        from warmctl.naming.fleet import entries_to_copy, transfer
+        from warmctl.records.config import load_settings
         from warmctl.store import open_backend, open_store
         from warmctl.store.sealed import load_key, seal_store
 

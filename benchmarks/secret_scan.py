@@ -1,5 +1,5 @@
 """The secret scan's speed against reading the same files: ``snapshot`` searches every
-byte it is about to store for every secret value warmctl knows (:mod:`warmctl.credentials`);
+byte it is about to store for every secret value warmctl knows (:mod:`warmctl.records.credentials`);
 this measures that search in GiB/s beside ``cat FILES > /dev/null`` of the same files, in one
 run, both with the files in the page cache (each is read once first, so both sides read memory,
 not the disk: the scan's own cost), and the ratio scan/cat of each round (the two timed back to
@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from warmctl import credentials  # noqa: E402
-from warmctl.credentials import Secret, scan_files, scan_workers  # noqa: E402
+from warmctl.records import credentials  # noqa: E402
+from warmctl.records.credentials import Secret, scan_files, scan_workers  # noqa: E402
 
 
 def materialize(store_dir: Path, out: Path) -> list[Path]:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _pagecache import dontneed, resident  # noqa: E402
 from criu_payload import build_payload, dump_sample_process, pages_from_store, pages_in  # noqa: E402
 
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest  # noqa: E402
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest  # noqa: E402
 from warmctl.store import CHUNK_SIZE, DIGEST_ALGORITHM, ZSTD_LEVEL, copy_manifest, open_store  # noqa: E402
 from warmctl.store import chunks as ck  # noqa: E402
 
@@ -372,7 +372,7 @@ def main() -> None:
                 s3_local.close()
             print(f"S3 ({a.s3}), payload {s3_size / GiB:.2f} GiB (the first {s3_size / GiB:.2f} GiB of the local payload)", flush=True)
             with S3Server(a.s3, d, s3_size * 2) as ep:
-                from warmctl.config import Settings
+                from warmctl.records.config import Settings
 
                 s3s = Settings(s3_endpoint=ep)  # this benchmark is an edge: the endpoint passed down
                 c = boto3.client("s3", endpoint_url=ep, region_name="us-east-1")

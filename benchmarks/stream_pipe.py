@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from warmctl.checkpoint import criu, stream  # noqa: E402
-from warmctl.proc import ProcessId, kill_tree  # noqa: E402
+from warmctl.base.proc import ProcessId, kill_tree  # noqa: E402
 
 #: Holds argv[1] GiB of random bytes; writes "ready DIGEST" to argv[2], and on each SIGUSR1
 #: hashes its memory again and writes "ok DIGEST" or "BAD DIGEST".

@@ -8,10 +8,10 @@ compare within one run):
   every ``warmctl`` command, ``--help`` included, pays);
 - **up path**: the real ``python -m warmctl up tiny --json --cold-start never`` (a config with
   the ``tiny`` profile in a temporary directory), ended at the moment the command calls
-  :func:`warmctl.lifecycle.up`: the CLI, typer/click, the settings, and
-  everything ``warmctl.lifecycle`` imports at its top;
+  :func:`warmctl.pipelines.lifecycle.up`: the CLI, typer/click, the settings, and
+  everything ``warmctl.pipelines.lifecycle`` imports at its top;
 - **up path with the profile loaded**: the same, continued through ``up``'s first step, the
-  profile load (:func:`warmctl.lifecycle.find_profile`: the TOML, the models, the credential
+  profile load (:func:`warmctl.pipelines.lifecycle.find_profile`: the TOML, the models, the credential
   rules), ended there.
 
 Each side's extra over **bare** is reported (best and median of the runs; the test
@@ -54,11 +54,11 @@ REPO = Path(__file__).resolve().parent.parent
 #: server, the S3 client, the HTTP client and terminal styling of other commands, cryptography
 #: (only signed snapshots and sealed stores need it), the cold-start and snapshot paths.
 NOT_ON_UP_PATH = ("fastapi", "uvicorn", "starlette", "boto3", "botocore", "httpx", "rich", "cryptography",
-                  "warmctl.snapshot", "warmctl.engine.cold", "warmctl.store.s3", "warmctl.store.oci", "warmctl.agent")
+                  "warmctl.pipelines.snapshot", "warmctl.engine.cold", "warmctl.store.s3", "warmctl.store.oci", "warmctl.agent")
 
 #: The up path, ended where the `up` command calls lifecycle.up (exit 0 there; any other exit
 #: means the path changed: a failure). WARMCTL_IMPORTS_DUMP: write sys.modules there first.
-#: lifecycle.up is replaced as the command's own import of warmctl.lifecycle loads it (a finder
+#: lifecycle.up is replaced as the command's own import of warmctl.pipelines.lifecycle loads it (a finder
 #: first on sys.meta_path), so the modules load in the order `warmctl up` loads them: the CLI
 #: first (which may set up the process, e.g. pydantic's plugins), then what the command imports.
 UP_CODE = """\
@@ -74,7 +74,7 @@ def up(*a, **kw):
 class PatchUp:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name != "warmctl.lifecycle":
+        if name != "warmctl.pipelines.lifecycle":
             return None
         sys.meta_path.remove(PatchUp)
         import importlib.util
@@ -93,7 +93,7 @@ os._exit(3)
 #: The up path continued through ``up``'s first step, the profile load (lifecycle.find_profile:
 #: the TOML, the models, the credential rules), then ended as UP_CODE ends.
 UP_PROFILE_CODE = UP_CODE.replace("def up(*a, **kw):\n", "def up(*a, **kw):\n"
-                                  "    sys.modules['warmctl.lifecycle'].find_profile(a[0].name, a[1])\n", 1)
+                                  "    sys.modules['warmctl.pipelines.lifecycle'].find_profile(a[0].name, a[1])\n", 1)
 CLI_CODE = "import typer.main, warmctl.cli as c; c._register(); typer.main.get_command(c.app)"
 SIDES = {"bare": "pass", "cli": CLI_CODE, "up": UP_CODE, "up_profile": UP_PROFILE_CODE}
 

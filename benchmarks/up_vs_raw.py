@@ -97,7 +97,7 @@ def put_back_shm(store, manifest) -> list[tuple[int, int]]:
 def kill_raw(root_pid: int | None, inodes) -> None:
     """Kill a raw-restored tree and remove every /dev/shm file it maps or we wrote (by inode)."""
     from warmctl.checkpoint import capture
-    from warmctl.proc import ProcessId, kill_tree
+    from warmctl.base.proc import ProcessId, kill_tree
 
     live: set = set()
     root = ProcessId.of(root_pid) if root_pid else None  # read right after criu restore returned it
@@ -134,9 +134,9 @@ def import_cost(n: int) -> dict[str, float]:
     cli_code = "import typer.main, warmctl.cli as c; c._register(); typer.main.get_command(c.app)"
     bare = micro(n, run("pass"))
     cli = micro(n, run(cli_code))
-    up_path = micro(n, run(cli_code + "; from warmctl.config import load_settings; from warmctl.profile import load_profile; "
-                                      "from warmctl.progress import ConsoleReporter; from warmctl.catalog import Ref; "
-                                      "import warmctl.lifecycle"))
+    up_path = micro(n, run(cli_code + "; from warmctl.records.config import load_settings; from warmctl.records.profile import load_profile; "
+                                      "from warmctl.records.progress import ConsoleReporter; from warmctl.naming.catalog import Ref; "
+                                      "import warmctl.pipelines.lifecycle"))
     help_ = micro(n, lambda: subprocess.run([sys.executable, "-m", "warmctl", "--help"], check=True, capture_output=True,
                                             env={**os.environ, "PYTHONPATH": str(REPO)}))
     return {"python_bare_s": bare, "import_cli_s": cli - bare, "import_cli_and_lifecycle_s": up_path - bare,
@@ -178,9 +178,9 @@ def run_all(a, root: Path) -> None:
     env["WARMCTL_RESTORE_PAGES"] = a.restore_pages  # the CLI's and the agent's setting alike
     os.environ["WARMCTL_CONFIG"] = env["WARMCTL_CONFIG"]
 
-    from warmctl.catalog import Catalog
+    from warmctl.naming.catalog import Catalog
     from warmctl.checkpoint import criu
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
     from warmctl.engine.run import EngineRun
     from warmctl.host import fingerprint
     from warmctl.store import open_store

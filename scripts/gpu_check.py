@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
-from warmctl.proc import pid_alive, tree_pids  # noqa: E402
+from warmctl.base.proc import pid_alive, tree_pids  # noqa: E402
 
 
 class _Knobs:
@@ -217,7 +217,7 @@ def main() -> int:
     ap.add_argument("--imports-only", action="store_true", help="exit 0 once the imports succeeded")
     a = ap.parse_args()
     if a.imports_only:
-        print("[gpu-check] imports ok: warmctl.checkpoint.{criu,cuda,nvml,ranks}, warmctl.proc", flush=True)
+        print("[gpu-check] imports ok: warmctl.checkpoint.{criu,cuda,nvml,ranks}, warmctl.base.proc", flush=True)
         return 0
     if a.work is None:
         ap.error("--work is required")

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.fault_matrix import BOUND_S, FAULTS, LEFT, MATRIX, PATHS, SETTINGS  # noqa: E402
-from warmctl.errors import EXIT_CODES  # noqa: E402
+from warmctl.base.errors import EXIT_CODES  # noqa: E402
 
 DOC = ROOT / "docs" / "reliability.md"
 RESULTS = ROOT / "build" / "fault-matrix.json"

@@ -64,7 +64,7 @@ LEFT = {
 @dataclass(frozen=True)
 class Cell:
     """One cell: ``exit`` the error class the failing command must exit with (its code:
-    warmctl.errors.EXIT_CODES), ``says`` a word the error line must hold for the fault."""
+    warmctl.base.errors.EXIT_CODES), ``says`` a word the error line must hold for the fault."""
 
     remote: str
     seal: str

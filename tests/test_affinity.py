@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from warmctl.checkpoint import affinity, criu
-from warmctl.proc import ProcessId, kill_tree
+from warmctl.base.proc import ProcessId, kill_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 

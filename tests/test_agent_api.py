@@ -22,11 +22,11 @@ import uvicorn
 from warmctl.agent import create_app, read_token, sd_notify
 from warmctl.agent.jobs import JobManager
 from warmctl.client import AgentClient, AgentError
-from warmctl.config import Settings
-from warmctl.contract import UpRequest
-from warmctl.errors import HostError, SnapshotNotFound
-from warmctl.proc import ProcessId
-from warmctl.state import EngineState, save as save_state
+from warmctl.records.config import Settings
+from warmctl.records.contract import UpRequest
+from warmctl.base.errors import HostError, SnapshotNotFound
+from warmctl.base.proc import ProcessId
+from warmctl.records.state import EngineState, save as save_state
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
@@ -158,7 +158,7 @@ def test_409_names_the_holder_job(live):
 
 def test_the_same_up_while_one_is_under_way_answers_that_job(live):
     """Two schedulers asking for the same up at once get one job (idempotent), not a 409."""
-    from warmctl.contract import UpOptions
+    from warmctl.records.contract import UpOptions
 
     release = threading.Event()
 

@@ -91,8 +91,8 @@ def _engine_procs(home: Path) -> list[psutil.Process]:
 
 def _snapshot_shm(env, name: str = "tiny") -> list[str]:
     """Names of /dev/shm files the newest snapshot ``name`` restores."""
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     old = os.environ.get("WARMCTL_CONFIG")

@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import read_to_close, wait_agent_ready
 from tests.test_agent_api import TOKEN, LiveAgent
-from warmctl.proc import kill_child
-from warmctl.state import EngineState, save as save_state
+from warmctl.base.proc import kill_child
+from warmctl.records.state import EngineState, save as save_state
 
 NOBODY = 65534  # the unprivileged user/group of Debian and most distributions
 
@@ -451,7 +451,7 @@ def test_the_gates_probes_on_the_agent_a_control_suffix_is_no_name(agent_proc, s
     raw = _exchange(agent_proc.port, f"POST /v1/engines/tiny{suffix}/down HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode() + auth
                     + b"Content-Length: 0\r\n\r\n")
     assert raw.startswith((b"HTTP/1.1 400", b"HTTP/1.1 422")), raw
-    from warmctl.names import check_name
+    from warmctl.base.names import check_name
 
     with pytest.raises(ValueError):
         check_name("engine name", "tiny\n")

@@ -22,16 +22,16 @@ import pytest
 from fake_kfd import GIB, FakeGpu, gpu_ids, make_tree, set_process_vram
 
 from tests.test_criu import _tree, marker_plugins
-from warmctl.catalog import AMDGPU_PLUGIN, KNOWN_BAD, RULES, check, compat_key, select
+from warmctl.naming.catalog import AMDGPU_PLUGIN, KNOWN_BAD, RULES, check, compat_key, select
 from warmctl.checkpoint import criu, kfd
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.vllm import vllm_command
-from warmctl.errors import CheckpointError, HostError
+from warmctl.base.errors import CheckpointError, HostError
 from warmctl.host import GpuInfo, HostFingerprint, fingerprint, read_amd_gpus
-from warmctl.manifest import GpuRestore, RestoreInfo
-from warmctl.profile import PROFILES_DIR, Profile, ProfileError, load_profile, load_profile_file
-from warmctl.progress import Reporter
-from warmctl.proc import ProcessId, kill_tree
+from warmctl.records.manifest import GpuRestore, RestoreInfo
+from warmctl.records.profile import PROFILES_DIR, Profile, ProfileError, load_profile, load_profile_file
+from warmctl.records.progress import Reporter
+from warmctl.base.proc import ProcessId, kill_tree
 
 TESTS = Path(__file__).resolve().parent
 FAKE_AMDSMI = TESTS / "fake_amdsmi"
@@ -261,7 +261,7 @@ def test_compat_key_separates_amd_firmware_and_keeps_nvidia_keys():
     # the criteria of an NVIDIA host are exactly those compared before AMD support
     import hashlib
 
-    from warmctl.catalog import _version_tuple, compatible_flags
+    from warmctl.naming.catalog import _version_tuple, compatible_flags
 
     old = {"arch": nv.arch, "gpus": ["NVIDIA B200"], "driver": "580", "cpu": sorted(compatible_flags(nv.cpu.flags)),
            "criu": _version_tuple(nv.criu_version)[:1], "engine": nv.engine_version, "env": nv.env_digest}

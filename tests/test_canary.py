@@ -1,7 +1,7 @@
 """Canary comparison: bit-exact, and the first difference is named precisely."""
 
 from warmctl.engine.canary import first_difference
-from warmctl.manifest import CanaryCompletion, CanaryRecord
+from warmctl.records.manifest import CanaryCompletion, CanaryRecord
 
 
 def rec(ids, lps, match="tokens+logprobs", top=None):

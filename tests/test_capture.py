@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from warmctl.checkpoint import capture
-from warmctl.proc import ProcessId, kill_tree
+from warmctl.base.proc import ProcessId, kill_tree
 
 
 def test_semaphore_mapped_under_a_removed_name_is_found_and_removed_by_inode():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from warmctl.catalog import (
+from warmctl.naming.catalog import (
     IGNORED_CPU_FLAGS,
     Catalog,
     CatalogEntry,
@@ -22,11 +22,11 @@ from warmctl.catalog import (
     compat_key,
     select,
 )
-from warmctl.errors import SnapshotNotFound
+from warmctl.base.errors import SnapshotNotFound
 from warmctl.host import CpuInfo, GpuInfo, HostFingerprint, fingerprint
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest, RestoreInfo
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest, RestoreInfo
 from warmctl.store import Store, open_store
-from warmctl.trust import TrustError, generate_keypair
+from warmctl.naming.trust import TrustError, generate_keypair
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 FLAGS = ["avx", "avx2", "avx512f", "fma", "hypervisor", "sse2"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_store_fixtures import chunk_files, snapshot, write_payload
 
-from warmctl.trust import generate_keypair
+from warmctl.naming.trust import generate_keypair
 from warmctl.store import open_store
 
 WARMCTL = [sys.executable, "-m", "warmctl"]

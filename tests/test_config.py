@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import warmctl.config as config
-from warmctl.config import ENV_VARS, ConfigError, Settings, load_settings
+import warmctl.records.config as config
+from warmctl.records.config import ENV_VARS, ConfigError, Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 

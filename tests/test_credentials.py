@@ -16,12 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from warmctl import credentials
+from warmctl.records import credentials
 from warmctl.checkpoint import criu
-from warmctl.config import Settings
-from warmctl.credentials import Secret, SecretInSnapshot, credential_name, known_secrets, scan_file, scan_files
+from warmctl.records.config import Settings
+from warmctl.records.credentials import Secret, SecretInSnapshot, credential_name, known_secrets, scan_file, scan_files
 from warmctl.engine.vllm import BASE_ENV, engine_environment
-from warmctl.profile import PROFILES_DIR, load_profile_file
+from warmctl.records.profile import PROFILES_DIR, load_profile_file
 
 PROBE = "probe-2c9e41b7a6d05f38"
 
@@ -249,7 +249,7 @@ def test_loading_a_profile_checks_shapes_without_importing_detect_secrets_or_req
     bad.write_text((PROFILES_DIR / "tiny.toml").read_text().replace(
         'HF_HUB_OFFLINE = "1"', 'HF_HUB_OFFLINE = "1"\nHF_ENDPOINT = "https://ci-bot:s3cretPassw0rd@mirror.internal"'))
     code = ("import sys\n"
-            "from warmctl.profile import CredentialInProfile, load_profile_file\n"
+            "from warmctl.records.profile import CredentialInProfile, load_profile_file\n"
             f"load_profile_file({str(PROFILES_DIR / 'tiny.toml')!r})\n"
             "try:\n"
             f"    load_profile_file({str(bad)!r})\n"

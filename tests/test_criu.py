@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from warmctl.checkpoint import capture, criu
-from warmctl.errors import CheckpointError, HostError
-from warmctl.proc import ProcessId, kill_tree
+from warmctl.base.errors import CheckpointError, HostError
+from warmctl.base.proc import ProcessId, kill_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 

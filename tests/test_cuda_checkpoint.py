@@ -20,8 +20,8 @@ import pytest
 from tests.conftest import session_tmp
 from warmctl.checkpoint import cuda, nvml, ranks
 from warmctl.checkpoint.cuda import ProcessState
-from warmctl.errors import CheckpointError
-from warmctl.proc import tree_pids
+from warmctl.base.errors import CheckpointError
+from warmctl.base.proc import tree_pids
 
 _spec = importlib.util.spec_from_file_location("fake_libcuda_harness", Path(__file__).parent / "fake_libcuda" / "harness.py")
 harness = importlib.util.module_from_spec(_spec)

@@ -35,17 +35,17 @@ import pytest
 from tests.conftest import isolated_env, shm_leaked, shm_names, wait_agent_ready, warmctl
 from tests.test_agent_api import free_port
 
-from warmctl.config import Settings
-from warmctl.catalog import Catalog, Ref
+from warmctl.records.config import Settings
+from warmctl.naming.catalog import Catalog, Ref
 from warmctl.store.chunkio import ChunkCorrupt
-from warmctl.fleet import copy_entry, entries_to_copy
+from warmctl.naming.fleet import copy_entry, entries_to_copy
 from warmctl.host import HostFingerprint
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
-from warmctl.profile import load_profile_file
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.records.profile import load_profile_file
 from warmctl.store import chunk_key, open_backend, open_store
 from warmctl.store.chunks import frame_bound
 from warmctl.store.sealed import load_key, seal_store
-from warmctl.trust import generate_keypair
+from warmctl.naming.trust import generate_keypair
 
 CH = 256 * 1024
 #: the bound on each failing command (seconds); a healthy run takes a few

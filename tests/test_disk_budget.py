@@ -15,14 +15,14 @@ import pytest
 
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
 from warmctl import diskspace
-from warmctl.catalog import Catalog
+from warmctl.naming.catalog import Catalog
 from warmctl.checkpoint.imagecache import ImageCache, image_bytes, live_digests
-from warmctl.config import ConfigError, load_settings
+from warmctl.records.config import ConfigError, load_settings
 from warmctl.engine.run import EngineRun
-from warmctl.errors import HostError
-from warmctl.manifest import FileEntry
-from warmctl.progress import Reporter
-from warmctl.state import EngineState
+from warmctl.base.errors import HostError
+from warmctl.records.manifest import FileEntry
+from warmctl.records.progress import Reporter
+from warmctl.records.state import EngineState
 from warmctl.store import open_store
 
 
@@ -135,7 +135,7 @@ def test_up_checks_free_space_for_chunks_from_a_remote_before_writing(tmp_path, 
     """``up``'s materialize from a remote store: the chunks the local store lacks (12 MiB) are
     counted against the local store's filesystem (6 MiB) before any byte is written; the
     message names that store and the numbers; the local store and the image cache stay empty."""
-    from warmctl.materialize import materialize as _materialize
+    from warmctl.pipelines.materialize import materialize as _materialize
 
     remote = open_store(tmp_path / "remote")
     m = make_manifest(remote, "tiny", {"pages-1.img": write_payload(tmp_path / "p.img", [("random", 12 * MiB)])})
@@ -244,7 +244,7 @@ def test_warmctl_pull_refuses_with_exit_10_before_fetching(tmp_path, small_fs):
     import sys
 
     from tests.test_catalog import host
-    from warmctl.trust import generate_keypair
+    from warmctl.naming.trust import generate_keypair
 
     remote = open_store(tmp_path / "remote")
     key = generate_keypair(tmp_path / "keys", "a")

@@ -164,7 +164,7 @@ def test_teardown_is_the_only_place_that_kills_an_engine_tree_or_drops_its_recor
     assert found == {
         "engine/run.py": {"teardown", "_kill_strays", "_kill_restored"},
         "gate/lazy.py": {"take_down"},
-        "proc.py": {"kill_child"},
+        "base/proc.py": {"kill_child"},
     }, found
     design = (ROOT / "docs" / "design.md").read_text()
     for named in ("`gate/lazy.py`", "`gate/drain.py`", "`checkpoint/ranks.py`", "`teardown()` is the\nonly place"):

@@ -1,6 +1,6 @@
 """``kill -9`` of warmctl at every named phase, with the real CRIU and store.
 ``WARMCTL_TEST_KILL_AT_PHASE=NAME`` makes warmctl SIGKILL itself when it reaches phase ``NAME``
-(:mod:`warmctl.faults`). After each kill: ``verify`` accepts the store, no public port is open
+(:mod:`warmctl.base.faults`). After each kill: ``verify`` accepts the store, no public port is open
 in front of an engine whose canary did not pass, the next run of the same command succeeds,
 and once that is taken down no engine process and no ``/dev/shm`` file of it is left.
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import listening, shm_leaked, shm_names, wait_until, warmctl
 from warmctl.checkpoint import criu
-from warmctl.proc import ProcessId
+from warmctl.base.proc import ProcessId
 
 pytestmark = pytest.mark.e2e
 
@@ -40,8 +40,8 @@ def _daemon(row: dict) -> ProcessId | None:
 
 
 def _canary(env) -> tuple[str, int]:
-    from warmctl.catalog import Catalog
-    from warmctl.config import load_settings
+    from warmctl.naming.catalog import Catalog
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
     import os
 

@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import WARMCTL, listening, shm_leaked, shm_names, warmctl
 from tests.test_e2e_main import _settings
-from warmctl.catalog import Catalog
-from warmctl.manifest import Manifest
+from warmctl.naming.catalog import Catalog
+from warmctl.records.manifest import Manifest
 from warmctl.store import open_store
 
 pytestmark = pytest.mark.e2e

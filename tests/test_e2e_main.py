@@ -22,10 +22,10 @@ from tests.conftest import SNAPSHOT_PROBES, WARMCTL, listening, shm_leaked, shm_
 
 from warmctl.checkpoint import affinity
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
-from warmctl.catalog import Catalog
-from warmctl.config import load_settings
-from warmctl.errors import HostError
-from warmctl.manifest import Manifest
+from warmctl.naming.catalog import Catalog
+from warmctl.records.config import load_settings
+from warmctl.base.errors import HostError
+from warmctl.records.manifest import Manifest
 from warmctl.store import chunk_key, open_store
 
 pytestmark = pytest.mark.e2e

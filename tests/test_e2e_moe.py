@@ -23,8 +23,8 @@ import httpx
 import pytest
 from tests.conftest import listening, ls_row, node_b_env, rank_env, rank_procs, shm_leaked, shm_names, up_restore, warmctl
 
-from warmctl.manifest import Manifest
-from warmctl.tinymodel import MOE_EXPERTS, MOE_TOP_K
+from warmctl.records.manifest import Manifest
+from warmctl.models.tinymodel import MOE_EXPERTS, MOE_TOP_K
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,7 @@ def a(wc_env, engine_ports, moe_snapshot) -> dict[str, str]:
 
 def _manifest(env, digest: str) -> Manifest:
     """The manifest ``digest`` from the local store of the home of ``env`` (its config file)."""
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     return open_store(load_settings(Path(env["WARMCTL_CONFIG"])).store_dir).get_manifest(digest)
@@ -56,7 +56,7 @@ def _canary_through_the_gate(env, gate_port: int, digest: str) -> str | None:
     """The snapshot's canary replayed through the public port: :func:`first_difference` of the
     recorded completions (tokens and float logprobs, bit for bit) and what the gate serves now."""
     from warmctl.engine import canary
-    from warmctl.profile import Profile
+    from warmctl.records.profile import Profile
 
     m = _manifest(env, digest)
     spec = Profile.model_validate(m.profile).canary

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import engine_tmp_dirs, isolated_env, listening, shm_leaked, shm_names, warmctl
 from tests.test_agent_e2e import Agent, _engine_procs
 
-from warmctl.catalog import Catalog
+from warmctl.naming.catalog import Catalog
 from warmctl.store import open_store
 
 pytestmark = pytest.mark.e2e

@@ -23,8 +23,8 @@ from tests.test_e2e_main import (
     _our_engine_pids,
     _settings,
 )
-from warmctl.catalog import Catalog
-from warmctl.manifest import FileEntry, Manifest
+from warmctl.naming.catalog import Catalog
+from warmctl.records.manifest import FileEntry, Manifest
 from warmctl.store import open_store
 
 pytestmark = pytest.mark.e2e

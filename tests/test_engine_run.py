@@ -18,12 +18,12 @@ from pydantic import ValidationError
 
 from warmctl.engine.plan import CheckpointPlan
 from warmctl.engine.run import EngineRun
-from warmctl.errors import CheckpointError
-from warmctl.manifest import CanaryRecord, Manifest, RestoreInfo
-from warmctl.profile import load_profile
-from warmctl.proc import CLK_TCK, ProcessId, kill_child, kill_tree, pid_alive, signal_process, tree_pids
-from warmctl.progress import Reporter
-from warmctl.state import EngineState
+from warmctl.base.errors import CheckpointError
+from warmctl.records.manifest import CanaryRecord, Manifest, RestoreInfo
+from warmctl.records.profile import load_profile
+from warmctl.base.proc import CLK_TCK, ProcessId, kill_child, kill_tree, pid_alive, signal_process, tree_pids
+from warmctl.records.progress import Reporter
+from warmctl.records.state import EngineState
 
 SHM = Path("/dev/shm")
 

@@ -1,4 +1,4 @@
-"""The per-name lock of ``up``/``down`` (:mod:`warmctl.enginelock`) with real processes: a
+"""The per-name lock of ``up``/``down`` (:mod:`warmctl.records.enginelock`) with real processes: a
 second holder of a name waits and reads the first's outcome; another name does not wait; a
 holder killed with SIGKILL leaves no lock and no answer."""
 
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from warmctl import enginelock
-from warmctl.errors import CanaryMismatch, WarmctlError
+from warmctl.records import enginelock
+from warmctl.base.errors import CanaryMismatch, WarmctlError
 
 REPO = Path(__file__).resolve().parent.parent
 
 HOLDER = """
 import sys, time
-from warmctl import enginelock
-from warmctl.errors import CanaryMismatch
+from warmctl.records import enginelock
+from warmctl.base.errors import CanaryMismatch
 run_dir, name, how = sys.argv[1:4]
 with enginelock.hold(run_dir, name, "up"):
     print("held", flush=True)
@@ -95,8 +95,8 @@ def test_the_one_flock_helper_waits_reports_and_times_out(tmp_path):
     """``flock.lock_exclusive``: free at once (no wait), busy (``on_wait`` once, then the lock
     when the holder lets go, or ``TimeoutError``), and the CRIU host lock's error built on it."""
     from warmctl.checkpoint import criu
-    from warmctl.errors import CheckpointError
-    from warmctl.flock import lock_exclusive
+    from warmctl.base.errors import CheckpointError
+    from warmctl.base.flock import lock_exclusive
 
     p = tmp_path / "l.lock"
     p.touch()

@@ -1,5 +1,5 @@
 """Exit codes: every WarmctlError subclass in the package has its own code,
-given once (warmctl.errors.EXIT_CODES) and listed in docs/exit-codes.md; the agent client turns
+given once (warmctl.base.errors.EXIT_CODES) and listed in docs/exit-codes.md; the agent client turns
 each error a job reports back into the same class with the same code."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import warmctl
 from warmctl.client import JobFailed, _error_for
-from warmctl.errors import EXIT_CODES, OTHER_EXIT_CODES, WarmctlError, error_class
+from warmctl.base.errors import EXIT_CODES, OTHER_EXIT_CODES, WarmctlError, error_class
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "exit-codes.md"
 
@@ -34,7 +34,7 @@ def test_every_error_class_has_its_own_code_in_the_one_table():
     names = [c.__name__ for c in classes]
     assert len(set(names)) == len(names), "two error classes share a name (the agent reports names)"
     for c in classes:
-        assert c.__name__ in EXIT_CODES, f"{c.__module__}.{c.__name__} has no exit code in warmctl.errors.EXIT_CODES"
+        assert c.__name__ in EXIT_CODES, f"{c.__module__}.{c.__name__} has no exit code in warmctl.base.errors.EXIT_CODES"
         code, module = EXIT_CODES[c.__name__]
         assert c.__module__ == module and c.exit_code == code, c
     by_name = {c.__name__: c for c in classes}
@@ -49,7 +49,7 @@ def test_every_error_class_has_its_own_code_in_the_one_table():
     assert shared <= {"RollbackRefused"}, f"new classes sharing a code: {sorted(shared)}"
     codes = [code for code, _ in EXIT_CODES.values()]
     assert all(0 < c < 126 and c not in OTHER_EXIT_CODES for c in codes)
-    from warmctl.foreground import ENGINE_DIED_EXIT
+    from warmctl.cli.foreground import ENGINE_DIED_EXIT
 
     assert ENGINE_DIED_EXIT in OTHER_EXIT_CODES
     assert set(EXIT_CODES) == set(names), "a table row names no class"

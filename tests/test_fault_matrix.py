@@ -2,7 +2,7 @@
 sealed x path x fault) injects its fault at the remote and asserts one property:
 
 - the command ends within the cell's bound and exits with its error class's code
-  (warmctl.errors.EXIT_CODES), one error line naming the object (the chunk's digest, or a key
+  (warmctl.base.errors.EXIT_CODES), one error line naming the object (the chunk's digest, or a key
   of the remote) and the fault, no traceback;
 - it names nothing it could not verify: the node's catalog (pull, up) or the remote's (push)
   names nothing new;
@@ -37,9 +37,9 @@ import pytest
 from tests.conftest import fake_env, shm_leaked, shm_names, warmctl
 from tests.fault_matrix import BOUND_S, DATA, FAULTS, MATRIX, SETTINGS, Cell
 
-from warmctl.catalog import Catalog
-from warmctl.config import Settings
-from warmctl.errors import EXIT_CODES
+from warmctl.naming.catalog import Catalog
+from warmctl.records.config import Settings
+from warmctl.base.errors import EXIT_CODES
 from warmctl.store import chunk_key, maintenance, open_backend, open_store
 from warmctl.store.sealed import load_key, seal_store
 

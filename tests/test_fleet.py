@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from test_catalog import host, publish_snapshot
 
-from warmctl.catalog import Catalog, Ref
-from warmctl.errors import IntegrityError, SnapshotNotFound
-from warmctl.fleet import copy_entry, entries_to_copy, transfer
+from warmctl.naming.catalog import Catalog, Ref
+from warmctl.base.errors import IntegrityError, SnapshotNotFound
+from warmctl.naming.fleet import copy_entry, entries_to_copy, transfer
 from warmctl.store import open_store
 from warmctl.store import maintenance
-from warmctl.trust import TrustError, generate_keypair
+from warmctl.naming.trust import TrustError, generate_keypair
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

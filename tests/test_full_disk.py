@@ -11,13 +11,13 @@ import pytest
 from tests.test_catalog import host
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
 from warmctl import diskspace
-from warmctl.catalog import Catalog, Ref
+from warmctl.naming.catalog import Catalog, Ref
 from warmctl.checkpoint.imagecache import ImageCache
-from warmctl.errors import HostError
-from warmctl.fleet import entries_to_copy, transfer
+from warmctl.base.errors import HostError
+from warmctl.naming.fleet import entries_to_copy, transfer
 from warmctl.store import open_store
 from warmctl.store import maintenance
-from warmctl.trust import generate_keypair
+from warmctl.naming.trust import generate_keypair
 
 
 @pytest.mark.parametrize("precheck", [True, False], ids=["refused-before", "filled-during"])

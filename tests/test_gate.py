@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from warmctl import gate
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 
 
 def _free_port() -> int:

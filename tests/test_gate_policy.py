@@ -31,7 +31,7 @@ from tests.gate_upstream import read_response as _read_response
 from warmctl import gate
 from warmctl.gate.http import MAX_HEAD
 from warmctl.gate.relay import ResponseTracker
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 
 KEY_A, KEY_B, KEY_C = "sk-warmctl-alpha-0001", "sk-warmctl-bravo-0002", "sk-warmctl-charlie-0003"
 
@@ -463,7 +463,7 @@ def _parsed(argv: list[str]) -> "gate.GateConfig":
 
 def test_a_gate_config_survives_its_command_line(tmp_path):
     """What ``up`` builds is what the gate process parses back: every field, the defaults too."""
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
     keys, cert, key = tmp_path / "keys", tmp_path / "c.pem", tmp_path / "k.pem"
     full = gate.GateConfig(api_key_file=keys, tls_cert=cert, tls_key=key, allow_paths=["/v1/rerank", "/x/{name}"],

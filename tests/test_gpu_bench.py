@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from warmctl.proc import pid_alive
+from warmctl.base.proc import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "gpu_bench.py"

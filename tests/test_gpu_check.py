@@ -143,7 +143,7 @@ sys.path.insert(0, root_dir)
 spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(root_dir, "scripts", "gpu_check.py"))
 gc = importlib.util.module_from_spec(spec); spec.loader.exec_module(gc)
 from warmctl.checkpoint import cuda
-from warmctl.proc import tree_pids
+from warmctl.base.proc import tree_pids
 inner_code = (
     "import subprocess, sys, time\n"
     "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']) for _ in range(2)]\n"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from warmctl.profile import PROFILES_DIR, load_profile_file
+from warmctl.records.profile import PROFILES_DIR, load_profile_file
 
 TP_RESTORE_ENV = {
     "NCCL_P2P_DISABLE": "1",

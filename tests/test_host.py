@@ -26,7 +26,7 @@ from warmctl.host import (
     read_cpuinfo,
     read_gpus,
 )
-from warmctl.manifest import Manifest
+from warmctl.records.manifest import Manifest
 
 
 def _nvml_loadable() -> bool:
@@ -131,14 +131,14 @@ def test_other_interpreter_is_asked_in_a_subprocess(tmp_path, fp):
     wrapper = _script(tmp_path / "python", f'exec "{sys.executable}" "$@"\n')
     other = fingerprint(python=wrapper)
     assert other.env_digest == fp.env_digest and other.engine_version == fp.engine_version
-    from warmctl.errors import HostError
+    from warmctl.base.errors import HostError
 
     with pytest.raises(HostError, match="nonexistent-python"):
         fingerprint(python=tmp_path / "nonexistent-python")
 
 
 def test_fingerprint_round_trips_through_a_manifest(fp):
-    from warmctl.manifest import CanaryRecord
+    from warmctl.records.manifest import CanaryRecord
 
     m = Manifest(name="tiny", profile_digest="sha256:" + "0" * 64, profile={}, host=fp.model_dump(mode="json"),
                  canary=CanaryRecord(match="tokens", max_tokens=1, logprobs=0, completions=[]), files=[])

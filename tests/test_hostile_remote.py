@@ -21,16 +21,16 @@ import pytest
 from tests.conftest import isolated_env, warmctl
 from test_catalog import publish_snapshot
 
-from warmctl.catalog import Accepted, Catalog, Ref, RollbackRefused, entry_for, entry_key
-from warmctl.errors import IntegrityError, SnapshotNotFound
-from warmctl.fleet import copy_entry, entries_to_copy
+from warmctl.naming.catalog import Accepted, Catalog, Ref, RollbackRefused, entry_for, entry_key
+from warmctl.base.errors import IntegrityError, SnapshotNotFound
+from warmctl.naming.fleet import copy_entry, entries_to_copy
 from warmctl.host import HostFingerprint
 from warmctl.store import StoreLocked, open_store
 from warmctl.store.backend import RetryingBackend
 from warmctl.store.layout import chunk_key
 from warmctl.store.store import Store
 from warmctl.store import maintenance
-from warmctl.trust import TrustError, generate_keypair
+from warmctl.naming.trust import TrustError, generate_keypair
 
 T0 = datetime.now(timezone.utc) - timedelta(days=30)
 T1 = datetime.now(timezone.utc) - timedelta(hours=1)
@@ -327,7 +327,7 @@ MEMORY_PROBE = r"""
 import resource, sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-from warmctl.catalog import Catalog
+from warmctl.naming.catalog import Catalog
 from warmctl.host import HostFingerprint
 from warmctl.store import open_store
 fp = HostFingerprint.model_validate_json(open(sys.argv[3]).read())
@@ -342,7 +342,7 @@ print("resolved")
 
 
 def _baseline_vm(env) -> int:
-    code = ("import warmctl.catalog, warmctl.store, warmctl.host, resource;"
+    code = ("import warmctl.naming.catalog, warmctl.store, warmctl.host, resource;"
             "print(int(open('/proc/self/status').read().split('VmPeak:')[1].split()[0]) * 1024)")
     return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
 

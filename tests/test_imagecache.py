@@ -9,10 +9,10 @@ import os
 import pytest
 
 from tests.test_store_fixtures import MiB, make_manifest, write_payload
-from warmctl.catalog import Catalog
+from warmctl.naming.catalog import Catalog
 from warmctl.checkpoint.imagecache import MARKER, ImageCache, entry_name, image_bytes
-from warmctl.errors import HostError, IntegrityError
-from warmctl.manifest import FileEntry
+from warmctl.base.errors import HostError, IntegrityError
+from warmctl.records.manifest import FileEntry
 from warmctl.store import open_store
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from warmctl.catalog import Catalog
-from warmctl.config import Settings
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
-from warmctl.progress import Reporter
-from warmctl.snapshot import signing_key
+from warmctl.naming.catalog import Catalog
+from warmctl.records.config import Settings
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.records.progress import Reporter
+from warmctl.pipelines.snapshot import signing_key
 from warmctl.store import open_store
-from warmctl.trust import (
+from warmctl.naming.trust import (
     TrustError,
     check_signatures,
     generate_keypair,

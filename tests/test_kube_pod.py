@@ -352,8 +352,8 @@ def test_engine_account_cannot_patch_another_namespace(kube, fk_env, fake_snapsh
 
 def test_without_a_pod_name_nothing_of_kubernetes_is_imported(fk_env, tmp_path):
     """Outside a pod the supervisor imports neither lightkube nor warmctl.kube."""
-    code = ("import sys, warmctl.foreground as fg\n"
-            "from warmctl.config import load_settings\n"
+    code = ("import sys, warmctl.cli.foreground as fg\n"
+            "from warmctl.records.config import load_settings\n"
             "assert fg.pod_condition(load_settings(None, {}), print) is None\n"
             "print(sorted(m for m in sys.modules if m.startswith(('lightkube', 'warmctl.kube'))))\n")
     r = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in fk_env.items()}, cwd=REPO,
@@ -363,12 +363,12 @@ def test_without_a_pod_name_nothing_of_kubernetes_is_imported(fk_env, tmp_path):
 
 
 def test_failure_reasons_follow_the_error_class():
-    from warmctl.catalog import CatalogError
-    from warmctl.errors import CanaryMismatch, EngineError, ImageMismatch, SnapshotNotFound
+    from warmctl.naming.catalog import CatalogError
+    from warmctl.base.errors import CanaryMismatch, EngineError, ImageMismatch, SnapshotNotFound
     from warmctl.kube.conditions import failure_reason
     from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing
     from warmctl.store.sealed import SealKeyError
-    from warmctl.trust import TrustError
+    from warmctl.naming.trust import TrustError
 
     assert failure_reason(CanaryMismatch("x")) == "CanaryFailed"
     for e in (TrustError("x"), ChunkCorrupt("x", "d", "l", "r"), ChunkMissing("x", "d", "l"), SealKeyError("x"),
@@ -381,7 +381,7 @@ def test_failure_reasons_follow_the_error_class():
 
 
 def test_image_rule_compares_the_image_digests():
-    from warmctl.catalog import check, compat_key
+    from warmctl.naming.catalog import check, compat_key
     from warmctl.host import fingerprint
 
     fp = fingerprint()
@@ -400,8 +400,8 @@ def test_image_rule_compares_the_image_digests():
 
 
 def test_termination_message_is_one_line_within_the_kubelets_limit(tmp_path):
-    from warmctl.config import load_settings
-    from warmctl.foreground import TERMINATION_MESSAGE_MAX, termination_message_path, write_termination_message
+    from warmctl.records.config import load_settings
+    from warmctl.cli.foreground import TERMINATION_MESSAGE_MAX, termination_message_path, write_termination_message
 
     said: list[str] = []
     s = load_settings(None, {"termination_message_path": tmp_path / "t"})

@@ -195,7 +195,7 @@ def test_nodes_writing_status_at_once_all_end_in_status(cluster, fleet, tmp_path
         assert set(entries) == {NODE_A, NODE_B} and {e["digest"] for e in entries.values()} == {fleet["digest"]}
 
         # Many writers on one object, in-process: every read-modify-write meets 409s and retries.
-        from warmctl.config import Settings
+        from warmctl.records.config import Settings
         from warmctl.kube.prewarm import Prewarmer
 
         writers = [Prewarmer(Settings(home=tmp_path / f"n{i}", kube_config=kubeconfig, node_name=f"kwarm-writer-{i}"))

@@ -14,14 +14,14 @@ import time
 import psutil
 import pytest
 
-from warmctl.catalog import check
+from warmctl.naming.catalog import check
 from warmctl.checkpoint import affinity, criu, layout
 from warmctl.checkpoint.layout import RankError, Sizes, check_binding, default_binding, sizes_of
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 from warmctl.host import CpuInfo, HostFingerprint
-from warmctl.manifest import ParallelLayout, RestoreInfo
-from warmctl.proc import ProcessId, kill_tree
-from warmctl.profile import Profile, ProfileError, load_profile_file
+from warmctl.records.manifest import ParallelLayout, RestoreInfo
+from warmctl.base.proc import ProcessId, kill_tree
+from warmctl.records.profile import Profile, ProfileError, load_profile_file
 
 from conftest import REPO
 
@@ -262,7 +262,7 @@ def test_snapshot_on_a_host_without_a_network_lock_stops_before_the_engine_start
 
 
 def test_builtin_models_have_their_own_directories(tmp_path):
-    from warmctl import builtinmodels, tinymodel
+    from warmctl.models import builtinmodels, tinymodel
 
     llama, moe = (builtinmodels.builtin_dir(m, tmp_path) for m in ("builtin:tiny", "builtin:tiny-moe"))
     assert llama == tinymodel.model_dir(tmp_path) and llama.name.startswith("tiny-llama-")
@@ -432,7 +432,7 @@ def test_a_rank_killed_by_the_hook_while_criu_dumps_fails_the_dump_and_is_named(
     TracerPid is CRIU); CRIU's dump then fails (it cannot finish a task that died), the rest of
     the tree is resumed, and :func:`layout.died` names the rank with its log lines."""
     from warmctl.checkpoint import rankfaults
-    from warmctl.errors import CheckpointError
+    from warmctl.base.errors import CheckpointError
 
     monkeypatch.setenv(rankfaults.RANK_ENV, "before_dump:Worker_TP0,dump:Worker_TP1")
     for attempt in range(5):

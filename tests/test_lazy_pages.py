@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import listening, wait_until
 from warmctl import gate
 from warmctl.checkpoint import criu
-from warmctl.proc import ProcessId
+from warmctl.base.proc import ProcessId
 
 HEAD = """(00.000000) Version: 4.2 (gitid 0)
 (00.000321) Waiting for incoming connections on lazy-pages.socket
@@ -161,7 +161,7 @@ def test_gate_takes_the_engine_down_when_the_daemon_dies_before_its_copy_ended(t
         pending.proc.wait()
         daemon.kill()
         daemon.wait()
-        from warmctl.proc import kill_tree
+        from warmctl.base.proc import kill_tree
 
         kill_tree(engine, timeout_s=2)
 
@@ -184,6 +184,6 @@ def test_gate_refuses_to_open_when_the_daemon_already_died_incomplete(tmp_path, 
     finally:
         pending.proc.kill()
         pending.proc.wait()
-        from warmctl.proc import kill_tree
+        from warmctl.base.proc import kill_tree
 
         kill_tree(engine, timeout_s=2)

@@ -13,8 +13,8 @@ import pytest
 
 from warmctl.engine import canary
 from warmctl.engine.loopback import Connection, LoopbackError, healthy
-from warmctl.errors import EngineError
-from warmctl.profile import CanarySpec
+from warmctl.base.errors import EngineError
+from warmctl.records.profile import CanarySpec
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from tests.conftest import isolated_env, warmctl
 
-from warmctl.catalog import Catalog, CatalogEntry, compat_key
+from warmctl.naming.catalog import Catalog, CatalogEntry, compat_key
 from warmctl.checkpoint import capture
-from warmctl.errors import IntegrityError
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest, sha256_digest
+from warmctl.base.errors import IntegrityError
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest, sha256_digest
 from warmctl.store import manifest_key, open_store
 from warmctl.store import maintenance
 
@@ -163,7 +163,7 @@ def test_up_refuses_bundled_file_under_etc(tmp_path, engine_ports):
     host = fingerprint().model_dump(mode="json")
     src = tmp_path / "payload.bin"
     src.write_bytes(b"written by a warmctl test\n")
-    from warmctl.profile import load_profile_file
+    from warmctl.records.profile import load_profile_file
 
     prof = load_profile_file(tmp_path / "profiles" / "tiny.toml")
     with open_store(tmp_path / "home" / "store") as s:

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from test_hostile_remote import Fleet
 
-from warmctl.catalog import Catalog, Ref
-from warmctl.fleet import copy_entry, entries_to_copy
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.naming.catalog import Catalog, Ref
+from warmctl.naming.fleet import copy_entry, entries_to_copy
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest
 
 #: the issue's bound on warmctl's own peak RSS (bytes)
 LIMIT = 512 << 20
@@ -77,7 +77,7 @@ def _peak_rss(args: list[str], env: dict[str, str], timeout: float = 600) -> tup
 
 MATERIALIZE = r"""
 import sys
-from warmctl.catalog import Catalog
+from warmctl.naming.catalog import Catalog
 from warmctl.checkpoint.imagecache import ImageCache
 from warmctl.store import Fetched, open_store
 remote, home = sys.argv[1], sys.argv[2]

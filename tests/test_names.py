@@ -9,11 +9,11 @@ import httpx
 import pytest
 
 from warmctl.agent import create_app
-from warmctl.catalog import CatalogError, Ref
-from warmctl.config import Settings
-from warmctl.lifecycle import down, status
-from warmctl.names import NAME_PATTERN, check_name
-from warmctl.profile import Profile
+from warmctl.naming.catalog import CatalogError, Ref
+from warmctl.records.config import Settings
+from warmctl.pipelines.lifecycle import down, status
+from warmctl.base.names import NAME_PATTERN, check_name
+from warmctl.records.profile import Profile
 
 GOOD = ["tiny", "llama-3.1-8b-instruct", "Qwen2.5-0.5B", "a" * 64 + ".v2", "x" * 128, "7b_chat"]
 BAD = ["../x", "..", ".hidden", "a/b", "x" * 129, "", "-dash", "a b", "a$b", "sp\u00e9cial"]

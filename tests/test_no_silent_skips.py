@@ -17,10 +17,10 @@ import pytest
 from test_store_fixtures import snapshot, write_payload
 
 from warmctl.agent.jobs import JobManager
-from warmctl.config import Settings
-from warmctl.errors import HostError
-from warmctl.lifecycle import down, status
-from warmctl.state import all_states
+from warmctl.records.config import Settings
+from warmctl.base.errors import HostError
+from warmctl.pipelines.lifecycle import down, status
+from warmctl.records.state import all_states
 from warmctl.store import manifest_key, open_store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def test_corrupt_state_json_is_an_error_for_down_and_a_warning_for_status(tmp_pa
         down("tiny", s)
     assert rec.exists()  # nothing guessed, nothing removed
     problems: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="warmctl.state"):
+    with caplog.at_level(logging.WARNING, logger="warmctl.records.state"):
         assert all_states(s.run_dir, problems) == [] and status(s) == []
     assert len(problems) == 1 and str(rec) in problems[0]
     assert sum(str(rec) in r.getMessage() for r in caplog.records) == 2

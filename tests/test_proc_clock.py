@@ -4,8 +4,8 @@ psutil's ``create_time()`` is the start in ticks since boot plus ``/proc/stat``'
 which the kernel gives in whole seconds: on a host whose boot time has a fraction ``f`` it is
 ``f`` seconds early, and a wall-clock step moves it. These tests give this host each such
 quirk at the boundary where it enters -- psutil's boot-time read (``psutil._pslinux.boot_time``,
-what every psutil creation time adds), warmctl's clock reads (:func:`warmctl.proc.wall_clock`,
-:func:`warmctl.proc.boot_clock`) and a file's mtime -- and run the real rule on real processes:
+what every psutil creation time adds), warmctl's clock reads (:func:`warmctl.base.proc.wall_clock`,
+:func:`warmctl.base.proc.boot_clock`) and a file's mtime -- and run the real rule on real processes:
 a rule that compared psutil's creation times with wall-clock stamps, or trusted psutil across a
 clock step, fails here on every host, not on half of them.
 """
@@ -22,10 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from warmctl import proc
+from warmctl.base import proc
 from warmctl.engine.run import EngineRun
-from warmctl.proc import CLK_TCK, ProcessId, Stamp, created_during, kill_child, start_ticks
-from warmctl.state import EngineState
+from warmctl.base.proc import CLK_TCK, ProcessId, Stamp, created_during, kill_child, start_ticks
+from warmctl.records.state import EngineState
 
 FRACTIONS = [0.0, 0.49, 0.51, 0.99]
 STEPS = [5.0, -5.0]

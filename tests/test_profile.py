@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from warmctl.profile import PROFILES_DIR, ProfileError, load_profile, load_profile_file
+from warmctl.records.profile import PROFILES_DIR, ProfileError, load_profile, load_profile_file
 
 
 @pytest.mark.parametrize("path", sorted(PROFILES_DIR.glob("*.toml")), ids=lambda p: p.stem)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from warmctl.profile import PROFILES_DIR, load_profile, load_profile_file
+from warmctl.records.profile import PROFILES_DIR, load_profile, load_profile_file
 
 # Seed 003 ("Launch command" of the Ling-3.0-flash-fp4 speed-test matrix on 2 x H200 NVL), as given.
 SEED_003 = ('"$HOME/env_h200-inclusionai-vllm/bin/vllm" serve inclusionAI/Ling-3.0-flash-fp4 --served-model-name ling '
@@ -206,12 +206,12 @@ def test_profile_scan_finds_credentials_older_versions_published(home):
     env, root = home
     clean = wc("profile", "scan", env=env)
     assert clean.returncode == 0 and "no stored profile holds a credential" in clean.stdout, clean.stdout + clean.stderr
-    import warmctl.credentials as credentials
+    import warmctl.records.credentials as credentials
 
     real = credentials.profile_problems
     credentials.profile_problems = lambda args, env_: []  # as an older warmctl validated it
     try:
-        import warmctl.profile as profile_mod
+        import warmctl.records.profile as profile_mod
 
         tiny = (PROFILES_DIR / "tiny.toml").read_text().replace(
             'HF_HUB_OFFLINE = "1"', f'HF_HUB_OFFLINE = "1"\nHF_ENDPOINT = "https://ci-bot:{URL_PASSWORD}@hf-mirror.internal"')

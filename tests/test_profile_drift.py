@@ -11,15 +11,15 @@ import random
 from pathlib import Path
 
 from test_profile_cli import home, wc  # noqa: F401 (fixture)
-from warmctl.catalog import Catalog
-from warmctl.config import Settings
+from warmctl.naming.catalog import Catalog
+from warmctl.records.config import Settings
 from warmctl.host import fingerprint
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
-from warmctl.profile import PROFILES_DIR, Profile, diff_profiles, load_profile_file
-from warmctl.progress import Reporter
-from warmctl.state import EngineState, save as save_state
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.records.profile import PROFILES_DIR, Profile, diff_profiles, load_profile_file
+from warmctl.records.progress import Reporter
+from warmctl.records.state import EngineState, save as save_state
 from warmctl.store import open_store
-from warmctl.trust import generate_keypair
+from warmctl.naming.trust import generate_keypair
 
 
 def _publish_tiny(root: Path, prof: Profile | None = None) -> tuple[str, Manifest, Path]:
@@ -88,7 +88,7 @@ def test_stale_snapshot_is_named_by_ls_status_diff_up_snapshot_and_the_agent(hom
     assert dj["same"] is False and dj["snapshot_digest"] == d and len(dj["changes"]) == 2
 
     # up: the reason it cold-starts names the fields (the catalog's choice, signature checked).
-    from warmctl.lifecycle import _find_snapshot
+    from warmctl.pipelines.lifecycle import _find_snapshot
 
     found = _find_snapshot("tiny", settings, _Lines(), "latest", None, load_profile_file(mine), False)
     try:
@@ -99,7 +99,7 @@ def test_stale_snapshot_is_named_by_ls_status_diff_up_snapshot_and_the_agent(hom
         found.close()
 
     # snapshot: says what changed before it starts (and nothing when the profile is the same).
-    from warmctl.snapshot import _report_drift
+    from warmctl.pipelines.snapshot import _report_drift
 
     rep = _Lines()
     _report_drift(load_profile_file(mine), settings, "latest", rep)

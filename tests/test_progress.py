@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from warmctl.agent.jobs import JobManager
-from warmctl.progress import ConsoleReporter, Reporter
+from warmctl.records.progress import ConsoleReporter, Reporter
 
 REPO = Path(__file__).resolve().parent.parent
 LINE = "restoring [bold]not markup[/] from /srv/models[v2] ([x])"
@@ -73,7 +73,7 @@ def test_no_pipeline_module_writes_console_markup():
     offenders = []
     for p in sorted((REPO / "warmctl").rglob("*.py")):
         rel = p.relative_to(REPO).as_posix()
-        if rel.startswith("warmctl/cli/") or rel == "warmctl/progress.py":
+        if rel.startswith("warmctl/cli/") or rel == "warmctl/records/progress.py":
             continue
         offenders += [f"{rel}:{i}" for i, ln in enumerate(p.read_text().splitlines(), 1) if tag.search(ln)]
     assert offenders == []

@@ -1,4 +1,4 @@
-"""The random-weight Llama family (``warmctl/randmodel.py``): sizes as asked, weights from the seed.
+"""The random-weight Llama family (``warmctl/models/randmodel.py``): sizes as asked, weights from the seed.
 
 No engine: a 2x256 instance is built (about 3 MB, a second) and read back with safetensors.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from warmctl import builtinmodels, randmodel
+from warmctl.models import builtinmodels, randmodel
 
 REPO = Path(__file__).resolve().parent.parent
 

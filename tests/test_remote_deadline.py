@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import isolated_env, warmctl
 from tcp_proxy import TcpProxy
 
-from warmctl.config import Settings
+from warmctl.records.config import Settings
 from warmctl.store import RemoteTooSlow, S3Backend, TransferBound, open_backend
 
 pytestmark = pytest.mark.s3
@@ -101,7 +101,7 @@ def test_an_upload_the_server_takes_slowly_ends_at_its_deadline(bucket, moto_end
 def test_pull_of_a_trickling_remote_exits_43_within_its_bound(bucket, moto_endpoint, proxy, tmp_path):
     from test_store_fixtures import push, snapshot, write_payload
     from warmctl.store import open_store
-    from warmctl.trust import generate_keypair
+    from warmctl.naming.trust import generate_keypair
 
     f = write_payload(tmp_path / "pages-1.img", [("random", 6 * 64 * KiB)], seed=3)
     local = open_store(tmp_path / "local", chunk_size=64 * KiB)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_store_fixtures import push, snapshot, tag_of, write_payload
 
-from warmctl.errors import IntegrityError
-from warmctl.config import Settings
+from warmctl.base.errors import IntegrityError
+from warmctl.records.config import Settings
 from warmctl.store import chunk_key, open_backend, open_store
 from warmctl.store.sealed import OVERHEAD, SEALED, SealKeyError, key_id, load_key, seal_store
 

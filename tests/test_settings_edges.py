@@ -4,7 +4,7 @@ script), and passed down: nothing below reads a config file or warmctl's environ
 - an AST scan of ``warmctl/`` (the edges excepted) for ``load_settings`` and for reads of
   ``WARMCTL_*`` variables from ``os.environ`` / ``os.getenv``;
 - every knob that used to be read from the environment below the pipelines is a
-  :class:`warmctl.config.Settings` field with its variable in ``ENV_VARS``, shown by
+  :class:`warmctl.records.config.Settings` field with its variable in ``ENV_VARS``, shown by
   ``warmctl config show`` with its source;
 - the real agent started with ``--config FILE`` (and no ``$WARMCTL_CONFIG``) uses that file in
   the store layer: a sealed local store is read with the file's ``seal_key``, and an S3 catalog
@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 from test_store_fixtures import snapshot, write_payload
 
-from warmctl.config import ENV_VARS, Settings
+from warmctl.records.config import ENV_VARS, Settings
 from warmctl.store import open_backend, open_store
 from warmctl.store.sealed import load_key, seal_store
 
@@ -37,7 +37,7 @@ PKG = REPO / "warmctl"
 
 #: Where settings are resolved: the CLI (every command, ``warmctl agent`` included) and the
 #: settings module itself. Nothing else may call ``load_settings`` or read ``WARMCTL_*``.
-EDGES = ("cli/", "config.py", "__main__.py")
+EDGES = ("cli/", "records/config.py", "__main__.py")
 
 #: Test hooks read from the environment on purpose: they are inherited by every process warmctl
 #: starts and are no settings (faults.py: kill at a named point; store/local.py: kill or stop at
@@ -102,13 +102,13 @@ def _env_reads(tree: ast.Module) -> list[tuple[int, str]]:
 
 def test_nothing_below_the_edge_reads_the_config_or_warmctl_environment():
     files = _below_the_edge()
-    assert len(files) > 50 and PKG / "store" / "__init__.py" in files and PKG / "lifecycle.py" in files
+    assert len(files) > 50 and PKG / "store" / "__init__.py" in files and PKG / "pipelines" / "lifecycle.py" in files
     bad = []
     for p in files:
         tree = ast.parse(p.read_text(), str(p))
         rel = p.relative_to(REPO)
         for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom) and n.module == "warmctl.config" and any(a.name == "load_settings" for a in n.names):
+            if isinstance(n, ast.ImportFrom) and n.module == "warmctl.records.config" and any(a.name == "load_settings" for a in n.names):
                 bad.append(f"{rel}:{n.lineno}: imports load_settings")
             if isinstance(n, (ast.Name, ast.Attribute)) and getattr(n, "id", getattr(n, "attr", None)) == "load_settings":
                 bad.append(f"{rel}:{n.lineno}: uses load_settings")

@@ -7,14 +7,14 @@ docs/benchmarks.md).
   command pay) imports none of the library: no pydantic models, rich, httpx, cryptography,
   psutil, asyncio.
 - The real ``warmctl up NAME --json`` (here on an empty store with ``--cold-start never``, so it
-  stops after the catalog lookup with exit 4, having imported :mod:`warmctl.lifecycle` and
+  stops after the catalog lookup with exit 4, having imported :mod:`warmctl.pipelines.lifecycle` and
   everything it imports) never imports the agent's server (fastapi, uvicorn, starlette), boto3 or
   botocore (only an S3 store needs them), httpx (health and canary use ``http.client``) or rich
   (``--json`` prints no progress), cryptography (only a signed snapshot or a sealed store needs
   it, once ``up`` runs), the S3 and OCI backends, nor the cold-start and snapshot paths.
 - The time: the up path (``python -m warmctl up``, from the interpreter's start to the call of
   ``lifecycle.up``: the CLI, typer/click, the settings, and what
-  :mod:`warmctl.lifecycle` imports) uses at most :data:`BUDGET_S` of CPU time over a bare
+  :mod:`warmctl.pipelines.lifecycle` imports) uses at most :data:`BUDGET_S` of CPU time over a bare
   interpreter, best of up to :data:`BUDGET_RUNS` runs (measured as ``benchmarks/up_imports.py``
   measures it; CPU time, not wall time: the shared development hosts' load stretches the
   latter several times, hardly the former).
@@ -51,7 +51,7 @@ BUDGET_RUNS = 15
 
 #: not imported by registering the commands and building the CLI (the commands import them)
 NOT_AT_REGISTRATION = NOT_ON_UP_PATH + ("pydantic", "cryptography", "psutil", "asyncio", "zstandard",
-                                       "warmctl.config", "warmctl.lifecycle", "warmctl.profile", "warmctl.store")
+                                       "warmctl.records.config", "warmctl.pipelines.lifecycle", "warmctl.records.profile", "warmctl.store")
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -85,7 +85,7 @@ def test_up_imports_no_server_s3_httpx_or_rich(tmp_path):
     # sys.modules once lifecycle.up has returned or raised: what `up` imported, before the CLI
     # prints the result (an error line is styled with rich)
     code = ("import json, runpy, sys\n"
-            "import warmctl.lifecycle as lc\n"
+            "import warmctl.pipelines.lifecycle as lc\n"
             "real_up = lc.up\n"
             "def up(*a, **kw):\n"
             "    try:\n"
@@ -99,13 +99,13 @@ def test_up_imports_no_server_s3_httpx_or_rich(tmp_path):
     assert r.returncode == 4, (r.stdout, r.stderr)  # not found: stopped after the catalog lookup
     assert "no snapshot tiny:latest" in r.stderr
     present = json.loads(dump.read_text())
-    assert {"warmctl.lifecycle", "warmctl.engine.canary", "warmctl.gate", "pydantic"} <= set(present)
+    assert {"warmctl.pipelines.lifecycle", "warmctl.engine.canary", "warmctl.gate", "pydantic"} <= set(present)
     assert _loaded(present, NOT_ON_UP_PATH) == []
 
 
 def test_up_path_imports_no_heavy_module_when_it_calls_lifecycle_up(tmp_path):
     present = bench.up_modules(bench.make_env(tmp_path), tmp_path)
-    assert {"warmctl.lifecycle", "warmctl.config", "warmctl.profile", "typer", "pydantic"} <= set(present)
+    assert {"warmctl.pipelines.lifecycle", "warmctl.records.config", "warmctl.records.profile", "typer", "pydantic"} <= set(present)
     assert bench.loaded(present) == []
 
 
@@ -115,7 +115,7 @@ def test_up_path_loads_the_profile_without_detect_secrets_or_requests(tmp_path):
     dump = tmp_path / "modules.json"
     bench.run_once(bench.UP_PROFILE_CODE, {**bench.make_env(tmp_path), "WARMCTL_IMPORTS_DUMP": str(dump)}, tmp_path)
     present = json.loads(dump.read_text())
-    assert {"warmctl.lifecycle", "warmctl.profile", "warmctl.credentials"} <= set(present)
+    assert {"warmctl.pipelines.lifecycle", "warmctl.records.profile", "warmctl.records.credentials"} <= set(present)
     assert _loaded(present, NOT_ON_UP_PATH + ("detect_secrets", "requests", "urllib3")) == []
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from test_store_fixtures import MiB, chunk_files, make_manifest, pull, push, snapshot, tag_of, write_payload
 
-from warmctl.catalog import Catalog, CatalogError, Ref
-from warmctl.errors import HostError, IntegrityError
-from warmctl.manifest import ChunkRef
+from warmctl.naming.catalog import Catalog, CatalogError, Ref
+from warmctl.base.errors import HostError, IntegrityError
+from warmctl.records.manifest import ChunkRef
 from warmctl.store import (
     CHUNK_SIZE,
     Backend,
@@ -336,7 +336,7 @@ def test_a_lock_whose_pid_is_another_process_now_is_stale(tmp_path):
     import json as _json
     import socket
 
-    from warmctl.proc import boot_id, start_ticks
+    from warmctl.base.proc import boot_id, start_ticks
     from warmctl.store.lock import holder_gone
 
     me = {"pid": os.getpid(), "start": start_ticks(os.getpid()), "boot": boot_id(), "host": socket.gethostname()}

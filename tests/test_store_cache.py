@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_store_fixtures import chunk_files, push, snapshot, write_payload
 
-from warmctl.errors import IntegrityError
+from warmctl.base.errors import IntegrityError
 from warmctl.store import (
     CacheFill,
     CachingBackend,
@@ -118,7 +118,7 @@ def test_a_reader_killed_before_its_fill_commits_leaves_temporary_files_gc_remov
     temporary files (those older than an hour: a live writer's are never that old)."""
     src, refs, f = remote
     code = ("import json, os, signal, sys; from warmctl.store import CacheFill, open_store; "
-            "from warmctl.manifest import ChunkRef; refs = [ChunkRef(**r) for r in json.loads(sys.argv[3])]; "
+            "from warmctl.records.manifest import ChunkRef; refs = [ChunkRef(**r) for r in json.loads(sys.argv[3])]; "
             "cache = open_store(sys.argv[2]); fill = CacheFill(cache); "
             "open_store(sys.argv[1]).read_file(refs, sys.argv[2] + '.img', cache=cache, fill=fill); "
             "print(len(fill), flush=True); os.kill(os.getpid(), signal.SIGKILL)")

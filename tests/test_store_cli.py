@@ -7,10 +7,10 @@ from test_store_fixtures import chunk_files, snapshot, tag_of, write_payload
 from typer.testing import CliRunner
 
 from warmctl.cli import store as store_cli
-from warmctl.errors import IntegrityError, SnapshotNotFound
-from warmctl.catalog import Catalog
+from warmctl.base.errors import IntegrityError, SnapshotNotFound
+from warmctl.naming.catalog import Catalog
 from warmctl.store import StoreLocked, open_store
-from warmctl.trust import TrustError, generate_keypair
+from warmctl.naming.trust import TrustError, generate_keypair
 
 CH = 256 * 1024
 

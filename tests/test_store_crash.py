@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from test_store_fixtures import snapshot, write_payload
 
-from warmctl.catalog import Catalog
-from warmctl.fleet import entries_to_copy, transfer
-from warmctl.catalog import Ref
+from warmctl.naming.catalog import Catalog
+from warmctl.naming.fleet import entries_to_copy, transfer
+from warmctl.naming.catalog import Ref
 from warmctl.store import open_store
 from warmctl.store.chunks import is_zero_chunk
 from warmctl.store.local import FAULT_ENV, LocalBackend
 from warmctl.store import maintenance
-from warmctl.trust import generate_keypair, sign_manifest
+from warmctl.naming.trust import generate_keypair, sign_manifest
 
 CH = 64 * 1024
 REPO = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def _chunk_objects(root: Path) -> set[str]:
 
 
 def test_gc_killed_at_its_phases_dies_there_and_the_next_gc_finishes(tmp_path):
-    """``WARMCTL_TEST_KILL_AT_PHASE`` (:mod:`warmctl.faults`) at ``gc_manifests`` and
+    """``WARMCTL_TEST_KILL_AT_PHASE`` (:mod:`warmctl.base.faults`) at ``gc_manifests`` and
     ``gc_chunks`` on a store where ``tiny``'s name is gone (its manifest and its unshared chunks
     are garbage): each run is killed there (never exit 0: the point is reached), having removed
     exactly one thing of that kind; the store verifies after each; the next gc removes the rest
@@ -329,7 +329,7 @@ def test_a_cache_fill_killed_at_every_write_leaves_only_whole_chunks(tmp_path):
     payload = write_payload(tmp_path / "p.img", [("random", 6 * CH), ("zero", CH), ("text", 3 * CH)])
     with open_store(remote, chunk_size=CH) as s:
         refs = s.add_file(payload)
-    code = ("import sys; from warmctl.store import open_store; from warmctl.manifest import ChunkRef; import json;"
+    code = ("import sys; from warmctl.store import open_store; from warmctl.records.manifest import ChunkRef; import json;"
             "refs = [ChunkRef(**r) for r in json.loads(sys.argv[3])];"
             "open_store(sys.argv[1]).read_file(refs, sys.argv[2] + '/out.img', cache=open_store(sys.argv[2] + '/cache'));"
             "print('done')")

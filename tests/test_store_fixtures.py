@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest
-from warmctl.catalog import Catalog, Ref
-from warmctl.fleet import entries_to_copy, transfer
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest
+from warmctl.naming.catalog import Catalog, Ref
+from warmctl.naming.fleet import entries_to_copy, transfer
 from warmctl.store import CHUNK_SIZE, CopyReport, Store
 
 MiB = 1024 * 1024
@@ -64,7 +64,7 @@ def snapshot(store: Store, name: str, files: dict[str, Path], tag: str = "latest
 
 
 def push(src: Store, dst: Store, name: str, tag: str = "latest", progress=None) -> CopyReport:
-    """Copy the one catalog entry of ``name:tag`` with its data (:mod:`warmctl.fleet`); its report."""
+    """Copy the one catalog entry of ``name:tag`` with its data (:mod:`warmctl.naming.fleet`); its report."""
     (c,) = transfer(src, dst, entries_to_copy(src, Ref(name=name, tag=tag)), progress)
     return c.report
 

@@ -35,15 +35,15 @@ from tests.conftest import need_service
 from registry_server import Registry, docker_config, free_port, make_ca, missing_binary
 from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
-from warmctl.catalog import Catalog
-from warmctl.errors import HostError, IntegrityError
-from warmctl.config import Settings, load_settings
+from warmctl.naming.catalog import Catalog
+from warmctl.base.errors import HostError, IntegrityError
+from warmctl.records.config import Settings, load_settings
 from warmctl.store import (BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_backend,
                            open_store)
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
 from warmctl.store import maintenance
-from warmctl.trust import generate_keypair
+from warmctl.naming.trust import generate_keypair
 
 pytestmark = pytest.mark.oci
 
@@ -167,7 +167,7 @@ def test_push_pull_layout_ls_rm_gc(oci, tmp_path):
 def test_two_homes_each_with_its_own_key(oci, tmp_path):
     """A signs and pushes; B pulls: its signature travels in the registry, and B's own key
     trusts it only once A's public key is installed in B's keys."""
-    from warmctl.trust import TrustError, check_signatures, generate_keypair, install_public_key, sign_manifest
+    from warmctl.naming.trust import TrustError, check_signatures, generate_keypair, install_public_key, sign_manifest
 
     f = write_payload(tmp_path / "p.img", [("random", 8 * MiB)], seed=5)
     home_a, home_b = tmp_path / "A", tmp_path / "B"

@@ -26,7 +26,7 @@ import uuid
 import pytest
 from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
 
-from warmctl.errors import HostError, IntegrityError
+from warmctl.base.errors import HostError, IntegrityError
 from warmctl.store import (
     ChunkMissing,
     ObjectNotFound,

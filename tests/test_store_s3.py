@@ -15,7 +15,7 @@ import pytest
 from test_store_fixtures import MiB, chunk_files, pull, push, snapshot, tag_of, write_payload
 from test_store_proxy import FaultProxy
 
-from warmctl.errors import IntegrityError
+from warmctl.base.errors import IntegrityError
 from warmctl.store import (
     BackendUnavailable,
     ObjectNotFound,
@@ -161,9 +161,9 @@ def test_pull_gives_up_cleanly_when_server_keeps_failing(s3_url, moto_endpoint, 
 
 _PULL = """
 import sys
-from warmctl.catalog import Ref
-from warmctl.fleet import entries_to_copy, transfer
-from warmctl.config import load_settings
+from warmctl.naming.catalog import Ref
+from warmctl.naming.fleet import entries_to_copy, transfer
+from warmctl.records.config import load_settings
 from warmctl.store import open_store
 settings = load_settings()  # this script is an edge: $WARMCTL_S3_ENDPOINT names the proxy
 src = open_store(sys.argv[1], settings=settings)

@@ -16,9 +16,9 @@ from tcp_proxy import TcpProxy
 from test_store_fixtures import chunk_files, push, snapshot, write_payload
 from test_store_proxy import FaultProxy
 
-from warmctl.catalog import Catalog
-from warmctl.errors import HostError
-from warmctl.trust import generate_keypair
+from warmctl.naming.catalog import Catalog
+from warmctl.base.errors import HostError
+from warmctl.naming.trust import generate_keypair
 from warmctl.store import (
     BackendUnavailable,
     ObjectNotFound,

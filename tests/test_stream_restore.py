@@ -14,8 +14,8 @@ import pytest
 
 from warmctl.checkpoint import criu
 from warmctl.checkpoint.stream import ImageStreamer, StreamError, _request_filename
-from warmctl.errors import CheckpointError
-from warmctl.proc import ProcessId, kill_tree
+from warmctl.base.errors import CheckpointError
+from warmctl.base.proc import ProcessId, kill_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 

@@ -14,11 +14,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from warmctl.errors import IntegrityError, WarmctlError
-from warmctl.manifest import CanaryRecord, FileEntry, Manifest, RestoreInfo
+from warmctl.base.errors import IntegrityError, WarmctlError
+from warmctl.records.manifest import CanaryRecord, FileEntry, Manifest, RestoreInfo
 from warmctl.store import Store, chunk_key, manifest_key, open_store
 from warmctl.store import chunks as ck
-from warmctl.trust import (
+from warmctl.naming.trust import (
     SignatureDoc,
     TrustError,
     generate_keypair,
@@ -239,7 +239,7 @@ def test_swapped_chunk_with_valid_digest_of_other_content(snap, tmp_path):
 def test_insecure_override_warns_loudly_and_still_checks_integrity(snap, tmp_path, caplog):
     store, m, digest, keys, _ = snap
     d2 = store.put_manifest(_manifest(store, {"y.img": _file(tmp_path / "y.img", 5000, 7)}))
-    with caplog.at_level(logging.WARNING, logger="warmctl.trust"):
+    with caplog.at_level(logging.WARNING, logger="warmctl.naming.trust"):
         v = verify_manifest(store, d2, keys, insecure=True)
     assert not v.trusted and v.insecure and v.key_id is None
     assert v.warning and v.warning.startswith("INSECURE") and "unsigned" in v.warning

@@ -1,4 +1,4 @@
-"""The one ``up`` contract (:mod:`warmctl.contract`): no path drops or renames a field.
+"""The one ``up`` contract (:mod:`warmctl.records.contract`): no path drops or renames a field.
 
 An :class:`UpResult` with every field set to something other than its default (streamed,
 lazy_copy, failure, ...) goes through the agent's JSON (a real job on a real uvicorn, followed
@@ -21,9 +21,9 @@ import pytest
 from tests.conftest import isolated_env, tiny_profile, warmctl
 from tests.test_agent_api import TOKEN, LiveAgent
 from warmctl.client import AgentClient
-from warmctl.contract import Failure, UpOptions, UpRequest, UpResult
-from warmctl.errors import CanaryMismatch, SnapshotNotFound
-from warmctl.state import EngineState
+from warmctl.records.contract import Failure, UpOptions, UpRequest, UpResult
+from warmctl.base.errors import CanaryMismatch, SnapshotNotFound
+from warmctl.records.state import EngineState
 
 REPO = Path(__file__).resolve().parent.parent
 DIGEST = "sha256:" + "ab" * 32
@@ -210,8 +210,8 @@ def test_status_through_the_agent_keeps_lazy_copy_and_failure(live):
     gives, ``lazy_copy`` and ``failure`` included (a lazy restore whose daemon is gone, and why
     the gate took the engine down)."""
     from warmctl.engine.run import LAZY_FAILED
-    from warmctl.lifecycle import status
-    from warmctl.state import save as save_state
+    from warmctl.pipelines.lifecycle import status
+    from warmctl.records.state import save as save_state
 
     save_state(live.settings.run_dir, EngineState(
         name="ghost", phase="serving", source="restore", root_pid=2**22 + 7, internal_port=1, public_host="127.0.0.1",

@@ -1,11 +1,11 @@
 """A small client for the warmctl agent's REST API (``warmctl agent``), used by the CLI when
 ``agent_url`` is configured so that ``warmctl up/down/status`` behave the same either way.
 
-``AgentClient(url, token)`` returns the same types as :mod:`warmctl.lifecycle`
-(:class:`~warmctl.contract.UpResult`, :class:`~warmctl.state.EngineState`,
-:class:`~warmctl.lifecycle.EngineStatus`) and feeds a job's phases and log lines into a
-:class:`~warmctl.progress.Reporter` while following its server-sent events. A failed job
-raises the same :class:`~warmctl.errors.WarmctlError` subclass (and exit code) the local
+``AgentClient(url, token)`` returns the same types as :mod:`warmctl.pipelines.lifecycle`
+(:class:`~warmctl.records.contract.UpResult`, :class:`~warmctl.records.state.EngineState`,
+:class:`~warmctl.pipelines.lifecycle.EngineStatus`) and feeds a job's phases and log lines into a
+:class:`~warmctl.records.progress.Reporter` while following its server-sent events. A failed job
+raises the same :class:`~warmctl.base.errors.WarmctlError` subclass (and exit code) the local
 call would have; the agent being unreachable raises :class:`HostError`, a wrong token or a
 409 a :class:`AgentError` with the agent's message (which names the holder job).
 
@@ -21,14 +21,14 @@ from typing import Any, Iterator
 
 import httpx
 
-from warmctl import errors
-from warmctl.config import Settings
-from warmctl.contract import Failure, UpRequest, UpResult
-from warmctl.errors import HostError, WarmctlError
-from warmctl.manifest import Phase
-from warmctl.private import read_token
-from warmctl.progress import Reporter
-from warmctl.state import EngineState
+from warmctl.base import errors
+from warmctl.records.config import Settings
+from warmctl.records.contract import Failure, UpRequest, UpResult
+from warmctl.base.errors import HostError, WarmctlError
+from warmctl.records.manifest import Phase
+from warmctl.base.private import read_token
+from warmctl.records.progress import Reporter
+from warmctl.records.state import EngineState
 
 
 class AgentError(WarmctlError):
@@ -59,8 +59,8 @@ class JobFailed(WarmctlError):
 
 def _error_for(err: dict[str, Any]) -> WarmctlError:
     """The error a failed job reports (``{"type", "message", "exit_code"}``) as the same
-    :class:`WarmctlError` subclass the local call raises (:func:`warmctl.errors.rebuild`, every
-    class in :data:`warmctl.errors.EXIT_CODES`), else :class:`JobFailed` with the agent's code."""
+    :class:`WarmctlError` subclass the local call raises (:func:`warmctl.base.errors.rebuild`, every
+    class in :data:`warmctl.base.errors.EXIT_CODES`), else :class:`JobFailed` with the agent's code."""
     found = errors.rebuild(str(err.get("type", "")), str(err.get("message", "")))
     if found is not None:
         return found
@@ -193,8 +193,8 @@ class AgentClient:
     # ------------------------------------------------------------------ operations
 
     def up(self, request: UpRequest, reporter: Reporter | None = None, *, check: bool = True) -> UpResult:
-        """Like :func:`warmctl.lifecycle.up` through the agent: the job's result parsed back into
-        the same :class:`~warmctl.contract.UpResult` (:meth:`~warmctl.contract.UpResult.from_json`).
+        """Like :func:`warmctl.pipelines.lifecycle.up` through the agent: the job's result parsed back into
+        the same :class:`~warmctl.records.contract.UpResult` (:meth:`~warmctl.records.contract.UpResult.from_json`).
         A failed job raises its error (see the module doc); with ``check=False`` it is returned
         instead, as an ``UpResult`` whose ``failure`` says why (type, message, exit code)."""
         job = self.request("POST", f"/v1/engines/{request.name}/up",
@@ -209,16 +209,16 @@ class AgentClient:
         return UpResult.from_json(res)
 
     def down(self, name: str, now: bool = False) -> EngineState | None:
-        """Like :func:`warmctl.lifecycle.down` through the agent: the stopped state, or
+        """Like :func:`warmctl.pipelines.lifecycle.down` through the agent: the stopped state, or
         ``None`` when nothing of that name was up. ``now``: no drain."""
         job = self.request("POST", f"/v1/engines/{name}/down", params={"now": "true"} if now else None)
         res = self.follow(job["id"])
         return EngineState.model_validate(res["state"]) if res.get("state") else None
 
     def status(self, name: str | None = None):
-        """Like :func:`warmctl.lifecycle.status` through the agent: ``EngineStatus`` rows of
+        """Like :func:`warmctl.pipelines.lifecycle.status` through the agent: ``EngineStatus`` rows of
         recorded engines (engines an ``up`` job has not recorded yet are left out)."""
-        from warmctl.lifecycle import EngineStatus
+        from warmctl.pipelines.lifecycle import EngineStatus
 
         rows = self.request("GET", "/v1/engines")
         return [EngineStatus(EngineState.model_validate(r["state"]), r["engine_alive"], r["gate_alive"], r["healthy"],

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 
 #: Fraction of a filesystem's size kept free beyond what a command writes.
 MARGIN_FRACTION = 0.01

@@ -1,7 +1,7 @@
 """Facts about this host that decide whether a snapshot can be restored on it.
 
 :func:`fingerprint` gathers them into a :class:`HostFingerprint`; ``fp.model_dump(mode="json")``
-is what a snapshot records in ``Manifest.host`` and what :func:`warmctl.catalog.select` compares.
+is what a snapshot records in ``Manifest.host`` and what :func:`warmctl.naming.catalog.select` compares.
 
 Sources, per field:
 
@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from warmctl.checkpoint.kfd import gfx_name
 
-#: Version of the fingerprint document; :func:`warmctl.catalog.select` rejects unknown ones.
+#: Version of the fingerprint document; :func:`warmctl.naming.catalog.select` rejects unknown ones.
 FINGERPRINT_FORMAT = 1
 
 #: Distribution names tried, in order, for the engine's version.
@@ -411,7 +411,7 @@ def _env_facts(python: str | Path | None) -> tuple[list[tuple[str, str]], str]:
     try:
         out = subprocess.run([str(python), "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError) as e:
-        from warmctl.errors import HostError
+        from warmctl.base.errors import HostError
 
         raise HostError(f"cannot list the distributions of the engine's Python {python}: {e}") from None
     data = json.loads(out.stdout)
@@ -444,7 +444,7 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None,
     ``criu``: the CRIU binary (name or path). ``python``: the engine's interpreter, whose
     installed distributions give ``engine_version`` and ``env_digest``; default: the running
     one (in-process, no subprocess). ``image_digest``: the container image warmctl runs in
-    (the ``image_digest`` setting; None outside a cluster). Takes ~0.1-0.3 s. Raises :class:`warmctl.errors.HostError`
+    (the ``image_digest`` setting; None outside a cluster). Takes ~0.1-0.3 s. Raises :class:`warmctl.base.errors.HostError`
     only if ``python`` is given and cannot be run; a missing GPU or CRIU is reported, not raised.
     """
     gpus, driver, cuda, reason = read_gpus()
@@ -482,7 +482,7 @@ def fingerprint(*, criu: str = "criu", python: str | Path | None = None,
 
 def _cpus_allowed() -> str | None:
     """The kernel CPU list of the CPUs this process may use, None when it cannot be read."""
-    from warmctl.parallel import cpu_list
+    from warmctl.base.parallel import cpu_list
 
     try:
         return cpu_list(os.sched_getaffinity(0))

@@ -27,8 +27,8 @@ from fastapi import Depends, FastAPI
 from starlette.middleware import Middleware
 
 import warmctl
-from warmctl.config import Settings
-from warmctl.contract import UpResult
+from warmctl.records.config import Settings
+from warmctl.records.contract import UpResult
 
 from .deps import strict_query
 from .errors import install_error_handlers
@@ -82,8 +82,8 @@ def create_app(settings: Settings, token: str | None, *, tls: bool = False, run_
 
 
 def _document_up_result(app: FastAPI) -> None:
-    """Add ``UpResult`` (an ``up`` job's ``result``, :class:`warmctl.contract.UpResult` as
-    :meth:`~warmctl.contract.UpResult.to_json` writes it) and the models it refers to to the
+    """Add ``UpResult`` (an ``up`` job's ``result``, :class:`warmctl.records.contract.UpResult` as
+    :meth:`~warmctl.records.contract.UpResult.to_json` writes it) and the models it refers to to the
     OpenAPI document's schemas: a job's ``result`` is typed by its kind, so no route names it.
     (FastAPI's way of extending the document: replace ``app.openapi``, cache in ``openapi_schema``.)"""
     from pydantic.json_schema import models_json_schema

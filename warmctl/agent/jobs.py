@@ -29,10 +29,10 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from warmctl.contract import Failure
-from warmctl.errors import WarmctlError
-from warmctl.private import private_dir, trusted, untrusted
-from warmctl.progress import Reporter
+from warmctl.records.contract import Failure
+from warmctl.base.errors import WarmctlError
+from warmctl.base.private import private_dir, trusted, untrusted
+from warmctl.records.progress import Reporter
 
 JobState = Literal["queued", "running", "succeeded", "failed", "interrupted"]
 JobKind = Literal["up", "down", "snapshot"]
@@ -64,7 +64,7 @@ class Progress(BaseModel):
     bytes_total: int = 0
 
 
-#: Why a job failed (``{type, message, exit_code}``): the same :class:`~warmctl.contract.Failure`
+#: Why a job failed (``{type, message, exit_code}``): the same :class:`~warmctl.records.contract.Failure`
 #: a failed ``up`` reports everywhere else (``warmctl up --json``, the client).
 JobError = Failure
 

@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from warmctl.config import Settings
-from warmctl.state import all_states
+from warmctl.records.config import Settings
+from warmctl.records.state import all_states
 
 PHASE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 21, 34, 60, 120, 300, 600)
 

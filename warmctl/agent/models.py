@@ -9,12 +9,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool
 
-from warmctl import names
-from warmctl.state import EngineState
+from warmctl.base import names
+from warmctl.records.state import EngineState
 
 from .recovery import RecoveryReport
 
-NAME_PATTERN = TAG_PATTERN = names.NAME_PATTERN  # the one name rule, the CLI's too (warmctl.names)
+NAME_PATTERN = TAG_PATTERN = names.NAME_PATTERN  # the one name rule, the CLI's too (warmctl.base.names)
 JOB_PATTERN = r"^j-[0-9a-f]{12}$"
 
 LazyCopy = Literal["running", "done"] | None
@@ -35,7 +35,7 @@ class ErrorBody(BaseModel):
 
 class SnapshotRequest(BaseModel):
     """Snapshot profile ``profile`` (a profile NAME the agent can find) as ``profile:tag``.
-    Strict types, as :class:`~warmctl.contract.UpOptions`."""
+    Strict types, as :class:`~warmctl.records.contract.UpOptions`."""
 
     model_config = {"extra": "forbid", "strict": True}
     profile: str = Field(..., pattern=NAME_PATTERN)

@@ -18,7 +18,7 @@ DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 def document() -> str:
     """The OpenAPI document of :func:`warmctl.agent.create_app` as stable, indented JSON text."""
     from warmctl.agent.app import create_app
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
     with tempfile.TemporaryDirectory() as home:
         app = create_app(Settings(home=Path(home)), token=None, run_startup=False)

@@ -3,7 +3,7 @@ half-finished operation left behind, and report it.
 
 Recovery acts only on records it wrote: ``<home>/run`` and every ``run/NAME``
 must be real directories (no symbolic links) owned by the agent's user and not writable by
-group or others, ``NAME`` must follow the one name rule (:data:`warmctl.catalog.NAME_RE`),
+group or others, ``NAME`` must follow the one name rule (:data:`warmctl.naming.catalog.NAME_RE`),
 and ``state.json`` / ``engine.pid`` / ``restore.pid`` in it must be regular files with the
 same owner; ``state.json`` must name its own directory. Anything else is **ignored**: left
 untouched and reported with the reason. Jobs are read the same way
@@ -40,12 +40,12 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from warmctl.checkpoint import capture
-from warmctl.config import Settings
+from warmctl.records.config import Settings
 from warmctl.engine.run import EngineRun
-from warmctl.enginelock import LOCKS
-from warmctl.catalog import NAME_RE
-from warmctl.private import untrusted
-from warmctl.state import EngineState
+from warmctl.records.enginelock import LOCKS
+from warmctl.naming.catalog import NAME_RE
+from warmctl.base.private import untrusted
+from warmctl.records.state import EngineState
 
 from .jobs import Job
 
@@ -82,7 +82,7 @@ def recover(settings: Settings, interrupted: list[Job]) -> RecoveryReport:
     if why not in (None, "missing"):
         report.actions.append(RecoveryAction(action="ignored", engine="*", detail=f"{run_dir}: {why}; nothing in it is touched"))
     for name in entries:
-        if name == LOCKS:  # the per-name locks of up/down/snapshot (warmctl.enginelock), not an engine
+        if name == LOCKS:  # the per-name locks of up/down/snapshot (warmctl.records.enginelock), not an engine
             continue
         d = run_dir / name
         if not (d.is_dir() or d.is_symlink()):

@@ -22,10 +22,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from warmctl.config import Settings
-from warmctl.errors import HostError
-from warmctl.private import read_token as private_read_token
-from warmctl.sdnotify import notify
+from warmctl.records.config import Settings
+from warmctl.base.errors import HostError
+from warmctl.base.private import read_token as private_read_token
+from warmctl.base.sdnotify import notify
 
 #: seconds a connection may take to send a request's line and headers, counted from the
 #: connection (first request) or from the request's first byte (later ones); then it is closed
@@ -68,7 +68,7 @@ class AgentConfig:
 
 
 def read_token(path: Path, create: bool = True) -> str:
-    """The agent's bearer token in ``path`` (:func:`warmctl.private.read_token`, private: a
+    """The agent's bearer token in ``path`` (:func:`warmctl.base.private.read_token`, private: a
     file readable by group or others is refused). With ``create``, a missing file is created
     with a fresh random token, mode 0600 (and logged). Raises :class:`HostError`."""
     path = Path(path)
@@ -81,7 +81,7 @@ def read_token(path: Path, create: bool = True) -> str:
 
 def sd_notify(message: str, env: dict[str, str] | None = None) -> bool:
     """Send ``message`` (e.g. ``"READY=1"``) to systemd over ``$NOTIFY_SOCKET`` (see
-    :func:`warmctl.sdnotify.notify`). Returns False when there is no socket or the send failed;
+    :func:`warmctl.base.sdnotify.notify`). Returns False when there is no socket or the send failed;
     a failed send is logged, never raised."""
     sent = notify(message, env=env)
     if not sent and (env if env is not None else os.environ).get("NOTIFY_SOCKET"):

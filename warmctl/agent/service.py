@@ -11,10 +11,10 @@ import threading
 import time
 from typing import Any, Callable, cast
 
-from warmctl import lifecycle
-from warmctl.config import Settings
-from warmctl.contract import UpOptions, UpRequest
-from warmctl.errors import WarmctlError
+from warmctl.pipelines import lifecycle
+from warmctl.records.config import Settings
+from warmctl.records.contract import UpOptions, UpRequest
+from warmctl.base.errors import WarmctlError
 
 from .errors import ApiError
 from .jobs import Conflict, Job, JobManager, JobReporter, PhaseRecord
@@ -68,7 +68,7 @@ class AgentState:
     # -- engine status ----------------------------------------------------------------------
 
     def engine_status(self) -> list[lifecycle.EngineStatus]:
-        """:func:`warmctl.lifecycle.status` of every engine (stale-while-revalidate).
+        """:func:`warmctl.pipelines.lifecycle.status` of every engine (stale-while-revalidate).
 
         The answer is taken by one background thread at a time, never on the request's own
         time: ``lifecycle.status`` probes each engine's ``/health`` for up to 2 s, and a
@@ -229,7 +229,7 @@ class AgentState:
 
     def _ports_for(self, name: str, req_port: int | None) -> tuple[int | None, int | None]:
         """(public port, internal engine port) ``up name`` would use, when they can be known."""
-        from warmctl.profile import Profile, ProfileError, load_profile
+        from warmctl.records.profile import Profile, ProfileError, load_profile
 
         s = self.settings
         prof = None
@@ -237,7 +237,7 @@ class AgentState:
             prof = load_profile(name, s.profile_dirs)
         except (ProfileError, OSError):
             try:
-                from warmctl.catalog import Catalog
+                from warmctl.naming.catalog import Catalog
                 from warmctl.store import open_store
 
                 doc = Catalog(open_store(s.catalog_url, settings=s)).profile(name)

@@ -1,11 +1,11 @@
 """``bench startup``: cold start vs ``up`` from a snapshot, N runs each, by phase (seed 000
 section 10).
 
-Each run calls the library, not the CLI: :func:`warmctl.lifecycle.up` with a tag that has no
+Each run calls the library, not the CLI: :func:`warmctl.pipelines.lifecycle.up` with a tag that has no
 snapshot (the cold path: engine start, warm-up grid, canary record, gate) and with the
 snapshot's tag (the restore path: materialize, CRIU restore, health, canary, gate), then one
 streamed completion on the public port (the first request a user would send), then
-:func:`warmctl.lifecycle.down`. Phase seconds are those ``up`` records (the cold engine's own
+:func:`warmctl.pipelines.lifecycle.down`. Phase seconds are those ``up`` records (the cold engine's own
 start-up breakdown — weights, torch.compile, graph capture — is read from vLLM's log by
 :func:`warmctl.engine.vllm.parse_startup_phases`); ``up_wall_s`` is the wall time of the
 ``up`` call, ``first_request_s`` the completion's total time, and ``ready_s`` their sum: how
@@ -22,13 +22,13 @@ from typing import Callable
 
 import httpx
 
-from warmctl import lifecycle
-from warmctl.config import Settings
-from warmctl.contract import UpRequest
+from warmctl.pipelines import lifecycle
+from warmctl.records.config import Settings
+from warmctl.records.contract import UpRequest
 from warmctl.engine.vllm import PHASE_NAMES
-from warmctl.errors import HostError, SnapshotNotFound, WarmctlError
-from warmctl.profile import Profile
-from warmctl.progress import Reporter
+from warmctl.base.errors import HostError, SnapshotNotFound, WarmctlError
+from warmctl.records.profile import Profile
+from warmctl.records.progress import Reporter
 
 #: A tag no snapshot has: ``up`` with it takes the cold path.
 COLD_TAG = "bench-startup-no-such-tag"

@@ -18,7 +18,7 @@ CRIU restores those IDs). ``up`` puts each back right after the CRIU restore, be
 and canary, where every CPU it names is one the restoring warmctl may use; a binding naming a
 CPU this host lacks is left off and reported (the thread keeps any CPU).
 
-Format (``restore.cpu_affinity`` of the manifest, :class:`warmctl.manifest.RestoreInfo`):
+Format (``restore.cpu_affinity`` of the manifest, :class:`warmctl.records.manifest.RestoreInfo`):
 ``{CPU list: [namespace thread IDs]}``, the CPU list in the kernel's list syntax as
 ``/proc/PID/status`` ``Cpus_allowed_list`` writes it (``"0"``, ``"0-3,8"``), thread IDs sorted.
 """
@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from warmctl.parallel import cpu_list, parse_cpu_list
-from warmctl.proc import nspid, tree_pids
+from warmctl.base.parallel import cpu_list, parse_cpu_list
+from warmctl.base.proc import nspid, tree_pids
 
 
 def tree_threads(root_pid: int):

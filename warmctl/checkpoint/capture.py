@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from warmctl.proc import tree_pids
+from warmctl.base.proc import tree_pids
 
 SHM = Path("/dev/shm")
 #: Paths under these prefixes are required (checked), not bundled.

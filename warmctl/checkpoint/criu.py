@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from warmctl.errors import CheckpointError, HostError
-from warmctl.flock import lock_exclusive
-from warmctl.proc import ProcessId, kill_child
+from warmctl.base.errors import CheckpointError, HostError
+from warmctl.base.flock import lock_exclusive
+from warmctl.base.proc import ProcessId, kill_child
 
 SHM = Path("/dev/shm")
 #: Prefix of the hard links the post-dump script makes to CRIU's link_remap files.
@@ -314,7 +314,7 @@ def dump_timeout(root_pid: int) -> float:
     lengthens the bound) at :data:`DUMP_MIN_RATE`, in seconds."""
     import psutil
 
-    from warmctl.proc import tree_pids
+    from warmctl.base.proc import tree_pids
 
     rss = 0
     for pid in tree_pids(root_pid):
@@ -439,7 +439,7 @@ class LazyPagesError(CheckpointError):
 @dataclass
 class LazyPages:
     """The ``criu lazy-pages`` daemon of one lazy restore: ``proc`` (our child while we run),
-    ``ident`` (its identity, :class:`warmctl.proc.ProcessId`, for anyone else who watches or
+    ``ident`` (its identity, :class:`warmctl.base.proc.ProcessId`, for anyone else who watches or
     stops it) and ``log`` (its log file, parsed by :func:`lazy_log_status`)."""
 
     proc: subprocess.Popen

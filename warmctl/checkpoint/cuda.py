@@ -52,7 +52,7 @@ Sources (NVIDIA's words, not measured here: this machine has no GPU):
   utility mid-operation can desynchronise the driver (CRIU PR checkpoint-restore/criu#2547,
   comment by NVIDIA's jesus-ramos), so the fallback never kills it either.
 
-Errors are :class:`CudaCheckpointError` subclasses (all :class:`~warmctl.errors.CheckpointError`):
+Errors are :class:`CudaCheckpointError` subclasses (all :class:`~warmctl.base.errors.CheckpointError`):
 :class:`CudaUnavailable` (no libcuda / no GPU), :class:`DriverTooOld`, :class:`NotSupported`,
 :class:`GpuOutOfMemory`, :class:`IllegalState`, :class:`LockTimeout`; anything else is the base
 class with the driver's error name and string.
@@ -74,7 +74,7 @@ import uuid as uuidlib
 from collections.abc import Mapping
 from typing import Protocol
 
-from warmctl.errors import CheckpointError
+from warmctl.base.errors import CheckpointError
 
 #: ``cuDriverGetVersion`` value from which the checkpoint driver API exists (CUDA 12.8, r570).
 MIN_CHECKPOINT_API = 12080

@@ -64,7 +64,7 @@ class DigestCache:
 
     @classmethod
     def for_settings(cls, settings) -> "DigestCache":
-        """The cache of a :class:`warmctl.config.Settings`: ``<home>/cache/file-digests.json``."""
+        """The cache of a :class:`warmctl.records.config.Settings`: ``<home>/cache/file-digests.json``."""
         return cls(settings.cache_dir / "file-digests.json")
 
     def digest(self, path: str, st: os.stat_result | None = None, algorithm: str | None = None) -> str:

@@ -65,9 +65,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from warmctl import diskspace
-from warmctl.errors import HostError
-from warmctl.manifest import Manifest
-from warmctl.proc import pid_alive
+from warmctl.base.errors import HostError
+from warmctl.records.manifest import Manifest
+from warmctl.base.proc import pid_alive
 from warmctl.store import chunks as ck
 
 #: Version of ``verified.json``.
@@ -143,7 +143,7 @@ def image_bytes(m: Manifest) -> int:
 
 def live_digests(run_dir: Path) -> set[str]:
     """Manifest digests of the engines of ``run_dir`` whose tree is alive (their entries are in use)."""
-    from warmctl.state import all_states
+    from warmctl.records.state import all_states
 
     return {st.manifest_digest for st in all_states(run_dir) if st.manifest_digest and st.engine_alive()}
 
@@ -213,8 +213,8 @@ class ImageCache:
 
     @classmethod
     def for_settings(cls, settings) -> "ImageCache":
-        """The cache of a :class:`warmctl.config.Settings`: ``<home>/cache/images``, its budget
-        ``image_cache_bytes`` (:meth:`~warmctl.config.Settings.image_cache_budget`), in use: the
+        """The cache of a :class:`warmctl.records.config.Settings`: ``<home>/cache/images``, its budget
+        ``image_cache_bytes`` (:meth:`~warmctl.records.config.Settings.image_cache_budget`), in use: the
         live engines of ``<home>/run``."""
         run_dir = settings.run_dir
         return cls(Path(settings.home) / "cache" / "images", budget=settings.image_cache_budget(),

@@ -17,7 +17,7 @@ This module is the one rank model for the CPU build and GPU hosts alike:
   binding checked against this host's CPUs, or a default split of the CPUs warmctl may use;
 - :func:`discover` (before the dump): every rank present and alive, its PID inside the engine's
   PID namespace, its bound CPUs and (GPU hosts) the GPU it holds; the manifest records it
-  (:class:`warmctl.manifest.ParallelLayout`, ``restore.layout``);
+  (:class:`warmctl.records.manifest.ParallelLayout`, ``restore.layout``);
 - :func:`check_restored` (after the CRIU restore, before the canary): every recorded rank back
   under its namespace PID with the same role, alive, and bound to the CPUs recorded.
 
@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from warmctl.checkpoint.affinity import cpu_list, parse_cpu_list
-from warmctl.errors import CheckpointError, HostError
-from warmctl.parallel import Sizes, sizes_of
-from warmctl.proc import nspid, pid_alive, tree_pids
+from warmctl.base.errors import CheckpointError, HostError
+from warmctl.base.parallel import Sizes, sizes_of
+from warmctl.base.proc import nspid, pid_alive, tree_pids
 
 if TYPE_CHECKING:
-    from warmctl.manifest import ParallelLayout, RankRecord
-    from warmctl.profile import Profile
+    from warmctl.records.manifest import ParallelLayout, RankRecord
+    from warmctl.records.profile import Profile
 
 #: The process title of a rank (``/proc/PID/cmdline`` after setproctitle): group 1 is its role.
 RANK_TITLE = re.compile(r"^VLLM::((?:Worker|EngineCore)(?:_[A-Z]+\d+)*)\b")
@@ -297,10 +297,10 @@ def proc_state(pid: int) -> str:
 
 def cpu_ticks(pid: int) -> int | None:
     """CPU time ``pid`` and its live descendants have used, in clock ticks
-    (:data:`warmctl.proc.CLK_TCK` per second): user + system time of each (all its threads),
+    (:data:`warmctl.base.proc.CLK_TCK` per second): user + system time of each (all its threads),
     with that of the children each has reaped (``/proc/PID/stat`` fields 14-17). A rank's
     compile workers and other helpers count as the rank. None when ``pid`` is gone."""
-    from warmctl.proc import tree_pids
+    from warmctl.base.proc import tree_pids
 
     total, seen = 0, False
     for p in tree_pids(pid):
@@ -544,7 +544,7 @@ def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: 
            listen: Sequence[tuple[str, int]] = ()) -> "ParallelLayout":
     """The manifest's ``restore.layout`` for ``ranks`` (:func:`discover`); ``listen``: the
     tree's listening sockets (:func:`listening`)."""
-    from warmctl.manifest import ParallelLayout, RankRecord
+    from warmctl.records.manifest import ParallelLayout, RankRecord
 
     recs: list[RankRecord] = []
     for i, r in enumerate(ranks):
@@ -567,7 +567,7 @@ def require_ports_free(lay: "ParallelLayout", what: str) -> None:
     """Pre-flight of a restore: every TCP port the snapshot's tree listened on
     (``layout.listen``) is free here, else :class:`HostError` naming the port and the process
     that holds it (another engine's rank, say): CRIU would restore the socket bound to it."""
-    from warmctl.ports import require_port_free
+    from warmctl.base.ports import require_port_free
 
     for a in lay.listen:
         ip, _, port = a.rpartition(":")

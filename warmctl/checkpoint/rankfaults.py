@@ -3,7 +3,7 @@
 With ``WARMCTL_TEST_KILL_RANK`` in its environment (see :data:`RANK_ENV`), warmctl sends a rank
 of the engine it runs a real signal at the point named: the hook only chooses the moment. Found
 through the rank model (:func:`warmctl.checkpoint.layout.live_ranks`); the hook that kills
-warmctl itself at a phase is :mod:`warmctl.faults`. Unset (always, outside tests), each hook
+warmctl itself at a phase is :mod:`warmctl.base.faults`. Unset (always, outside tests), each hook
 costs one dictionary lookup.
 """
 
@@ -39,7 +39,7 @@ def kill_rank(name: str, root_pid: int) -> list[int]:
     import time
 
     from warmctl.checkpoint.layout import live_ranks, stopped
-    from warmctl.proc import ProcessId, pid_alive, signal_process
+    from warmctl.base.proc import ProcessId, pid_alive, signal_process
 
     done: list[int] = []
     for item in want.split(","):
@@ -107,7 +107,7 @@ def kill_rank_during_dump(root_pid: int, poll_s: float = 0.002) -> Iterator[list
     import time
 
     from warmctl.checkpoint.layout import live_ranks
-    from warmctl.proc import ProcessId, pid_alive, signal_process, tree_pids
+    from warmctl.base.proc import ProcessId, pid_alive, signal_process, tree_pids
 
     live = live_ranks(root_pid)
     targets = [(r.pid, ProcessId.of(r.pid)) for role in roles if (r := live.get(role)) is not None]

@@ -51,8 +51,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from warmctl.checkpoint import cuda, nvml
-from warmctl.errors import CheckpointError
-from warmctl.proc import ProcessId, nspid, pid_alive, signal_process, tree_pids
+from warmctl.base.errors import CheckpointError
+from warmctl.base.proc import ProcessId, nspid, pid_alive, signal_process, tree_pids
 
 #: Device files of the NVIDIA driver; a process mapping or holding one has GPU state.
 DEVICE_PREFIX = "/dev/nvidia"
@@ -192,7 +192,7 @@ def gpu_footprint(pids: list[int], nvml_path: str | None = None) -> dict[str, in
 def restored_ranks(root_pid: int, nspids: Mapping[int, int] | list[int]) -> list[int]:
     """After a CRIU restore: the new host PIDs of the ranks whose namespace PIDs were recorded at
     snapshot time (``report.nspids`` values, or a list of them). Raises
-    :class:`~warmctl.errors.CheckpointError` if one is missing from the restored tree. The
+    :class:`~warmctl.base.errors.CheckpointError` if one is missing from the restored tree. The
     lookup is the rank model's (:func:`warmctl.checkpoint.layout.restored_pids`), which also
     checks every rank of ``restore.layout`` after a restore, GPU ranks included."""
     from warmctl.checkpoint.layout import restored_pids
@@ -226,7 +226,7 @@ def default_gpu_pairs(snapshot_uuids: list[str], host_uuids: list[str],
     ranks held (the snapshot's ``gpu_bytes`` keys). Only those are mapped: the driver wants a map
     of "every checkpointed GPU" (driver API doc), and a source GPU the engine did not use must
     not make a restore need more GPUs than it does. Raises
-    :class:`~warmctl.errors.CheckpointError` when the host has fewer GPUs than were checkpointed.
+    :class:`~warmctl.base.errors.CheckpointError` when the host has fewer GPUs than were checkpointed.
     """
     if checkpointed is not None:
         used = set(checkpointed)
@@ -301,7 +301,7 @@ def _describe(errors: Mapping[int, BaseException]) -> str:
 
 
 def _kill(idents: list[ProcessId | None]) -> None:
-    """SIGKILL each rank that still is the recorded process (:func:`warmctl.proc.signal_process`)."""
+    """SIGKILL each rank that still is the recorded process (:func:`warmctl.base.proc.signal_process`)."""
     for ident in idents:
         signal_process(ident, signal.SIGKILL)
 

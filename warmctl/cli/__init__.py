@@ -3,7 +3,7 @@
 Each area registers its commands from its own module (``core``: snapshot/up/down/status/ls;
 ``store``: push/pull/verify/gc/du; ``catalog``: host/catalog/keygen/config; ``profiles``:
 profile ls/show/check/command/diff; ``keys``: keys ls/trust/rm; ``bench``;
-``agent``; ``kube``: prewarm). Expected failures (:class:`warmctl.errors.WarmctlError`) print one clear message
+``agent``; ``kube``: prewarm). Expected failures (:class:`warmctl.base.errors.WarmctlError`) print one clear message
 to stderr and exit non-zero; nothing else is caught. How output looks on terminals and in logs
 (no hard wrapping off a terminal, NO_COLOR, ``--json``): :mod:`warmctl.cli.output`.
 """
@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from warmctl.errors import WarmctlError
+from warmctl.base.errors import WarmctlError
 
 app = typer.Typer(
     name="warmctl",

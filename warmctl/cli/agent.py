@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         `curl -H "Authorization: Bearer $(cat /var/lib/warmctl/agent/token)" localhost:7420/v1/engines`
         """
         from warmctl.agent.server import AgentConfig, run
-        from warmctl.config import load_settings
+        from warmctl.records.config import load_settings
 
         settings = load_settings(config)
         if prewarm:

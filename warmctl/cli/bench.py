@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from warmctl.cli import output as _output
-from warmctl.errors import EngineError
+from warmctl.base.errors import EngineError
 
 # httpx and the consoles are made by the command that runs, not when `warmctl` registers its
 # commands (every `warmctl` paid for httpx here).
@@ -26,8 +26,8 @@ def resolve_target(target: str) -> str:
     if target.startswith(("http://", "https://")):
         url = target.rstrip("/")
         return url[:-3] if url.endswith("/v1") else url
-    from warmctl.config import load_settings
-    from warmctl.lifecycle import status
+    from warmctl.records.config import load_settings
+    from warmctl.pipelines.lifecycle import status
 
     rows = status(load_settings(), target)
     if not rows:
@@ -135,9 +135,9 @@ def register(app: typer.Typer) -> None:
         Example: `warmctl bench startup tiny --runs 3`
         """
         from warmctl.bench.startup import markdown, run_startup
-        from warmctl.config import load_settings
-        from warmctl.profile import load_profile
-        from warmctl.progress import ConsoleReporter
+        from warmctl.records.config import load_settings
+        from warmctl.records.profile import load_profile
+        from warmctl.records.progress import ConsoleReporter
 
         out = _output.out()
         settings = load_settings()

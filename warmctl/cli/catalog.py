@@ -22,13 +22,13 @@ CatalogOpt = typer.Option(None, "--catalog", help="Store URL holding the catalog
 
 
 def _settings(config: Optional[Path], **overrides: Any):
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
 
     return load_settings(config, overrides)
 
 
 def _open_catalog(settings: Any):
-    from warmctl.catalog import Catalog
+    from warmctl.naming.catalog import Catalog
     from warmctl.store import open_store
 
     return Catalog(open_store(settings.catalog_url, settings=settings))
@@ -43,7 +43,7 @@ def _say(line: str) -> None:
 def _layout(c: Any, digest: str, as_json: bool = False) -> Any:
     """The parallel layout the manifest ``digest`` records (``restore.layout``): one line, or
     its JSON with ``as_json``; None when it records none or cannot be read."""
-    from warmctl.errors import WarmctlError
+    from warmctl.base.errors import WarmctlError
 
     try:
         lay = c.store.get_manifest(digest).restore.layout
@@ -138,9 +138,9 @@ def register(app: typer.Typer) -> None:
         config: Optional[Path] = ConfigOpt,
     ) -> None:
         """Show NAME:TAG's snapshots, their signatures, and whether each fits this host (and why not)."""
-        from warmctl.catalog import select
+        from warmctl.naming.catalog import select
         from warmctl.host import fingerprint
-        from warmctl.trust import signature_summary
+        from warmctl.naming.trust import signature_summary
 
         s = _settings(config, catalog=catalog)
         c = _open_catalog(s)
@@ -202,7 +202,7 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Replace existing files."),
     ) -> None:
         """Create an ed25519 signing keypair for publishing snapshots."""
-        from warmctl.trust import generate_keypair
+        from warmctl.naming.trust import generate_keypair
 
         kp = generate_keypair(directory, name, overwrite=force)
         _say(f"private key  {kp.private}  (mode 0600; set signing_key to it on the publishing host)")

@@ -13,7 +13,7 @@ from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _err
 from warmctl.cli.output import out as _out
 from warmctl.diskspace import human as _human
-from warmctl.errors import WarmctlError
+from warmctl.base.errors import WarmctlError
 
 # The library (config, profile, progress: pydantic models) is imported by the command that runs,
 # not when the commands are registered: `--help`, `version` and the other areas' commands stay
@@ -64,10 +64,10 @@ def register(app: typer.Typer) -> None:
 
         Example: `warmctl snapshot tiny`, or `WARMCTL_REMOTE_STORE=s3://fleet/warmctl warmctl snapshot tiny`
         """
-        from warmctl.snapshot import snapshot as run_snapshot
-        from warmctl.config import load_settings
-        from warmctl.profile import load_profile
-        from warmctl.progress import ConsoleReporter
+        from warmctl.pipelines.snapshot import snapshot as run_snapshot
+        from warmctl.records.config import load_settings
+        from warmctl.records.profile import load_profile
+        from warmctl.records.progress import ConsoleReporter
 
         settings = load_settings()
         prof = load_profile(profile, settings.profile_dirs)
@@ -135,15 +135,15 @@ def register(app: typer.Typer) -> None:
         Running `up` for an engine that is already up changes nothing.
 
         With `--foreground` the command stays as the engine's supervisor (the main process of
-        systemd/warmctl-up@.service, or of an engine pod's container): see warmctl/foreground.py
+        systemd/warmctl-up@.service, or of an engine pod's container): see warmctl/cli/foreground.py
         and docs/kubernetes.md.
 
         Example: `warmctl up tiny && curl localhost:8000/v1/models`
         """
-        from warmctl.catalog import Ref
-        from warmctl.config import load_settings
-        from warmctl.contract import UpRequest, UpResult
-        from warmctl.progress import ConsoleReporter
+        from warmctl.naming.catalog import Ref
+        from warmctl.records.config import load_settings
+        from warmctl.records.contract import UpRequest, UpResult
+        from warmctl.records.progress import ConsoleReporter
 
         overrides = {}
         if cold_start is not None:
@@ -175,8 +175,8 @@ def register(app: typer.Typer) -> None:
         except ValueError as e:  # pydantic's ValidationError: a port or host out of range
             raise typer.BadParameter("; ".join(f"{x['loc'][0]}: {x['msg']}" for x in e.errors()))  # type: ignore[attr-defined]
         if foreground:
-            from warmctl import foreground as fg
-            from warmctl.lifecycle import up as run_up
+            from warmctl.cli import foreground as fg
+            from warmctl.pipelines.lifecycle import up as run_up
 
             def show(res) -> None:
                 _show_up(res, json_out, quiet)
@@ -194,7 +194,7 @@ def register(app: typer.Typer) -> None:
             if res.failure is not None:
                 raise res.error()  # type: ignore[misc]
             return
-        from warmctl.lifecycle import up as run_up
+        from warmctl.pipelines.lifecycle import up as run_up
 
         try:
             res = run_up(req, settings, rep)
@@ -205,8 +205,8 @@ def register(app: typer.Typer) -> None:
         _show_up(res, json_out, quiet)
 
     def _show_up(res, json_out: bool, quiet: bool = False) -> None:
-        """``up``'s result (:class:`warmctl.contract.UpResult`) on stdout: its JSON document
-        (:meth:`~warmctl.contract.UpResult.to_json`, docs/cli-json.md; also for a failed ``up``),
+        """``up``'s result (:class:`warmctl.records.contract.UpResult`) on stdout: its JSON document
+        (:meth:`~warmctl.records.contract.UpResult.to_json`, docs/cli-json.md; also for a failed ``up``),
         or the phase table and the serving line (``quiet``: the serving line only, as
         ``snapshot -q`` prints only its result; a failed ``up``: nothing, its error goes to
         stderr). A snapshot ``--snapshot-after`` could not make while the engine kept serving
@@ -237,8 +237,8 @@ def register(app: typer.Typer) -> None:
 
         Safe to repeat: an engine that is not up is reported as such.
         """
-        from warmctl.lifecycle import down as run_down
-        from warmctl.config import load_settings
+        from warmctl.pipelines.lifecycle import down as run_down
+        from warmctl.records.config import load_settings
 
         settings = load_settings()
         if settings.agent_url:  # a configured agent does the work; same output
@@ -263,12 +263,12 @@ def register(app: typer.Typer) -> None:
         first), its size, the memory it takes, how long ago it was last written and the PIDs
         that use it ("none": what a killed engine left; `warmctl down NAME` of a recorded dead
         engine removes its files)."""
-        from warmctl.lifecycle import status as run_status
-        from warmctl.config import load_settings
+        from warmctl.pipelines.lifecycle import status as run_status
+        from warmctl.records.config import load_settings
 
         settings = load_settings()
         if orphans:
-            from warmctl.lifecycle import shm_orphans
+            from warmctl.pipelines.lifecycle import shm_orphans
 
             files = shm_orphans(settings)
             if json_out:
@@ -287,7 +287,7 @@ def register(app: typer.Typer) -> None:
             rows = AgentClient.from_settings(settings).status(name)
         else:
             rows = run_status(settings, name)
-        from warmctl.drift import DriftCache, of_engine
+        from warmctl.naming.drift import DriftCache, of_engine
 
         cache = DriftCache(settings.profile_dirs)
         drifts = [of_engine(r.state, settings.store_dir, cache, settings=settings) for r in rows]
@@ -336,13 +336,13 @@ def register(app: typer.Typer) -> None:
         created, cold-start seconds, and for which host (one row per kind of host). A snapshot
         made from another version of its profile than the one on disk is named on stderr, with
         the fields that changed (`up` would cold-start instead of restoring it)."""
-        from warmctl.fleet import snapshots
-        from warmctl.config import load_settings
+        from warmctl.naming.fleet import snapshots
+        from warmctl.records.config import load_settings
 
         settings = load_settings()
         if remote and not settings.remote_store:
             raise WarmctlError("--remote: no remote store configured (set remote_store or WARMCTL_REMOTE_STORE)")
-        from warmctl.drift import DriftCache
+        from warmctl.naming.drift import DriftCache
 
         rows = snapshots(settings, settings.remote_store if remote else None)
         cache = DriftCache(settings.profile_dirs)
@@ -390,9 +390,9 @@ def register(app: typer.Typer) -> None:
 
         Idempotent: a name that is not there is reported as such.
         """
-        from warmctl.catalog import Ref
-        from warmctl.fleet import remove_snapshot
-        from warmctl.config import load_settings
+        from warmctl.naming.catalog import Ref
+        from warmctl.naming.fleet import remove_snapshot
+        from warmctl.records.config import load_settings
 
         settings = load_settings()
         r = Ref.parse(ref)
@@ -407,7 +407,7 @@ def register(app: typer.Typer) -> None:
     @model_app.command("build-tiny")
     def build_tiny() -> None:
         """Build the `tiny` model (2-layer Llama, fixed seed, local tokenizer) if missing; print its path."""
-        from warmctl import tinymodel
-        from warmctl.config import load_settings
+        from warmctl.models import tinymodel
+        from warmctl.records.config import load_settings
 
         _out().print(str(tinymodel.build(tinymodel.model_dir(load_settings().models_dir))))

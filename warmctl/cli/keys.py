@@ -16,15 +16,15 @@ from warmctl.cli.output import JsonOpt, emit_json
 
 
 def _settings():
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
 
     return load_settings()
 
 
 def key_files(keys_dir: Path) -> list[tuple[str, Path]]:
     """``(key id, file)`` of every ``*.pub`` in ``keys_dir``, by file name (one key may be in
-    several files). An unusable file raises :class:`warmctl.trust.TrustError` naming it."""
-    from warmctl.trust import key_id, load_public_key
+    several files). An unusable file raises :class:`warmctl.naming.trust.TrustError` naming it."""
+    from warmctl.naming.trust import key_id, load_public_key
 
     if not keys_dir.is_dir():
         return []
@@ -35,9 +35,9 @@ def signed_snapshots(settings: Any) -> dict[str, list[str]]:
     """Key id -> the ``NAME:TAG (digest)`` catalog entries it has a signature on, in the local
     store's catalog and the configured catalog (when another store). What a signature object
     claims, not verified here (``up`` verifies)."""
-    from warmctl.catalog import Catalog
+    from warmctl.naming.catalog import Catalog
     from warmctl.store import open_store
-    from warmctl.trust import SignatureDoc, signatures
+    from warmctl.naming.trust import SignatureDoc, signatures
 
     urls = [str(settings.store_dir)]
     if settings.catalog_url not in urls:
@@ -56,7 +56,7 @@ def signed_snapshots(settings: Any) -> dict[str, list[str]]:
 def _home_key(settings: Any) -> str | None:
     """The id of the key this home signs with (``signing_key``, else ``<home>/keys/local.key``),
     or None when there is none (yet) or it is unusable."""
-    from warmctl.trust import TrustError, key_id, load_private_key
+    from warmctl.naming.trust import TrustError, key_id, load_private_key
 
     path = settings.signing_key or settings.home / "keys" / "local.key"
     if not Path(path).exists():
@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
                name: Optional[str] = typer.Option(None, "--name", help="File name stem in keys_dir (default: the file's stem).")) -> None:
         """Trust a public key: copy it into keys_dir as STEM-<key id>.pub. Never replaces a
         file: a key already trusted is reported, not written again."""
-        from warmctl.trust import install_public_key
+        from warmctl.naming.trust import install_public_key
 
         s = _settings()
         dest, installed = install_public_key(public, s.keys_dir, name or public.stem)
@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         """Stop trusting a key: remove every file in keys_dir holding it. Snapshots signed only by
         it then fail `up` here with 'not trusted' (named below). Restoring trust is `warmctl keys
         trust FILE`."""
-        from warmctl.trust import remove_trusted_key
+        from warmctl.naming.trust import remove_trusted_key
 
         s = _settings()
         signs = signed_snapshots(s)

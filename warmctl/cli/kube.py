@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         """
         import logging
 
-        from warmctl.config import load_settings
+        from warmctl.records.config import load_settings
         from warmctl.kube.prewarm import Prewarmer
 
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)

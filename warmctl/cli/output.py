@@ -5,7 +5,7 @@ Rules, applied by every command:
 - **Terminal or not.** A stream is a terminal when ``isatty()`` says so. Not a terminal
   (systemd's journal, CI, a pipe): nothing is hard-wrapped (a long path or digest stays on its
   line), no tables (:func:`table` writes one plain tab-separated line per row under a header
-  line), no progress bars or spinners (:class:`warmctl.progress.ConsoleReporter` writes one line
+  line), no progress bars or spinners (:class:`warmctl.records.progress.ConsoleReporter` writes one line
   per phase with its seconds).
 - **NO_COLOR** (https://no-color.org: set and not empty): no colours and no other text styles,
   on a terminal too.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from warmctl.console import console, err, is_terminal, no_color, out  # noqa: F401 - the consoles, re-exported
+from warmctl.base.console import console, err, is_terminal, no_color, out  # noqa: F401 - the consoles, re-exported
 
 if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or `up --json`
     from rich.console import Console

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from warmctl.cli.output import JsonOpt, emit_json
-from warmctl.errors import SnapshotNotFound
+from warmctl.base.errors import SnapshotNotFound
 
 if TYPE_CHECKING:  # config and profile (pydantic models) are imported by the command that runs
-    from warmctl.profile import Profile
+    from warmctl.records.profile import Profile
 
 
 def _echo(line: str = "") -> None:
@@ -30,8 +30,8 @@ def _json(doc: object) -> None:
 
 
 def _load(name: str) -> tuple[Path, Profile]:
-    from warmctl.config import load_settings
-    from warmctl.profile import find_profile, load_profile_file
+    from warmctl.records.config import load_settings
+    from warmctl.records.profile import find_profile, load_profile_file
 
     settings = load_settings()
     path = find_profile(name, settings.profile_dirs)
@@ -48,9 +48,9 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     this environment reaches the engine. ``passthrough``: the config's
     ``engine_env_passthrough``. ``env`` includes :func:`warmctl.engine.cold.launch_env` (the
     ranks' default CPU binding, the CPU build's PYTHONPATH); raises
-    :class:`warmctl.errors.HostError` when the ranks' binding cannot be satisfied here. A
+    :class:`warmctl.base.errors.HostError` when the ranks' binding cannot be satisfied here. A
     ``builtin:`` model is shown at the path it is built to on first use."""
-    from warmctl import builtinmodels
+    from warmctl.models import builtinmodels
     from warmctl.engine.vllm import engine_env, engine_environment, vllm_command, wrapped_command
     from warmctl.engine.cold import launch_env
 
@@ -64,16 +64,16 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
 
 
 def stored_profile_problems(url: str) -> list[dict]:
-    """Credentials (:func:`warmctl.credentials.profile_problems`: by name and by shape) in the
+    """Credentials (:func:`warmctl.records.credentials.profile_problems`: by name and by shape) in the
     profiles the store at ``url`` holds: each catalog profile record
     (``catalog/NAME/profile.json``) and the profile each manifest records. One dict per
     problem: ``{"store", "object" (the object's location), "kind" ("profile record" |
     "manifest"), "name", "refs" (the NAME:TAG entries naming that manifest), "field",
     "problem"}``; never a value. An object that cannot be read is reported with ``field``
     null and ``problem`` saying why."""
-    from warmctl.catalog import CATALOG_PREFIX, Catalog
-    from warmctl.credentials import profile_problems
-    from warmctl.errors import WarmctlError
+    from warmctl.naming.catalog import CATALOG_PREFIX, Catalog
+    from warmctl.records.credentials import profile_problems
+    from warmctl.base.errors import WarmctlError
     from warmctl.store import open_store
     from warmctl.store.layout import manifest_key
 
@@ -132,8 +132,8 @@ def register(app: typer.Typer) -> None:
         configured profile_dirs ($WARMCTL_PROFILE_DIRS), /etc/warmctl/profiles, then the
         profiles shipped in the package. A file hidden by an earlier one of the same name is
         named too. Files are not validated here (`warmctl profile check`)."""
-        from warmctl.config import load_settings
-        from warmctl.profile import list_profiles, search_dirs
+        from warmctl.records.config import load_settings
+        from warmctl.records.profile import list_profiles, search_dirs
 
         settings = load_settings()
         rows = list_profiles(settings.profile_dirs)
@@ -153,7 +153,7 @@ def register(app: typer.Typer) -> None:
              json_out: bool = JsonOpt) -> None:
         """The profile as warmctl reads it: its file, its digest, and every field with the
         defaults the file leaves out filled in (one `field = value` line each, values as JSON)."""
-        from warmctl.profile import _flatten
+        from warmctl.records.profile import _flatten
 
         path, prof = _load(name)
         data = prof.model_dump(mode="json")
@@ -181,9 +181,9 @@ def register(app: typer.Typer) -> None:
         rule, never the value.
         Prints `FILE: ok` (and the ranks' layout) or one line per problem; exits 1 if any fails."""
         from warmctl.checkpoint.layout import cpu_binding, profile_sizes
-        from warmctl.config import load_settings
-        from warmctl.errors import HostError
-        from warmctl.profile import ProfileError, find_profile, load_profile_file
+        from warmctl.records.config import load_settings
+        from warmctl.base.errors import HostError
+        from warmctl.records.profile import ProfileError, find_profile, load_profile_file
 
         settings = load_settings()
         results: list[dict[str, Any]] = []
@@ -219,7 +219,7 @@ def register(app: typer.Typer) -> None:
                 else:
                     for line in r["errors"]:
                         typer.echo(line, err=True)
-            from warmctl.credentials import shape_rules
+            from warmctl.records.credentials import shape_rules
 
             _echo("credential rules: names, " + ", ".join(r.name for r in shape_rules()))
         if not all(r["ok"] for r in results):
@@ -238,7 +238,7 @@ def register(app: typer.Typer) -> None:
         otherwise. To remove what it finds: `warmctl rm NAME:TAG` for each entry named, then
         `warmctl gc` (with --store URL for a remote); publishing a clean profile under NAME
         replaces its profile record."""
-        from warmctl.config import load_settings
+        from warmctl.records.config import load_settings
 
         settings = load_settings()
         urls = list(dict.fromkeys(stores or [u for u in (str(settings.store_dir), settings.remote_store,
@@ -267,7 +267,7 @@ def register(app: typer.Typer) -> None:
         engine_env_passthrough; by name only), then the command, shell-quoted on one line.
         Nothing else of warmctl's environment reaches the engine. The engine binds engine.port
         on 127.0.0.1; the public host, port, API key and TLS are the gate's."""
-        from warmctl.config import load_settings
+        from warmctl.records.config import load_settings
 
         _, prof = _load(name)
         settings = load_settings()
@@ -291,9 +291,9 @@ def register(app: typer.Typer) -> None:
         snapshot of that name (the local store's catalog, else the configured catalog): one
         `field: snapshot -> disk` line each. Exits 0 when they are the same, 1 when they differ
         (as diff(1)); no snapshot of NAME: exit 4 (not found)."""
-        from warmctl.catalog import Catalog
-        from warmctl.config import load_settings
-        from warmctl.profile import diff_profiles
+        from warmctl.naming.catalog import Catalog
+        from warmctl.records.config import load_settings
+        from warmctl.records.profile import diff_profiles
         from warmctl.store import open_store
 
         settings = load_settings()

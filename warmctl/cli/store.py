@@ -20,7 +20,7 @@ from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _console
 from warmctl.cli.output import out as _out
 from warmctl.diskspace import human as _human
-from warmctl.errors import IntegrityError, WarmctlError
+from warmctl.base.errors import IntegrityError, WarmctlError
 
 
 @contextmanager
@@ -46,7 +46,7 @@ def byte_progress(desc: str, total: int | None) -> Iterator[Callable[[int], None
 
 
 def _local(store: Optional[str]):
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     settings = load_settings()
@@ -54,7 +54,7 @@ def _local(store: Optional[str]):
 
 
 def _remote(url: Optional[str], flag: str):
-    from warmctl.config import load_settings
+    from warmctl.records.config import load_settings
     from warmctl.store import open_store
 
     settings = load_settings()
@@ -69,15 +69,15 @@ def _remote(url: Optional[str], flag: str):
 
 def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: bool = False,
           verify: bool = False, allow_rollback: bool = False, sign: bool = False) -> None:
-    """Copy the catalog entries of ``ref`` with their data (:mod:`warmctl.fleet`), one progress
+    """Copy the catalog entries of ``ref`` with their data (:mod:`warmctl.naming.fleet`), one progress
     bar, one summary line per entry (``json_out``: a JSON list on stdout instead, one object
     per entry, docs/cli-json.md). ``verify`` (``pull``): only entries this node may act on, each
-    checked against the trusted keys before anything is named (:func:`warmctl.fleet.copy_entry`),
+    checked against the trusted keys before anything is named (:func:`warmctl.naming.fleet.copy_entry`),
     refusing a rollback unless ``allow_rollback``. ``sign`` (``push``): entries without
     signatures are signed with the ``signing_key`` setting, when one is set."""
-    from warmctl.catalog import Accepted, Ref
-    from warmctl.config import load_settings
-    from warmctl.fleet import copy_entry, entries_to_copy
+    from warmctl.naming.catalog import Accepted, Ref
+    from warmctl.records.config import load_settings
+    from warmctl.naming.fleet import copy_entry, entries_to_copy
 
     r = Ref.parse(ref)
     fp = None
@@ -123,8 +123,8 @@ def _digests(s, refs: Optional[list[str]]) -> Optional[list[str]]:
     of store ``s``; ``None`` for no refs. Raises SnapshotNotFound for a name that names nothing."""
     if not refs:
         return None
-    from warmctl.catalog import Catalog, Ref
-    from warmctl.errors import SnapshotNotFound
+    from warmctl.naming.catalog import Catalog, Ref
+    from warmctl.base.errors import SnapshotNotFound
 
     cat, out = Catalog(s), []
     for ref in refs:
@@ -221,7 +221,7 @@ def register(app: typer.Typer) -> None:
         kept in any case. Takes the store's exclusive lock: refuses (exit 6) while a push, pull
         or snapshot is writing to the store.
         """
-        from warmctl.catalog import Catalog
+        from warmctl.naming.catalog import Catalog
         from warmctl.store import maintenance
 
         s = _remote(store, "--store") if store else _local(None)
@@ -233,7 +233,7 @@ def register(app: typer.Typer) -> None:
         gone = None
         if store is None:  # the local store's gc also drops kept images of snapshots it no longer holds
             from warmctl.checkpoint.imagecache import ImageCache
-            from warmctl.config import load_settings
+            from warmctl.records.config import load_settings
 
             cache = ImageCache.for_settings(load_settings())
             gone = cache.prune(keep_digests=set(s.list_manifests()), unused_for=grace, dry_run=dry_run)
@@ -265,7 +265,7 @@ def register(app: typer.Typer) -> None:
         is sealed for can read or write it. Rotating re-wraps the store's data key: no object
         is rewritten. A key file: `head -c 32 /dev/urandom | base64 > fleet.key; chmod 600
         fleet.key`. See docs/store-format.md, "Sealed stores"."""
-        from warmctl.config import load_settings
+        from warmctl.records.config import load_settings
         from warmctl.store import open_backend
         from warmctl.store.sealed import SealKeyError, key_id, load_key, seal_store
 
@@ -296,7 +296,7 @@ def register(app: typer.Typer) -> None:
         images' totals, the image budget (image_cache_bytes) and the free space of the
         filesystems holding them. With --store: that store's figures only.
         """
-        from warmctl.catalog import Catalog
+        from warmctl.naming.catalog import Catalog
         from warmctl.store import maintenance
 
         s = _remote(store, "--store") if store else _local(None)
@@ -315,7 +315,7 @@ def register(app: typer.Typer) -> None:
                          f"unreferenced {_human(rep.unreferenced)}", highlight=False)
             return
         from warmctl.checkpoint.imagecache import ImageCache
-        from warmctl.config import load_settings
+        from warmctl.records.config import load_settings
         from warmctl.diskspace import node_report
 
         settings = load_settings()

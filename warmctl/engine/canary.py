@@ -10,9 +10,9 @@ exactly through ``repr``, so a logprob compared "bit for bit" is compared as the
 from __future__ import annotations
 
 from warmctl.engine.loopback import Connection, LoopbackError
-from warmctl.errors import CanaryMismatch, EngineError
-from warmctl.manifest import CanaryCompletion, CanaryRecord
-from warmctl.profile import CanarySpec
+from warmctl.base.errors import CanaryMismatch, EngineError
+from warmctl.records.manifest import CanaryCompletion, CanaryRecord
+from warmctl.records.profile import CanarySpec
 
 
 def _request(spec: CanarySpec, model: str, prompt: str) -> dict:

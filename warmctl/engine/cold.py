@@ -11,21 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from warmctl import builtinmodels
+from warmctl.models import builtinmodels
 from warmctl.checkpoint import layout
 from warmctl.engine import canary, vllm, warmup
 from warmctl.engine.run import EngineRun
-from warmctl.errors import EngineError, HostError
+from warmctl.base.errors import EngineError, HostError
 from warmctl.gate import require_port_free
-from warmctl.manifest import CanaryRecord
-from warmctl.profile import Profile
-from warmctl.progress import Reporter
-from warmctl.state import EngineState
+from warmctl.records.manifest import CanaryRecord
+from warmctl.records.profile import Profile
+from warmctl.records.progress import Reporter
+from warmctl.records.state import EngineState
 
 
 def resolve_model(profile: Profile, models_dir: Path) -> str:
     """The model path for ``profile``; builds a ``builtin:`` model (``tiny``, ``tiny-moe``:
-    :data:`warmctl.tinymodel.BUILTIN`; ``random-llama-<L>x<H>``: :mod:`warmctl.randmodel`) under
+    :data:`warmctl.models.tinymodel.BUILTIN`; ``random-llama-<L>x<H>``: :mod:`warmctl.models.randmodel`) under
     ``models_dir`` on first use. Raises :class:`EngineError` if a model path does not exist."""
     m = profile.engine.model
     if (d := builtinmodels.build_builtin(m, models_dir)) is not None:
@@ -60,7 +60,7 @@ def preflight(profile: Profile, run_dir: Path) -> None:
     """Refuse early (:class:`HostError`): an engine of this name serving in ``run_dir``, the
     profile's internal port taken, or a CPU binding of its ranks this host cannot satisfy
     (:func:`warmctl.checkpoint.layout.cpu_binding`, naming the ranks and CPUs). A recorded engine that is not serving is what a killed
-    ``snapshot`` or ``up`` left (the caller holds the name's lock, :mod:`warmctl.enginelock`,
+    ``snapshot`` or ``up`` left (the caller holds the name's lock, :mod:`warmctl.records.enginelock`,
     so nothing else is starting it): it is torn down first."""
     run = EngineRun.load(run_dir, profile.name)
     if run is not None and run.alive() and run.state is not None and run.state.phase == "serving":

@@ -1,7 +1,7 @@
 """The checkpoint flavours of a profile as one plan: what runs before the dump, the dump itself,
 after a dump that leaves the source engine serving, and after a restore.
 
-A profile's ``[checkpoint]`` table picks the flavour (see :class:`warmctl.profile.Checkpoint`):
+A profile's ``[checkpoint]`` table picks the flavour (see :class:`warmctl.records.profile.Checkpoint`):
 
 - ``weights_outside_image``: before the dump every rank saves its weights as the engine laid
   them out (:meth:`warmctl.engine.sleep.SleepClient.save_weights`) and frees them (or sleep
@@ -16,7 +16,7 @@ A profile's ``[checkpoint]`` table picks the flavour (see :class:`warmctl.profil
   plugin allocates it during the restore. Not run on AMD hardware (docs/gpu.md).
 
 The snapshot pipeline calls :meth:`CheckpointPlan.before_dump`, :meth:`~CheckpointPlan.dump`
-and (leave-running only) :meth:`~CheckpointPlan.after_dump` (:func:`warmctl.snapshot.snapshot_engine`); ``up`` calls
+and (leave-running only) :meth:`~CheckpointPlan.after_dump` (:func:`warmctl.pipelines.snapshot.snapshot_engine`); ``up`` calls
 :meth:`~CheckpointPlan.before_restore` (pre-flight, before anything is written),
 :meth:`~CheckpointPlan.after_restore` (before ``/health``) and :meth:`~CheckpointPlan.wake`
 (after it). A plain CPU profile makes each of them a CRIU dump or nothing.
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from warmctl.checkpoint import criu
-from warmctl.config import Settings
+from warmctl.records.config import Settings
 from warmctl.engine.run import EngineRun
 from warmctl.engine.sleep import SleepClient, wake
-from warmctl.errors import CheckpointError, EngineError
-from warmctl.manifest import GpuRestore, RankWeights, RestoreInfo, WeightsRestore
-from warmctl.profile import Profile
-from warmctl.progress import Reporter
+from warmctl.base.errors import CheckpointError, EngineError
+from warmctl.records.manifest import GpuRestore, RankWeights, RestoreInfo, WeightsRestore
+from warmctl.records.profile import Profile
+from warmctl.records.progress import Reporter
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class CheckpointPlan:
     def before_dump(self, run: EngineRun, reporter: Reporter) -> WeightsRestore | None:
         """With ``weights_outside_image``: every rank writes its weights to ``run.weights``, then
         (without sleep mode) frees them; returns the manifest's ``restore.weights`` record.
-        Otherwise nothing (None). Raises :class:`warmctl.errors.EngineError` from the engine."""
+        Otherwise nothing (None). Raises :class:`warmctl.base.errors.EngineError` from the engine."""
         if not self.weights_outside_image:
             return None
         with reporter.phase("weights_save", "every rank saves its weights as laid out, outside the image"), \
@@ -156,7 +156,7 @@ class CheckpointPlan:
         ``proc/<pid>/vram_<gpu_id>``, by the GPU's UUID), then CRIU with the amdgpu plugin."""
         from warmctl import host
         from warmctl.checkpoint import kfd
-        from warmctl.proc import tree_pids
+        from warmctl.base.proc import tree_pids
 
         if self.sleep_level:
             with SleepClient(run.base_url) as sc:

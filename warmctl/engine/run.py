@@ -28,9 +28,9 @@ Paths (resolved once, from ``<home>/run/NAME``)::
     <run>/lazy-pages.log     its log (``-v4``: the per-process copy summaries the gate checks)
     <run>/lazy-pages.failed  why the gate took the engine down (the daemon exited before its copy ended)
     <run>/gate.log      the gate's output
-    <run>/state.json    the persisted record (:mod:`warmctl.state`), while the run is recorded
+    <run>/state.json    the persisted record (:mod:`warmctl.records.state`), while the run is recorded
 
-Processes are held as :class:`warmctl.proc.ProcessId` (PID, start time, executable), so a
+Processes are held as :class:`warmctl.base.proc.ProcessId` (PID, start time, executable), so a
 teardown never signals a process that merely reuses a recorded PID.
 """
 
@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmctl.checkpoint import capture
-from warmctl.private import private_dir, trusted, untrusted, write_private
-from warmctl.proc import ProcessId, Stamp, created_during, freeze_tree, kill_tree, owned_by_me
-from warmctl.state import EngineState
-from warmctl.state import load as load_state
-from warmctl.state import remove as remove_state
-from warmctl.state import save as save_state
+from warmctl.base.private import private_dir, trusted, untrusted, write_private
+from warmctl.base.proc import ProcessId, Stamp, created_during, freeze_tree, kill_tree, owned_by_me
+from warmctl.records.state import EngineState
+from warmctl.records.state import load as load_state
+from warmctl.records.state import remove as remove_state
+from warmctl.records.state import save as save_state
 
 
 @dataclass
@@ -298,7 +298,7 @@ class EngineRun:
         """Stop everything of this run and remove what it left; safe to call more than once.
 
         In order: the gate's tree; the engine's tree, stopped first (every process SIGSTOPped,
-        :func:`warmctl.proc.freeze_tree`), then its ``/dev/shm`` files and the inodes of the
+        :func:`warmctl.base.proc.freeze_tree`), then its ``/dev/shm`` files and the inodes of the
         semaphores it maps under removed names listed, then SIGKILLed (no shutdown of its own:
         a shutdown, or the survivors of a dead rank, would make semaphores after the listing
         that nothing records); with ``strays`` (agent
@@ -311,7 +311,7 @@ class EngineRun:
         multiprocessing semaphores orphaned since the run started
         (:func:`warmctl.checkpoint.capture.orphaned_shm`), the scratch directories, the
         engine's sockets directory (:meth:`remove_tmp`), the PID files and the record. Identities are checked before any signal
-        (:func:`warmctl.proc.kill_tree`): a PID that now belongs to another process is left
+        (:func:`warmctl.base.proc.kill_tree`): a PID that now belongs to another process is left
         alone and named in ``refused``; a process is never killed for its working directory.
         """
         rep = TeardownReport()
@@ -386,10 +386,10 @@ class EngineRun:
         - ``restore.pid`` (bare PID from CRIU: the restore finished, the identity was never
           written): only with a record of this restore (``state.json`` written before CRIU
           ran, :attr:`since`), and only a process started after the record and no later than
-          CRIU wrote the file (its mtime): :func:`warmctl.proc.created_during`, in clock ticks
+          CRIU wrote the file (its mtime): :func:`warmctl.base.proc.created_during`, in clock ticks
           since boot. A stale file naming a reused PID fails this.
 
-        Both files must be records this process's user wrote (:func:`warmctl.private.trusted`).
+        Both files must be records this process's user wrote (:func:`warmctl.base.private.trusted`).
         """
         killed: list[int] = []
         if trusted(self.pidfile):

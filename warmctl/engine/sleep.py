@@ -32,7 +32,7 @@ weights and KV cache dropped, virtual addresses kept) or :meth:`SleepClient.rele
 image. After restore, :func:`wake` wakes the weights, copies every tensor back in place
 (:meth:`SleepClient.load_weights`, timed, GB/s in :class:`WeightReload`), then wakes the KV cache.
 
-Errors are :class:`~warmctl.errors.EngineError` with the endpoint, HTTP status and body.
+Errors are :class:`~warmctl.base.errors.EngineError` with the endpoint, HTTP status and body.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from warmctl.errors import EngineError
+from warmctl.base.errors import EngineError
 
 if TYPE_CHECKING:  # imported by the client that uses it: `up` of a snapshot without kept weights never does
     import httpx

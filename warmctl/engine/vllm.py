@@ -29,9 +29,9 @@ from typing import Mapping, Sequence
 import psutil
 
 from warmctl.engine.loopback import Connection, LoopbackError
-from warmctl.errors import EngineError
-from warmctl.proc import kill_child, pid_alive
-from warmctl.profile import Profile
+from warmctl.base.errors import EngineError
+from warmctl.base.proc import kill_child, pid_alive
+from warmctl.records.profile import Profile
 
 
 #: A test hook: the command line (split as a shell would) warmctl runs in place of ``vllm``,
@@ -67,7 +67,7 @@ def vllm_command(profile: Profile, model_path: str, python: str | None = None) -
 #: What the engine takes from warmctl's own environment whatever the config says: what the
 #: interpreter, vLLM, the locale, the BLAS/OpenMP runtimes and the accelerator runtime need
 #: (docs/operations.md, "Credentials and snapshots"). A name ending in ``*`` is a prefix. A
-#: name that looks like a credential (:func:`warmctl.credentials.credential_name`) is never
+#: name that looks like a credential (:func:`warmctl.records.credentials.credential_name`) is never
 #: taken from this list.
 BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_*", "TZ", "TMPDIR",
             "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME",
@@ -99,7 +99,7 @@ def engine_environment(profile: Profile, passthrough: Sequence[str] = (),
     passed through reaches the engine, and ``snapshot`` then refuses to publish the image
     that holds it); then what warmctl and the profile set (:func:`engine_env`). Nothing
     else of warmctl's environment reaches the engine."""
-    from warmctl.credentials import credential_name
+    from warmctl.records.credentials import credential_name
 
     env = os.environ if environ is None else environ
     values: dict[str, str] = {}
@@ -204,7 +204,7 @@ _WRAPPERS = ("unshare", "setsid")
 
 def _exec_done(p: psutil.Process) -> bool:
     """True once the namespace root ``p`` runs the engine's executable, not a wrapper: its
-    identity (:class:`warmctl.proc.ProcessId`, executable included) is recorded right after."""
+    identity (:class:`warmctl.base.proc.ProcessId`, executable included) is recorded right after."""
     try:
         return Path(p.exe()).name not in _WRAPPERS
     except (psutil.Error, OSError):

@@ -13,8 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from warmctl.errors import EngineError
-from warmctl.profile import WarmupSpec
+from warmctl.base.errors import EngineError
+from warmctl.records.profile import WarmupSpec
 
 SEED = 1234
 

@@ -33,7 +33,7 @@ from warmctl.gate.drain import drain
 from warmctl.gate.files import GateConfigError, private_file_problem, read_keys, tls_context
 from warmctl.gate.lazy import LazyWatch
 from warmctl.gate.process import PendingGate, prestart, start
-from warmctl.ports import port_free, require_port_free
+from warmctl.base.ports import port_free, require_port_free
 
 __all__ = ["GateConfig", "GateConfigError", "Limits", "LazyWatch", "PendingGate", "drain", "port_free", "prestart",
            "private_file_problem", "read_keys", "require_port_free", "start", "tls_context"]

@@ -17,7 +17,7 @@ from warmctl.gate.files import GateConfigError, read_keys
 from warmctl.gate.lazy import LazyWatch
 from warmctl.gate.routes import DEFAULT_ALLOW_PATHS, Policy, Routes
 from warmctl.gate.server import Gate, serve
-from warmctl.proc import start_ticks
+from warmctl.base.proc import start_ticks
 
 try:
     import uvloop

@@ -67,7 +67,7 @@ class GateConfig:
 
     @classmethod
     def from_settings(cls, settings) -> "GateConfig":
-        """The gate of a :class:`warmctl.config.Settings` (its ``gate_*`` fields); unchecked."""
+        """The gate of a :class:`warmctl.records.config.Settings` (its ``gate_*`` fields); unchecked."""
         return cls(api_key_file=settings.gate_api_key_file, tls_cert=settings.gate_tls_cert,
                    tls_key=settings.gate_tls_key, allow_paths=tuple(settings.gate_allow_paths),
                    public_paths=tuple(settings.gate_public_paths), deny_paths=tuple(settings.gate_deny_paths),
@@ -80,7 +80,7 @@ class GateConfig:
 
     @property
     def enforces(self) -> dict[str, bool]:
-        """What this gate enforces, as :class:`warmctl.state.EngineState` fields:
+        """What this gate enforces, as :class:`warmctl.records.state.EngineState` fields:
         ``gate_api_key``, ``gate_tls``."""
         return {"gate_api_key": self.api_key_file is not None, "gate_tls": self.tls_cert is not None}
 

@@ -12,10 +12,10 @@ import time
 
 
 def drain(gate_proc, timeout_s: float) -> bool:
-    """Ask the gate ``gate_proc`` (a :class:`warmctl.proc.ProcessId`, or None) to drain:
+    """Ask the gate ``gate_proc`` (a :class:`warmctl.base.proc.ProcessId`, or None) to drain:
     SIGTERM closes its listener at once, open connections may finish for up to its own
     ``--drain-s``; wait up to ``timeout_s`` + 2 s for it to exit. True if it is gone."""
-    from warmctl.proc import signal_process
+    from warmctl.base.proc import signal_process
 
     if gate_proc is None or not gate_proc.alive():
         return True

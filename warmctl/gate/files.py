@@ -12,7 +12,7 @@ import ssl
 import stat
 from pathlib import Path
 
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 
 
 class GateConfigError(HostError):

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from warmctl.proc import ProcessId, kill_tree
+from warmctl.base.proc import ProcessId, kill_tree
 
 
 @dataclass

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 from warmctl.gate.config import GateConfig
 from warmctl.gate.lazy import LazyWatch
-from warmctl.proc import kill_child
+from warmctl.base.proc import kill_child
 
 
 def start(listen_host: str, listen_port: int, upstream_port: int, engine_pid: int, log_path: Path,

@@ -298,7 +298,7 @@ async def serve(listen: tuple[str, int], gate: Gate, engine_pid: int | None, rea
     ``ready`` on stdout (and ``ready_fd``) once listening; with ``since_start`` (seconds since
     the process started) it logs when that was, after telling ``ready_fd``."""
     from warmctl.gate.drain import drain_connections
-    from warmctl.proc import start_ticks
+    from warmctl.base.proc import start_ticks
 
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(_log_exception)

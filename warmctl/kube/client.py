@@ -18,12 +18,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmctl.errors import WarmctlError
+from warmctl.base.errors import WarmctlError
 
 if TYPE_CHECKING:
     import lightkube
 
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
 #: Where the kubelet mounts a pod's service-account token and the cluster's CA
 #: (Kubernetes documentation, "Accessing the Kubernetes API from a Pod").

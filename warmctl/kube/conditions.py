@@ -19,7 +19,7 @@ Restoring       False   CRIU restore, ranks, GPU state, waiting for ``/health``
 CanaryRunning   False   replaying the canary, bit for bit
 ColdStarting    False   no usable snapshot: starting, warming and recording the engine
 Serving         True    the canary passed and the public port is open
-CanaryFailed    False   the canary did not match (:class:`~warmctl.errors.CanaryMismatch`)
+CanaryFailed    False   the canary did not match (:class:`~warmctl.base.errors.CanaryMismatch`)
 Refused         False   a snapshot refused: untrusted, corrupt, sealed with another key,
                         holding a secret, or made in another image (:data:`REFUSED`)
 <ErrorClass>    False   any other warmctl error, named by its class (``SnapshotNotFound``,
@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
 #: the condition's type on the pod
 CONDITION_TYPE = "warmctl.io/Restored"
@@ -60,7 +60,7 @@ DRAINING, STOPPED, ENGINE_DIED = "Draining", "Stopped", "EngineDied"
 REASONS = (RESOLVING, PULLING, RESTORING, CANARY_RUNNING, COLD_STARTING, SERVING, CANARY_FAILED, REFUSED,
            FAILED, DRAINING, STOPPED, ENGINE_DIED)
 
-#: ``up``'s phases (:class:`warmctl.progress.Reporter`) -> the reason their start sets. Phases
+#: ``up``'s phases (:class:`warmctl.records.progress.Reporter`) -> the reason their start sets. Phases
 #: not named here (``gate``, ``commit``, ``keep``, the snapshot phases of ``--snapshot-after``)
 #: keep the reason and, before ``Serving``, update its message.
 PHASE_REASONS = {
@@ -87,7 +87,7 @@ REQUEST_TIMEOUT_S = 5.0
 
 def failure_reason(err: BaseException) -> str:
     """The reason an ``up`` that raised ``err`` ends at: ``CanaryFailed``, ``Refused`` (see
-    :data:`REFUSED_ERRORS`), the class name of any other :class:`~warmctl.errors.WarmctlError`,
+    :data:`REFUSED_ERRORS`), the class name of any other :class:`~warmctl.base.errors.WarmctlError`,
     else ``Failed``."""
     names = [c.__name__ for c in type(err).__mro__]
     if "CanaryMismatch" in names:
@@ -194,7 +194,7 @@ class PodCondition:
                   f"snapshot {self._digest}; {now - self._phase_t0:.1f} s")
 
     def serving(self, res: Any) -> None:
-        """``up`` returned ``res`` (a :class:`warmctl.contract.UpResult`): ``Serving`` with the
+        """``up`` returned ``res`` (a :class:`warmctl.records.contract.UpResult`): ``Serving`` with the
         snapshot's digest, the bytes fetched and the seconds of the phases."""
         st = res.state
         where = f"{st.public_host}:{st.public_port}" if st is not None else "?"

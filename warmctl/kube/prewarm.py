@@ -9,7 +9,7 @@ A ``WarmSnapshot`` (``warmsnapshots.warmctl.io``, cluster-scoped; deploy/kuberne
 
 1. reads the Node's labels and lists every ``WarmSnapshot``;
 2. for each one whose selector matches, pulls ``ref`` from ``remote`` into the node's store
-   exactly as ``warmctl pull`` does (:func:`warmctl.fleet.pull`: the entry this host would
+   exactly as ``warmctl pull`` does (:func:`warmctl.naming.fleet.pull`: the entry this host would
    restore, signed by a trusted key, no rollback, every chunk verified on the way; a second
    pass copies nothing). Success: the Node gets the label ``snapshot.warmctl.io/<NAME>`` =
    ``sha256-<first 40 hex digits of the manifest digest>`` (:func:`label_key`,
@@ -46,13 +46,13 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from warmctl.errors import WarmctlError
+from warmctl.base.errors import WarmctlError
 from warmctl.kube.client import KubeError, connect
 
 if TYPE_CHECKING:
     import lightkube
 
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +217,8 @@ class Prewarmer:
 
     def _prewarm(self, name: str, spec: dict[str, Any]) -> Outcome:
         """Pull one object's ``ref`` from its remote; failures become the outcome's ``error``."""
-        from warmctl import fleet
-        from warmctl.catalog import Ref
+        from warmctl.naming import fleet
+        from warmctl.naming.catalog import Ref
         from warmctl.store import open_store
 
         ref, remote = str(spec.get("ref") or ""), spec.get("remote") or self.settings.remote_store

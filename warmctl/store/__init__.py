@@ -8,8 +8,8 @@ Typical use::
         digest = store.put_manifest(manifest)              # after every chunk is stored
     copy_manifest(open_store(local_dir), open_store("s3://bucket/warmctl"), digest)
 
-The store names nothing: names and tags are the catalog's (:mod:`warmctl.catalog`), and
-:mod:`warmctl.fleet` copies them between stores with what they name.
+The store names nothing: names and tags are the catalog's (:mod:`warmctl.naming.catalog`), and
+:mod:`warmctl.naming.fleet` copies them between stores with what they name.
 
 The format is specified in ``docs/store-format.md``; docs/design.md ("The store") maps the
 modules of this package.
@@ -45,7 +45,7 @@ from warmctl.store.sealed import SEALED, SealedBackend, SealKeyError, load_key, 
 from warmctl.store.store import CacheFill, Store
 
 if TYPE_CHECKING:
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
 __all__ = [
     "Backend",
@@ -106,7 +106,7 @@ def open_backend(url: str | Path, retry: bool = True, outage_window: float | Non
     :mod:`warmctl.store.oci`: pack size, read deadline, CA and plain-HTTP registries from the
     ``oci_*`` settings; credentials from the Docker config).
 
-    ``settings``: the :class:`warmctl.config.Settings` the caller resolved at its edge (CLI,
+    ``settings``: the :class:`warmctl.records.config.Settings` the caller resolved at its edge (CLI,
     agent, test); None: the built-in defaults (``Settings()``; no config file or environment
     is read here). S3 and OCI backends bound each transfer by ``settings.remote_deadline_floor_s``
     + its size / ``settings.remote_min_rate_bytes_s`` (:class:`TransferBound`; past it
@@ -126,7 +126,7 @@ def open_backend(url: str | Path, retry: bool = True, outage_window: float | Non
 def _settings(settings: "Settings | None") -> "Settings":
     if settings is not None:
         return settings
-    from warmctl.config import Settings
+    from warmctl.records.config import Settings
 
     return Settings()
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from warmctl.errors import IntegrityError, WarmctlError
+from warmctl.base.errors import IntegrityError, WarmctlError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Backend(abc.ABC):
         """Store ``data`` (bytes or a bytes-like view) under ``key`` atomically, replacing any
         object there.
 
-        Raises :class:`warmctl.errors.HostError` when the disk is full (naming the bytes
+        Raises :class:`warmctl.base.errors.HostError` when the disk is full (naming the bytes
         needed), :class:`TransientBackendError` for retryable failures.
         """
 
@@ -159,7 +159,7 @@ class Backend(abc.ABC):
         """The whole object as a memoryview, read into ``buf`` when the backend can (no
         allocation); an object larger than ``buf`` gets a new buffer (``view.obj``). The view
         is valid until ``buf`` is reused. ``limit``: an object of more than this many bytes
-        raises :class:`~warmctl.errors.IntegrityError` and is not read whole (a chunk object
+        raises :class:`~warmctl.base.errors.IntegrityError` and is not read whole (a chunk object
         is never larger than its frame can be). The default reads at most ``limit + 1``
         bytes (a ranged read) and wraps them.
 
@@ -236,7 +236,7 @@ def load_limited(backend: Backend, key: str, limit: int, what: str) -> bytes:
     manifest, lock, config: ``what``, for the message), refused unread when it is larger than
     ``limit`` bytes: its size is checked first (a stat, a HEAD on S3), then at most that many
     bytes are read (a ranged read), so memory stays bounded even for an object that grows
-    meanwhile. Raises :class:`ObjectNotFound`, :class:`~warmctl.errors.IntegrityError` (too
+    meanwhile. Raises :class:`ObjectNotFound`, :class:`~warmctl.base.errors.IntegrityError` (too
     large), the backend's errors."""
     info = backend.stat(key)
     if info.size > limit:

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from warmctl.errors import IntegrityError
-from warmctl.manifest import ChunkRef
+from warmctl.base.errors import IntegrityError
+from warmctl.records.manifest import ChunkRef
 from warmctl.store import chunks as ck
 from warmctl.store.backend import Backend, ObjectNotFound
 from warmctl.store.layout import chunk_key

@@ -2,7 +2,7 @@
 
 Owns the copy order (chunks the destination lacks, each verified on the way, then the
 manifest, then its attachments), which makes a killed copy restartable. Names travel one
-layer up: :mod:`warmctl.fleet` copies catalog entries, each after the content it names.
+layer up: :mod:`warmctl.naming.fleet` copies catalog entries, each after the content it names.
 
 Into a local store (a backend with ``batch``: ``pull``, a push to a directory) the chunks go
 through a :class:`~warmctl.store.local.SaveBatch` committed when :data:`COMMIT_CHUNKS` are
@@ -19,8 +19,8 @@ import time
 
 import pydantic_core
 
-from warmctl.errors import HostError, IntegrityError
-from warmctl.manifest import ChunkRef, Manifest
+from warmctl.base.errors import HostError, IntegrityError
+from warmctl.records.manifest import ChunkRef, Manifest
 from warmctl.store import chunks as ck
 from warmctl.store.backend import ObjectNotFound, load_limited
 from warmctl.store.chunkio import Progress, kept, load_verified, ordered_map, thread_buffers
@@ -161,7 +161,7 @@ def copy_manifest(src: Store, dst: Store, digest: str, progress: Progress | None
         dst.put_manifest(manifest)
         if not dst.has_manifest(digest):  # pragma: no cover - would mean to_bytes is not canonical
             dst.backend.save(manifest_key(digest), data)
-    # Attachments of the manifest (signatures, see warmctl.trust) travel with it.
+    # Attachments of the manifest (signatures, see warmctl.naming.trust) travel with it.
     # Each must be what the store writes there (a small JSON object; a "signature" that
     # was a link to /etc/shadow travelled onward): anything else is left behind, with a warning.
     for prefix in attachment_prefixes(digest):

@@ -5,8 +5,8 @@ Object keys::
     config                          JSON {"format": 1, ...}, written with the first object
     chunks/<algo>/<hex[:2]>/<hex>   one zstd frame of the chunk's bytes
     manifests/sha256/<hex>          canonical manifest JSON (Manifest.to_bytes())
-    catalog/...                     names: catalog entries (see :mod:`warmctl.catalog`)
-    signatures/sha256/<hex>/...     attachments of a manifest (see :mod:`warmctl.trust`)
+    catalog/...                     names: catalog entries (see :mod:`warmctl.naming.catalog`)
+    signatures/sha256/<hex>/...     attachments of a manifest (see :mod:`warmctl.naming.trust`)
     locks/<id>                      writer/gc locks (see :mod:`warmctl.store.lock`)
 """
 

@@ -7,7 +7,7 @@ after the rename (and after a removal), and so is the parent of every directory 
 restic's local backend does: without it a power loss can lose a committed object's name while
 a later object that references it survives. Each call returns only once its change is durable,
 so the store's write order (chunks, manifest, signatures, catalog entry) holds on disk too.
-A full disk removes the temporary file and raises :class:`warmctl.errors.HostError` naming the
+A full disk removes the temporary file and raises :class:`warmctl.base.errors.HostError` naming the
 bytes needed.
 
 Fault injection for tests (:data:`FAULT_ENV`): ``WARMCTL_FAULT_KILL_AT_WRITE=N`` makes the
@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from warmctl.errors import HostError, IntegrityError, WarmctlError
+from warmctl.base.errors import HostError, IntegrityError, WarmctlError
 from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound, too_large
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class LocalBackend(Backend):
     directory file descriptors (``openat`` with ``O_NOFOLLOW``), so no symbolic link inside the
     store is ever followed, for reads, writes, listings and removals alike; only regular files
     are read or removed as objects (a FIFO, device, socket, directory or link where an object or
-    a directory should be raises :class:`~warmctl.errors.IntegrityError` naming its path, never
+    a directory should be raises :class:`~warmctl.base.errors.IntegrityError` naming its path, never
     blocks), and listings skip anything else with a warning. The root itself may be a link
     (it is the operator's path).
     """

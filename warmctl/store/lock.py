@@ -2,7 +2,7 @@
 
 A lock is an object ``locks/<id>`` holding JSON ``{"kind": "shared"|"exclusive", "host",
 "pid", "start", "boot", "time", "purpose", "stale_after"}`` (``start``/``boot``: the holder's
-start in clock ticks since boot and the boot id, :class:`warmctl.proc.ProcessId`). Its holder rewrites it every ``stale_after/3``
+start in clock ticks since boot and the boot id, :class:`warmctl.base.proc.ProcessId`). Its holder rewrites it every ``stale_after/3``
 seconds. A lock is stale when not refreshed for its ``stale_after`` seconds (the holder's
 lifetime, recorded in the lock; default :data:`DEFAULT_STALE_AFTER`, 120 s, or
 ``$WARMCTL_LOCK_STALE_S``), or when it was taken on this host by a process that no longer
@@ -33,8 +33,8 @@ import uuid
 
 import pydantic_core
 
-from warmctl.errors import IntegrityError, WarmctlError
-from warmctl.proc import ProcessId, boot_id, pid_alive, start_ticks
+from warmctl.base.errors import IntegrityError, WarmctlError
+from warmctl.base.proc import ProcessId, boot_id, pid_alive, start_ticks
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
 from warmctl.store.layout import MAX_LOCK_BYTES
 

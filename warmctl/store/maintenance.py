@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from warmctl import faults
-from warmctl.errors import IntegrityError
-from warmctl.manifest import ChunkRef
+from warmctl.base import faults
+from warmctl.base.errors import IntegrityError
+from warmctl.records.manifest import ChunkRef
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
 from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing, Progress, load_verified, ordered_map, thread_buffers
@@ -83,7 +83,7 @@ def verify(store: Store, digests: Iterable[str] | None = None, progress: Progres
 def gc(store: Store, keep: Iterable[str] | None = None, grace: float = 300.0, dry_run: bool = False) -> GcReport:
     """Remove manifests that are not in ``keep`` (with their signatures), then chunks no kept
     manifest references. ``keep``: the digests the naming layer declares live
-    (:meth:`warmctl.catalog.Catalog.referenced_manifests`); ``None`` keeps every manifest and
+    (:meth:`warmctl.naming.catalog.Catalog.referenced_manifests`); ``None`` keeps every manifest and
     removes only unreferenced chunks.
 
     Takes the exclusive lock (StoreLocked if a push/pull holds the store); the store's own

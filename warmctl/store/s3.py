@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from urllib.parse import urlparse
 
 
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 from warmctl.store.backend import (Backend, BackendProperties, ObjectInfo, ObjectNotFound, RemoteTooSlow, TransferBound,
                                    TransferClock, TransientBackendError, too_large)
 

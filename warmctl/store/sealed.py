@@ -36,7 +36,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmctl.errors import IntegrityError, WarmctlError
+from warmctl.base.errors import IntegrityError, WarmctlError
 from warmctl.store.backend import Backend, ForwardingBackend, ObjectNotFound
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The store core over any :class:`Backend` (format: docs/store-format.md): config, locking,
 chunks in and out, manifests. The store names nothing: snapshots are manifest digests here,
-and names and tags live one layer up, in the catalog (:mod:`warmctl.catalog`).
+and names and tags live one layer up, in the catalog (:mod:`warmctl.naming.catalog`).
 
 Write order is chunks, then manifest (refused unless every chunk it names exists), then the
 catalog entry that names it; a crash at any point leaves at worst unreferenced chunks or an
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pydantic_core
 
-from warmctl.errors import IntegrityError, WarmctlError
-from warmctl.manifest import ChunkRef, Manifest, sha256_digest
+from warmctl.base.errors import IntegrityError, WarmctlError
+from warmctl.records.manifest import ChunkRef, Manifest, sha256_digest
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
@@ -75,7 +75,7 @@ class CacheFill:
 
     def commit(self) -> int:
         """Make every pending copy durable and visible in the cache; returns how many. Raises
-        OSError / :class:`~warmctl.errors.HostError` from the cache's disk (the copies not yet
+        OSError / :class:`~warmctl.base.errors.HostError` from the cache's disk (the copies not yet
         renamed stay temporary files: :meth:`discard` removes them)."""
         return 0 if self.batch is None else self.batch.commit()
 
@@ -342,7 +342,7 @@ class Store:
         :class:`~warmctl.store.local.SaveBatch`) before this returns or raises; given ``fill``
         (a :class:`CacheFill` of ``cache``), they are put in it instead and this returns without
         committing them: ``fill.commit()`` (or ``discard()``) is the caller's, e.g. once the
-        restored engine serves (:func:`warmctl.lifecycle.up`)."""
+        restored engine serves (:func:`warmctl.pipelines.lifecycle.up`)."""
         backend, count = self.backend, None
         what = str(files[0][1]) if len(files) == 1 else f"{len(files)} files in {Path(files[0][1]).parent}" if files else ""
         if fill is not None and (cache is None or fill.cache is not cache):
@@ -416,7 +416,7 @@ class Store:
 
     def remove_manifest(self, digest: str) -> None:
         """Delete a manifest and its attachments (its chunks go at the next gc). Names are the
-        catalog's business: remove its entries first (:class:`warmctl.catalog.Catalog`)."""
+        catalog's business: remove its entries first (:class:`warmctl.naming.catalog.Catalog`)."""
         self.lock_for_write(f"remove_manifest {digest}")
         for prefix in attachment_prefixes(digest):  # first: a crash between leaves no orphan signature
             for a in self.backend.list(prefix):

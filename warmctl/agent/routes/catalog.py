@@ -16,7 +16,7 @@ router = APIRouter(dependencies=Protected, responses=ERRORS)
 def catalog(agent: Agent) -> list[dict[str, Any]]:
     """Every catalog entry (name, tag, manifest, host fingerprint, signatures), as
     ``warmctl catalog ls --json`` prints them."""
-    from warmctl.catalog import Catalog
+    from warmctl.naming.catalog import Catalog
     from warmctl.store import open_store
 
     s = agent.settings

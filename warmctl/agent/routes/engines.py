@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Query
 
-from warmctl.contract import UpOptions
+from warmctl.records.contract import UpOptions
 from warmctl.agent.jobs import Job
 
 from ..deps import Agent, Protected
@@ -38,9 +38,9 @@ def engine_up(req: UpOptions, agent: Agent, name: str = Path(..., pattern=NAME_P
     and why). The same request while its job is under way answers that job (202: follow it
     for the outcome); 409 when another job works on this engine or its ports, naming it. An
     ``up`` of the same name started outside the agent (``warmctl up``, the boot unit) is
-    waited for, then reported as already up or as its failure (:mod:`warmctl.enginelock`).
+    waited for, then reported as already up or as its failure (:mod:`warmctl.records.enginelock`).
     With ``restart: on-failure`` the agent brings the engine up again when it dies. The job's
-    ``result`` is ``up``'s JSON document (:meth:`warmctl.contract.UpResult.to_json`, the
+    ``result`` is ``up``'s JSON document (:meth:`warmctl.records.contract.UpResult.to_json`, the
     ``UpResult`` schema below; the same as ``warmctl up --json``); a failed job's ``error``
     is a ``Failure``."""
     return accepted(agent.start_up(name, req))

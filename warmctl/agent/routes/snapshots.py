@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Path
 
 from warmctl.agent.jobs import Conflict, Job, JobReporter
-from warmctl.errors import WarmctlError
+from warmctl.base.errors import WarmctlError
 
 from ..deps import Agent, Protected
 from ..errors import CONFLICT, ERRORS, NOT_FOUND, ApiError, accepted
@@ -21,8 +21,8 @@ def snapshots(agent: Agent) -> list[SnapshotView]:
     """Snapshots named in the local store's catalog (``warmctl ls``), each with whether it was
     made from the profile now on disk (``profile_current``) and, when not, which fields
     changed (``profile_changes``)."""
-    from warmctl.drift import DriftCache
-    from warmctl.fleet import snapshots as named
+    from warmctl.naming.drift import DriftCache
+    from warmctl.naming.fleet import snapshots as named
     from warmctl.host import HostFingerprint
 
     s = agent.settings
@@ -48,7 +48,7 @@ def snapshot_create(req: SnapshotRequest, agent: Agent) -> Any:
     """Start a job that snapshots profile ``profile`` (cold start, warm-up, canary, CRIU
     dump, store) as ``profile:tag`` and, with ``push`` (default: when the agent has a
     remote store), publishes it there. 409 while a job works on that engine or its port."""
-    from warmctl.profile import ProfileError, load_profile
+    from warmctl.records.profile import ProfileError, load_profile
 
     s = agent.settings
     try:
@@ -58,7 +58,7 @@ def snapshot_create(req: SnapshotRequest, agent: Agent) -> Any:
     resources = [f"engine:{prof.name}", f"port:{prof.engine.port}"]
 
     def run(rep: JobReporter, job: Job) -> dict:
-        from warmctl.snapshot import snapshot as run_snapshot
+        from warmctl.pipelines.snapshot import snapshot as run_snapshot
 
         push_to = s.remote_store if req.push is not False else None
         if req.push and not push_to:
@@ -76,7 +76,7 @@ def snapshot_delete(agent: Agent, name: str = Path(..., pattern=NAME_PATTERN),
     the local store and in the catalog ``up`` reads (the remote store on a fleet node), so
     no node's ``up`` finds it any more; the data stays until ``warmctl gc``. 404 when no
     catalog names it; 409 while a job works on engine ``name``."""
-    from warmctl.fleet import remove_snapshot
+    from warmctl.naming.fleet import remove_snapshot
 
     holder = agent.live_job(name)
     if holder is not None:

@@ -74,7 +74,7 @@ from pathlib import Path
 
 import httpx
 
-from warmctl.errors import HostError, IntegrityError
+from warmctl.base.errors import HostError, IntegrityError
 from warmctl.store.backend import (Backend, BackendProperties, ObjectInfo, ObjectNotFound, TransferBound,
                                    TransientBackendError)
 from warmctl.store.layout import _digest_from_chunk_key, chunk_key
@@ -334,7 +334,7 @@ class OCIBackend(Backend):
         p.close()
 
     def _save_manifest(self, hexd: str, data: bytes | memoryview) -> None:
-        from warmctl.manifest import Manifest
+        from warmctl.records.manifest import Manifest
         from warmctl.store import chunks as ck
 
         digest = f"sha256:{hexd}"

@@ -19,7 +19,7 @@ from urllib.parse import urlencode, urlparse
 
 import httpx
 
-from warmctl.errors import HostError
+from warmctl.base.errors import HostError
 from warmctl.store.backend import TransientBackendError
 
 #: Docker's per-registry certificate directory (``HOST[:PORT]/ca.crt`` below it).

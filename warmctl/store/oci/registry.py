@@ -15,7 +15,7 @@ from urllib.parse import quote, urljoin, urlparse
 
 import httpx
 
-from warmctl.errors import HostError, IntegrityError
+from warmctl.base.errors import HostError, IntegrityError
 from warmctl.store.backend import ObjectNotFound, TransferBound, TransferClock, TransientBackendError
 
 from .auth import CERTS_D, Login, RegistryAuth, credentials, is_insecure, ssl_context

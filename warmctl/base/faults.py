@@ -1,0 +1,31 @@
+"""A test hook that kills warmctl at a named point, to try what a crash there leaves.
+
+With ``WARMCTL_TEST_KILL_AT_PHASE=NAME`` in its environment, warmctl sends itself SIGKILL when
+it reaches the point ``NAME``: the start of every timed phase of ``snapshot`` and ``up``
+(:meth:`warmctl.records.progress.Reporter.phase`: ``cold_start``, ``warmup``, ``canary_record``,
+``criu_dump``, ``store``, ``publish``, ``push``; ``materialize``, ``restore``, ``health``,
+``canary``, ``gate``...) and the steps of the store commands that have no timed phase:
+``transfer_chunks``, ``transfer_manifest``, ``transfer_catalog`` (``push``/``pull``, after the
+chunks, manifest and signatures respectively are written: :func:`warmctl.naming.fleet.transfer`),
+``gc_manifests`` and ``gc_chunks`` (``gc``, after its first removal of each kind). Nothing
+runs after the signal: no ``finally``, no ``atexit``, as with ``kill -9`` or a power loss of
+the process. Unset (always, outside tests), :func:`point` costs one dictionary lookup.
+Processes warmctl starts (the engine, the gate) inherit the variable and never read it.
+
+The hooks that kill or stop one rank of an engine (``WARMCTL_TEST_KILL_RANK``) are
+:mod:`warmctl.checkpoint.rankfaults`, beside the rank model they find ranks with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+#: The environment variable naming the point to die at.
+ENV = "WARMCTL_TEST_KILL_AT_PHASE"
+
+
+def point(name: str) -> None:
+    """SIGKILL this process if ``WARMCTL_TEST_KILL_AT_PHASE`` is ``name`` (see module doc)."""
+    if os.environ.get(ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
