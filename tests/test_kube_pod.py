@@ -435,3 +435,23 @@ def test_snapshot_made_in_an_image_restores_only_in_that_image(tmp_path, engine_
         assert res["source"] == "restore" and res["snapshot"] == snap["digest"], res
     finally:
         warmctl("down", "fake", env=env, check=False)
+
+
+def test_pull_takes_the_entry_made_in_the_image_it_runs_in(tmp_path, engine_ports, fake_ports):
+    """``warmctl pull`` (and so the node agent's pre-warm pull) picks by the same rules as ``up``,
+    the image rule included: a node running image A pulls the snapshot made in A; a node in no
+    image finds nothing it would restore, and says why (naming A)."""
+    a = "sha256:" + "a1" * 32
+    env = fake_env(tmp_path / "img", *engine_ports)
+    snap = snapshot_once({**env, "WARMCTL_IMAGE_DIGEST": a}, "fake")
+    remote = tmp_path / "remote"
+    warmctl("push", "fake", "--to", str(remote), env=env)
+    node = fake_env(tmp_path / "node", *engine_ports, hold=tmp_path / "img" / "hold")
+    keys = Path(node["WARMCTL_CONFIG"]).parent / "keys"
+    keys.mkdir(exist_ok=True)
+    for pub in (Path(env["WARMCTL_CONFIG"]).parent / "keys").glob("*.pub"):
+        shutil.copy(pub, keys / pub.name)
+    r = warmctl("pull", "fake", "--from", str(remote), env=node, check=False)
+    assert r.returncode != 0 and a in r.stderr, (r.stdout, r.stderr)
+    r = warmctl("pull", "fake", "--from", str(remote), "--json", env={**node, "WARMCTL_IMAGE_DIGEST": a})
+    assert snap["digest"] in r.stdout, r.stdout

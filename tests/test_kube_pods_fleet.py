@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,7 @@ def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int
     cold start) as the ``warmctl-engine`` service account: (created -> Ready seconds, its final
     ``warmctl.io/Restored`` condition, ``up``'s phase lines). Leaves the pod serving."""
     cluster = node.cluster
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     _create(node, _fleet_pod(name, image, root, store, gate_port,
                              ["up", "tiny", "--foreground", "--cold-start", "never"],
                              {"WARMCTL_REMOTE_STORE": str(remote)}, namespace="warmctl", api_port=cluster.port))
@@ -100,7 +102,16 @@ def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int
     pod = node.wait_pod("warmctl", name, lambda p: _restored(p).get("reason") == "Serving", timeout=30,
                         what="warmctl.io/Restored=Serving")
     phases = " ".join(ln.strip() for ln in logs.splitlines() if ln.startswith("ok "))
-    return ready_s, _restored(pod), phases
+    # where the seconds went: created -> the container's first line (sandbox, container start,
+    # Python and warmctl's imports), up's own total (the Serving message), the rest (the probe's
+    # period, the kubelet's status write, this poll)
+    first = cluster.kubectl("logs", "--timestamps", "-n", "warmctl", name).stdout.split(" ", 1)[0]
+    started_s = _rfc3339(first) - wall0
+    total = re.search(r"; ([0-9.]+) s( \(|$)", _restored(pod)["message"])
+    up_s = float(total.group(1)) if total else float("nan")
+    split = (f"created -> first log line {started_s:.1f} s, up's total {up_s:.2f} s, "
+             f"the rest {ready_s - started_s - up_s:.1f} s; phases: {phases}")
+    return ready_s, _restored(pod), split
 
 
 def _json_tail(logs: str) -> list:
@@ -113,6 +124,15 @@ def _json_tail(logs: str) -> list:
             except ValueError:
                 continue
     raise AssertionError(f"no JSON list in the logs:\n{logs[-3000:]}")
+
+
+def _rfc3339(ts: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time with up to nanoseconds (kubectl's
+    ``--timestamps``)."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z", ts)
+    assert m, f"not an RFC 3339 UTC time: {ts!r}"
+    whole = datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    return whole + float("0." + (m.group(2) or "0"))
 
 
 def _gone(node, namespace: str, name: str) -> None:
@@ -246,4 +266,4 @@ def test_snapshot_pushed_from_a_pod_restored_on_a_cold_and_on_a_prewarmed_node_s
         print(f"  {k:<{width}}  {v:6.1f} s")
     print(f"  warm pod / host up: {warm_s / host_s:.2f}x; cold pod / host up: {cold_s / host_s:.2f}x; "
           f"cold / warm: {cold_s / warm_s:.2f}x")
-    print(f"  up's phases: warm pod: {warm_phases}\n  cold pod: {cold_phases}\n  host: {host_t}")
+    print(f"  warm pod: {warm_phases}\n  cold pod: {cold_phases}\n  host up's timings: {host_t}")
