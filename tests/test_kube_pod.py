@@ -435,3 +435,44 @@ def test_snapshot_made_in_an_image_restores_only_in_that_image(tmp_path, engine_
         assert res["source"] == "restore" and res["snapshot"] == snap["digest"], res
     finally:
         warmctl("down", "fake", env=env, check=False)
+
+
+def test_pull_takes_the_entry_made_in_the_image_it_runs_in(tmp_path, engine_ports, fake_ports, monkeypatch):
+    """``warmctl pull`` and the node agent's pre-warm pull (:func:`warmctl.naming.fleet.pull`)
+    pick by the same rules as ``up``, the image rule included: a node running image A pulls the
+    snapshot made in A; a node in no image finds nothing it would restore, and says why (naming A)."""
+    from warmctl.base.errors import WarmctlError
+    from warmctl.naming import fleet
+    from warmctl.naming.catalog import Ref
+    from warmctl.records.config import load_settings
+    from warmctl.store import open_store
+
+    a = "sha256:" + "a1" * 32
+    env = fake_env(tmp_path / "img", *engine_ports)
+    snap = snapshot_once({**env, "WARMCTL_IMAGE_DIGEST": a}, "fake")
+    remote = tmp_path / "remote"
+    warmctl("push", "fake", "--to", str(remote), env=env)
+    node = fake_env(tmp_path / "node", *engine_ports, hold=tmp_path / "img" / "hold")
+    keys = Path(node["WARMCTL_CONFIG"]).parent / "keys"
+    keys.mkdir(exist_ok=True)
+    for pub in (Path(env["WARMCTL_CONFIG"]).parent / "keys").glob("*.pub"):
+        shutil.copy(pub, keys / pub.name)
+    r = warmctl("pull", "fake", "--from", str(remote), env=node, check=False)
+    assert r.returncode != 0 and a in r.stderr, (r.stdout, r.stderr)
+    for k in [k for k in os.environ if k.startswith("WARMCTL_")]:
+        monkeypatch.delenv(k)
+    for digest in (None, a):  # the library call the pre-warm controller makes
+        settings = load_settings(Path(node["WARMCTL_CONFIG"]), {"image_digest": digest})
+        src, dst = open_store(str(remote), settings=settings), open_store(settings.store_dir, settings=settings)
+        try:
+            if digest is None:
+                with pytest.raises(WarmctlError, match=a):
+                    fleet.pull(settings, src, dst, Ref.parse("fake"))
+            else:
+                [copied] = fleet.pull(settings, src, dst, Ref.parse("fake"))
+                assert copied.report.digest == snap["digest"]
+        finally:
+            src.close()
+            dst.close()
+    r = warmctl("pull", "fake", "--from", str(remote), "--json", env={**node, "WARMCTL_IMAGE_DIGEST": a})
+    assert snap["digest"] in r.stdout, r.stdout

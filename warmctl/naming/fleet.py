@@ -165,7 +165,7 @@ def pull(settings: Settings, src: Store, dst: Store, ref: Ref, *, progress: Prog
     (:class:`SnapshotNotFound`, :class:`warmctl.naming.trust.TrustError`,
     :class:`warmctl.base.errors.IntegrityError`, :class:`warmctl.base.errors.HostError`, the backends'
     errors); nothing is named in ``dst`` on a failure. The stores stay open (the caller closes)."""
-    fp = fingerprint(criu=settings.criu)
+    fp = fingerprint(criu=settings.criu, image_digest=settings.image_digest)
     entries = entries_to_copy(src, ref, fp, driver=settings.match_driver, keys_dir=settings.keys_dir,
                               accepted=Accepted.for_settings(settings), allow_rollback=allow_rollback, notes=notes)
     return [copy_entry(src, dst, e, progress, keys_dir=settings.keys_dir) for e in entries]
