@@ -52,9 +52,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: Modules the up path must not import (their packages' submodules included): the agent's
 #: server, the S3 client, the HTTP client and terminal styling of other commands, cryptography
-#: (only signed snapshots and sealed stores need it), the cold-start and snapshot paths.
+#: (only signed snapshots and sealed stores need it), the cold-start and snapshot paths (the
+#: engine's start-up log is read by a cold start alone).
 NOT_ON_UP_PATH = ("fastapi", "uvicorn", "starlette", "boto3", "botocore", "httpx", "rich", "cryptography",
-                  "warmctl.pipelines.snapshot", "warmctl.engine.cold", "warmctl.store.s3", "warmctl.store.oci", "warmctl.agent")
+                  "warmctl.pipelines.snapshot", "warmctl.engine.cold", "warmctl.engine.startlog", "warmctl.store.s3",
+                  "warmctl.store.oci", "warmctl.agent")
 
 #: The up path, ended where the `up` command calls lifecycle.up (exit 0 there; any other exit
 #: means the path changed: a failure). WARMCTL_IMPORTS_DUMP: write sys.modules there first.

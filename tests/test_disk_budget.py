@@ -265,12 +265,18 @@ def test_warmctl_pull_refuses_with_exit_10_before_fetching(tmp_path, small_fs):
     assert Catalog(open_store(small_fs / "home" / "store")).entries("tiny") == []
 
 
-def test_the_one_byte_formatter():
-    """Every byte count the CLI and the messages show goes through :func:`diskspace.human`."""
+def test_the_one_byte_formatter(monkeypatch):
+    """Every byte count the CLI and the messages show goes through :func:`diskspace.human` (the
+    CLI's through :func:`warmctl.cli.output.human`, which calls it: registering the commands
+    imports no disk-space module)."""
     assert [diskspace.human(n) for n in (0, 512, 1023, 1024, 1536, 1000 * 1024, 5 * 2**30, 1536 * 2**40, -2048)] == [
         "0 B", "512 B", "1,023 B", "1.0 KiB", "1.5 KiB", "1,000.0 KiB", "5.0 GiB", "1,536.0 TiB", "-2.0 KiB"]
     import warmctl.cli.catalog as catalog
     import warmctl.cli.core as core
+    import warmctl.cli.output as output
     import warmctl.cli.store as store
 
-    assert core._human is store._human is catalog.human is diskspace.human
+    assert core._human is store._human is catalog.human is output.human
+    assert output.human(1536) == "1.5 KiB"
+    monkeypatch.setattr(diskspace, "human", lambda n: f"<{n}>")
+    assert output.human(1536) == "<1536>"

@@ -8,7 +8,7 @@ autotuner), with seed 000's figures: weights 77 s, torch.compile 122 s, JIT warm
 kernels 57 s, FlashInfer autotuning 99 s, DeepGEMM 2,883 kernels 397 s.
 """
 
-from warmctl.engine.vllm import PHASE_NAMES, parse_startup_phases, startup_breakdown
+from warmctl.engine.startlog import PHASE_NAMES, parse_startup_phases, startup_breakdown
 
 CPU_LOG = """\
 Triton is installed, but doesn't include CPU backend. Disabling Triton.

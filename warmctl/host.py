@@ -63,7 +63,7 @@ ENV_DIGEST_EXCLUDE = frozenset({"warmctl"})
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 #: GpuInfo keys written only for AMD GPUs (left out of the JSON when unset, so NVIDIA and

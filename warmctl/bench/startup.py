@@ -7,7 +7,7 @@ snapshot's tag (the restore path: materialize, CRIU restore, health, canary, gat
 streamed completion on the public port (the first request a user would send), then
 :func:`warmctl.pipelines.lifecycle.down`. Phase seconds are those ``up`` records (the cold engine's own
 start-up breakdown — weights, torch.compile, graph capture — is read from vLLM's log by
-:func:`warmctl.engine.vllm.parse_startup_phases`); ``up_wall_s`` is the wall time of the
+:func:`warmctl.engine.startlog.parse_startup_phases`); ``up_wall_s`` is the wall time of the
 ``up`` call, ``first_request_s`` the completion's total time, and ``ready_s`` their sum: how
 long until a user has an answer. Medians are over runs; ``ratio`` = cold ``ready_s`` / restore
 ``ready_s``.
@@ -25,7 +25,7 @@ import httpx
 from warmctl.pipelines import lifecycle
 from warmctl.records.config import Settings
 from warmctl.records.contract import UpRequest
-from warmctl.engine.vllm import PHASE_NAMES
+from warmctl.engine.startlog import PHASE_NAMES
 from warmctl.base.errors import HostError, SnapshotNotFound, WarmctlError
 from warmctl.records.profile import Profile
 from warmctl.records.progress import Reporter
@@ -35,7 +35,7 @@ COLD_TAG = "bench-startup-no-such-tag"
 
 #: Display order and labels of phases (cold first, then restore); others follow as recorded.
 PHASE_LABELS = {
-    # the cold engine's own start-up, read from its log (warmctl.engine.vllm.startup_breakdown)
+    # the cold engine's own start-up, read from its log (warmctl.engine.startlog.startup_breakdown)
     **{k: v for k, v in PHASE_NAMES.items()},
     "other": "other engine start-up", "cold_start": "engine start (launch to /health)",
     "warmup": "warm-up grid", "canary_record": "canary (record)",

@@ -62,13 +62,15 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
-from warmctl import diskspace
 from warmctl.base.errors import HostError
 from warmctl.records.manifest import Manifest
 from warmctl.base.proc import pid_alive
 from warmctl.store import chunks as ck
+
+if TYPE_CHECKING:
+    from warmctl import diskspace
 
 #: Version of ``verified.json``.
 MARKER_FORMAT = 1
@@ -313,6 +315,8 @@ class ImageCache:
             if progress:
                 progress(sum(f.size for f in _cached_files(m) if f.hardlink_to is None))
             return hit
+        from warmctl import diskspace  # only to write an entry (a reused one needs none)
+
         self._sweep_partials()
         need = image_bytes(m)
         keep = self.budget is None or (self.budget > 0 and need <= self.budget)
@@ -372,6 +376,8 @@ class ImageCache:
         budget; then more, oldest first, while the disk cannot hold ``needs``. Never an entry in
         ``protect`` or in use. Raises :class:`HostError` (:func:`warmctl.diskspace.require`)
         when even removing every such entry would not be enough; nothing is removed here."""
+        from warmctl import diskspace
+
         busy = self.in_use() | protect
         entries = self.entries()
         candidates = [e for e in reversed(entries) if e.digest not in busy]  # oldest first

@@ -15,7 +15,7 @@ import typer
 
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import out as _out
-from warmctl.diskspace import human
+from warmctl.cli.output import human
 
 ConfigOpt = typer.Option(None, "--config", help="Config file (default: $WARMCTL_CONFIG or /etc/warmctl/config.toml).")
 CatalogOpt = typer.Option(None, "--catalog", help="Store URL holding the catalog (default: the `catalog` setting).")

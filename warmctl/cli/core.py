@@ -9,10 +9,11 @@ from typing import Optional
 import typer
 
 import warmctl
+from warmctl.cli import started
 from warmctl.cli.output import JsonOpt, emit_json, table
+from warmctl.cli.output import human as _human
 from warmctl.cli.output import err as _err
 from warmctl.cli.output import out as _out
-from warmctl.diskspace import human as _human
 from warmctl.base.errors import WarmctlError
 
 # The library (config, profile, progress: pydantic models) is imported by the command that runs,
@@ -82,7 +83,7 @@ def register(app: typer.Typer) -> None:
                               + escape(f"{settings.store_dir}" + (f", then published to {push_to}" if push_to else "")),
                               highlight=False)
         res = run_snapshot(prof, settings, rep, tag=tag, push_to=push_to)
-        from warmctl.engine.vllm import PHASE_NAMES
+        from warmctl.engine.startlog import PHASE_NAMES
 
         startup = {p.name: p.seconds for p in res.manifest.phases
                    if (p.name in PHASE_NAMES and p.seconds > 0) or p.name in ("other", "cold_start")}
@@ -178,6 +179,8 @@ def register(app: typer.Typer) -> None:
             from warmctl.cli import foreground as fg
             from warmctl.pipelines.lifecycle import up as run_up
 
+            started()
+
             def show(res) -> None:
                 _show_up(res, json_out, quiet)
                 sys.stdout.flush()  # a pipe (the journal) is block-buffered, and this process stays
@@ -189,6 +192,8 @@ def register(app: typer.Typer) -> None:
         rep = ConsoleReporter(quiet=json_out or quiet)
         if settings.agent_url:  # a configured agent does the work; same output
             from warmctl.client import AgentClient
+
+            started()
             res = AgentClient.from_settings(settings).up(req, rep, check=False)
             _show_up(res, json_out, quiet)
             if res.failure is not None:
@@ -196,6 +201,7 @@ def register(app: typer.Typer) -> None:
             return
         from warmctl.pipelines.lifecycle import up as run_up
 
+        started()
         try:
             res = run_up(req, settings, rep)
         except WarmctlError as e:

@@ -36,6 +36,14 @@ if TYPE_CHECKING:  # rich is imported when a console is made: not by `--help` or
 JsonOpt: Any = typer.Option(False, "--json", help="Print the result as JSON on stdout (schema: docs/cli-json.md).")
 
 
+def human(n: float) -> str:
+    """``n`` bytes as :func:`warmctl.diskspace.human` writes them (``1.5 GiB``), that module
+    imported at the first call: registering the commands imports none of the library."""
+    from warmctl.diskspace import human as fmt
+
+    return fmt(n)
+
+
 def emit_json(obj: Any) -> None:
     """Write ``obj`` as one JSON document on stdout (2-space indent, a trailing newline; values
     JSON cannot hold, e.g. datetimes and paths, as their ``str``)."""

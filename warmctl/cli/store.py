@@ -19,7 +19,7 @@ import typer
 from warmctl.cli.output import JsonOpt, emit_json, table
 from warmctl.cli.output import err as _console
 from warmctl.cli.output import out as _out
-from warmctl.diskspace import human as _human
+from warmctl.cli.output import human as _human
 from warmctl.base.errors import IntegrityError, WarmctlError
 
 

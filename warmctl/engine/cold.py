@@ -13,7 +13,7 @@ from typing import Sequence
 
 from warmctl.models import builtinmodels
 from warmctl.checkpoint import layout
-from warmctl.engine import canary, vllm, warmup
+from warmctl.engine import canary, startlog, vllm, warmup
 from warmctl.engine.run import EngineRun
 from warmctl.base.errors import EngineError, HostError
 from warmctl.gate import require_port_free
@@ -80,7 +80,7 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
 
     The run is recorded (``<run>/state.json``, phase ``starting``, no public port yet) as soon
     as its root process exists. Returns the start-up phases in seconds, parsed from the log
-    (:func:`warmctl.engine.vllm.parse_startup_phases`: its stages and ``other``; launch to
+    (:func:`warmctl.engine.startlog.parse_startup_phases`: its stages and ``other``; launch to
     healthy is the ``cold_start`` phase, so its ``total`` is left out: ``total`` is each
     pipeline's own sum). The ranks of a CPU profile with several get warmctl's default CPU
     binding when the profile gives none (:func:`warmctl.checkpoint.layout.cpu_binding`). On failure the run is torn down and :class:`EngineError` raised (with
@@ -110,7 +110,7 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
     with open(run.log_path, "rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
-    phases = vllm.parse_startup_phases(text, total_s=total)
+    phases = startlog.parse_startup_phases(text, total_s=total)
     phases.pop("total", None)  # launch to healthy is the cold_start phase; "total" is each pipeline's own sum
     return phases
 

@@ -30,7 +30,6 @@ from pathlib import Path
 from warmctl.checkpoint import criu
 from warmctl.records.config import Settings
 from warmctl.engine.run import EngineRun
-from warmctl.engine.sleep import SleepClient, wake
 from warmctl.base.errors import CheckpointError, EngineError
 from warmctl.records.manifest import GpuRestore, RankWeights, RestoreInfo, WeightsRestore
 from warmctl.records.profile import Profile
@@ -103,6 +102,8 @@ class CheckpointPlan:
         Otherwise nothing (None). Raises :class:`warmctl.base.errors.EngineError` from the engine."""
         if not self.weights_outside_image:
             return None
+        from warmctl.engine.sleep import SleepClient  # the engine's sleep and weights endpoints: only sleep and weights profiles
+
         with reporter.phase("weights_save", "every rank saves its weights as laid out, outside the image"), \
                 SleepClient(run.base_url) as sc:
             ranks_ = sc.save_weights(run.weights)
@@ -141,6 +142,8 @@ class CheckpointPlan:
         if not pids:
             raise CheckpointError(f"profile {self.name} asks for a CUDA checkpoint, but no process of "
                                   f"the engine (pid {run.root_pid}) holds a GPU")
+        from warmctl.engine.sleep import SleepClient
+
         with SleepClient(run.base_url) as sc:
             if self.sleep_level:
                 sc.sleep(self.sleep_level)
@@ -157,6 +160,7 @@ class CheckpointPlan:
         from warmctl import host
         from warmctl.checkpoint import kfd
         from warmctl.base.proc import tree_pids
+        from warmctl.engine.sleep import SleepClient
 
         if self.sleep_level:
             with SleepClient(run.base_url) as sc:
@@ -176,6 +180,8 @@ class CheckpointPlan:
         the CUDA communicators, wake it, load its weights back). Nothing for a plain profile."""
         if not self.wakes:
             return
+        from warmctl.engine.sleep import SleepClient, wake
+
         with reporter.phase("wake_source", "bringing the source engine back to serving"), \
                 SleepClient(run.base_url) as sc:
             if self.cuda:
@@ -224,6 +230,7 @@ class CheckpointPlan:
         if not self.cuda:
             return
         from warmctl.checkpoint import cuda, ranks
+        from warmctl.engine.sleep import SleepClient
 
         g = restore.gpu
         if g is None:
@@ -241,6 +248,8 @@ class CheckpointPlan:
         the load in GB/s. Nothing for a plain profile."""
         if not self.wakes:
             return
+        from warmctl.engine.sleep import SleepClient, wake
+
         w = restore.weights if self.weights_outside_image else None
         desc = (f"loading {w.bytes / 2**20:,.1f} MiB of weights into {len(w.ranks)} rank(s)" if w
                 else f"waking the engine from sleep level {self.sleep_level}")

@@ -70,7 +70,7 @@ class SignatureDoc(BaseModel):
     """A stored signature. ``signature`` is base64 of the 64-byte ed25519 signature over
     :func:`signed_message` of ``manifest``; ``signed`` (UTC) is informational, not signed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     format: int = SIGNATURE_FORMAT
     algorithm: str = "ed25519"
@@ -87,7 +87,7 @@ class Verification(BaseModel):
     ``insecure``: verification was skipped by request and ``warning`` says what failed.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(defer_build=True, arbitrary_types_allowed=True)
 
     digest: str
     manifest: Manifest
@@ -400,7 +400,7 @@ class EntrySignature(BaseModel):
     """One signature of a catalog entry: ``key_id``, ``algorithm`` and base64 ``signature``
     over :func:`entry_message`; ``signed`` (UTC) is informational."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     algorithm: str = "ed25519"
     key_id: str
@@ -411,7 +411,7 @@ class EntrySignature(BaseModel):
 class EntrySignatures(BaseModel):
     """The object ``catalog/<name>/<tag>/<algo>-<hex>.sig`` beside an entry: its signatures."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     format: int = SIGNATURE_FORMAT
     kind: str = "catalog-entry-signatures"

@@ -50,7 +50,6 @@ from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
-from warmctl.naming import fleet
 from warmctl.records import enginelock
 from warmctl.naming.catalog import Accepted, Catalog, CatalogEntry, CatalogError
 from warmctl.checkpoint import capture, criu, layout, rankfaults
@@ -251,7 +250,9 @@ def _find_snapshot(name: str, settings: Settings, reporter: Reporter, tag: str, 
         found.manifest, found.digest, found.entry = res.manifest, res.digest, res.entry
         found.insecure = res.verification.insecure
         for r in res.skipped:
-            reporter.warn(fleet.fallback_line(r))
+            from warmctl.naming.fleet import fallback_line  # copying between stores: a remote's, not every up's
+
+            reporter.warn(fallback_line(r))
         if res.verification.warning:
             reporter.warn(res.verification.warning, severe=True)
         reporter.info(restoring_line(f"{name}@{res.digest}" if digest else f"{name}:{tag}", res))
@@ -407,8 +408,10 @@ def _keep_locally(found: _Found, reporter: Reporter, settings: Settings) -> None
     if found.insecure:
         reporter.warn("the restored snapshot is not named in the local store: its signature was not verified")
         return
+    from warmctl.naming.fleet import copy_entry
+
     try:
-        fleet.copy_entry(found.store, found.cache, found.entry, keys_dir=settings.keys_dir)
+        copy_entry(found.store, found.cache, found.entry, keys_dir=settings.keys_dir)
     except Exception as e:  # noqa: BLE001 - the engine serves: never a traceback after the port opened
         reporter.warn(f"the restored snapshot is not named in the local store: {e}")
 

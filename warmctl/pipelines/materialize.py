@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from warmctl import diskspace
 from warmctl.checkpoint import affinity, capture
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
@@ -26,6 +26,9 @@ from warmctl.records.manifest import Manifest
 from warmctl.records.progress import Reporter
 from warmctl.store import CacheFill, Fetched
 from warmctl.store.chunks import is_zero_chunk
+
+if TYPE_CHECKING:
+    from warmctl import diskspace
 
 
 def materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCache, reporter: Reporter,
@@ -87,8 +90,10 @@ def say_image(img: CachedImage, reporter: Reporter) -> None:
     if not img.written:
         reporter.info(f"image: reusing the verified image of {img.digest[:19]} ({img.path})")
     if img.evicted:
+        from warmctl.diskspace import human
+
         reporter.info(f"image cache: removed {len(img.evicted)} least recently used image(s) "
-                      f"({diskspace.human(sum(e.bytes for e in img.evicted))}) to make room: "
+                      f"({human(sum(e.bytes for e in img.evicted))}) to make room: "
                       + ", ".join(e.digest[:19] for e in img.evicted))
     if not img.kept:
         reporter.info(f"image: not kept ({img.not_kept}); restoring from {img.path}, removed afterwards")
@@ -140,6 +145,8 @@ def other_writes(m: Manifest, cache) -> list[diskspace.Need]:
     bundled files missing or changed at their paths, and, restoring from a remote store
     (``cache``: the local store that keeps what is fetched), the chunks the local store lacks,
     at their uncompressed size (an upper bound: the manifest records no compressed sizes)."""
+    from warmctl import diskspace
+
     def nonzero(f) -> int:
         return sum(c.size for c in f.chunks if not is_zero_chunk(c.digest, c.size))
 

@@ -12,11 +12,11 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warmctl.checkpoint import criu
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache, entry_sizes
-from warmctl.checkpoint.stream import ImageStreamer, StreamError
 from warmctl.records.config import Settings
 from warmctl.engine.run import EngineRun
 from warmctl.base.errors import CheckpointError
@@ -25,6 +25,9 @@ from warmctl.pipelines.materialize import check_restorable, link_weights, other_
 from warmctl.records.progress import Reporter
 from warmctl.records.state import EngineState
 from warmctl.store import CacheFill
+
+if TYPE_CHECKING:
+    from warmctl.checkpoint.stream import ImageStreamer
 
 
 def streams(settings: Settings, images: ImageCache, m: Manifest, digest: str, pages: str,
@@ -79,6 +82,8 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
     whole, as without streaming). Returns the entry, None (no lazy-pages daemon) and what CRIU
     read (:attr:`warmctl.records.contract.UpResult.streamed`). ``found``: the catalog's answer
     (``warmctl.pipelines.lifecycle._Found``: manifest, digest, store, cache, fetched)."""
+    from warmctl.checkpoint.stream import ImageStreamer, StreamError  # only a streamed restore serves the image so
+
     m, store, digest = found.manifest, found.store, found.digest
     assert m is not None and digest is not None
     total = m.total_size()

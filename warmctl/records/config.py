@@ -230,7 +230,9 @@ class Settings(BaseModel):
       30) + the object's size / ``remote_min_rate_bytes_s`` (default 1048576, 1 MiB/s) seconds;
       past it the transfer ends in :class:`warmctl.store.RemoteTooSlow` naming the object, the
       remote, the bytes moved and the seconds waited (a server trickling a byte every 19 s never
-      trips the 20 s read timeout). A directory remote on a network filesystem is not bounded.
+      trips the 20 s read timeout). On S3 it covers the whole request, the answer's head
+      included (a server that answers nothing, or trickles its headers). A directory remote on
+      a network filesystem is not bounded.
     - ``rank_silence_s``: seconds a rank of the engine may use no CPU time at all while a
       warm-up or canary-record request is in flight before it is declared silent
       (:class:`warmctl.checkpoint.layout.RankError` naming it) instead of waiting out the
@@ -275,7 +277,7 @@ class Settings(BaseModel):
       ``$WARMCTL_CONFIG``, else ``/etc/warmctl/config.toml``); not a key of the file itself.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     home: Path = DEFAULT_HOME
     store: Path | None = None

@@ -45,6 +45,9 @@ class UpOptions(BaseModel):
     Strict types: ``"true"`` is not a boolean, ``"8080"`` not a port; unknown fields are refused.
     """
 
+    # built when defined, unlike the other models here: the agent's request body, which FastAPI
+    # wraps with the parameter's name as an alias (pydantic warns that the alias does nothing
+    # when it must build a deferred model inside that wrapper)
     model_config = ConfigDict(extra="forbid", strict=True)
     tag: str = Field("latest", pattern=NAME_PATTERN)
     digest: str | None = Field(None, pattern=DIGEST_PATTERN)
@@ -65,6 +68,8 @@ class UpOptions(BaseModel):
 class UpRequest(UpOptions):
     """``up`` of engine ``name`` (also the profile to cold-start from) with :class:`UpOptions`."""
 
+    model_config = ConfigDict(defer_build=True)
+
     name: str = Field(..., pattern=NAME_PATTERN)
 
     @classmethod
@@ -82,6 +87,8 @@ class Failure(BaseModel):
     (``HostError``, ``CanaryMismatch``, ...), its operator-facing ``message``, and the
     ``exit_code`` the CLI exits with for it (docs/exit-codes.md)."""
 
+    model_config = ConfigDict(defer_build=True)
+
     type: str
     message: str
     exit_code: int = 1
@@ -98,6 +105,8 @@ class Streamed(BaseModel):
     """What CRIU read from an image streamed to it while it was written (``restore_stream``):
     ``files`` (image files), ``bytes`` (bytes read), ``waited_s`` (seconds its readers waited
     for bytes not yet written, summed over files)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     files: int
     bytes: int
@@ -123,7 +132,7 @@ class UpResult(BaseModel):
     (:class:`Failure`); None when it succeeded.
     """
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(defer_build=True, populate_by_name=True)
     name: str
     source: EngineSource | None = None
     already_up: bool = False

@@ -36,6 +36,7 @@ nothing as a secret; the scan says how many it skipped.
 from __future__ import annotations
 
 import base64
+import functools
 import mmap
 import os
 import re
@@ -149,13 +150,21 @@ _RULES: list[ShapeRule] | None = None
 def _plugin_source(module: str) -> Path | None:
     """The source file of ``detect_secrets.plugins.<module>``, found without importing the
     package (None when detect-secrets is not installed as source files)."""
+    plugins = _plugins_dir()
+    path = None if plugins is None else plugins / f"{module}.py"
+    return path if path is not None and path.is_file() else None
+
+
+@functools.cache
+def _plugins_dir() -> Path | None:
+    """``detect_secrets/plugins``, looked up once per process (each lookup searches
+    ``sys.path``), or None when the package is not found."""
     import importlib.util
 
     spec = importlib.util.find_spec("detect_secrets")  # a top-level package: found, not run
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "plugins" / f"{module}.py"
-    return path if path.is_file() else None
+    return Path(list(spec.submodule_search_locations)[0]) / "plugins"
 
 
 def plugin_denylist(module: str, cls: str) -> tuple[re.Pattern, ...] | None:

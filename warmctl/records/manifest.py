@@ -65,7 +65,7 @@ def check_absolute_path(path: str) -> str:
 
 
 class _M(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
 
 class ChunkRef(_M):

@@ -57,7 +57,7 @@ class CredentialInProfile(ProfileError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", frozen=True)
 
 
 class EngineSpec(_Strict):

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from warmctl.base.errors import HostError
 from warmctl.base.private import private_dir, write_private
@@ -26,6 +26,8 @@ EngineSource = Literal["restore", "cold"]
 
 class EngineState(BaseModel):
     """One engine on this host. PIDs are host PIDs; ports are TCP ports; times are Unix seconds."""
+
+    model_config = ConfigDict(defer_build=True)
 
     name: str
     phase: EnginePhase

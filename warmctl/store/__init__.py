@@ -33,19 +33,20 @@ from warmctl.store.backend import (
     TransferBound,
     TransientBackendError,
 )
-from warmctl.store.cache import CachingBackend
+from warmctl.store.cache import CachingBackend, Fetched
 from warmctl.store.chunkio import ChunkCorrupt, ChunkMissing
 from warmctl.store.chunks import CHUNK_SIZE, DIGEST_ALGORITHM, STORE_FORMAT, ZSTD_LEVEL
-from warmctl.store.copy import copy_manifest
 from warmctl.store.layout import chunk_key, manifest_key
 from warmctl.store.local import LocalBackend
 from warmctl.store.lock import LockLost, StoreLocked
-from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, Fetched, GcReport, VerifyReport
 from warmctl.store.sealed import SEALED, SealedBackend, SealKeyError, load_key, read_seal
 from warmctl.store.store import CacheFill, Store
 
 if TYPE_CHECKING:
     from warmctl.records.config import Settings
+    from warmctl.store.copy import copy_manifest
+    from warmctl.store.reports import ChunkProblem, CopyReport, DuReport, DuRow, GcReport, VerifyReport
+    from warmctl.store.s3 import S3Backend
 
 __all__ = [
     "Backend",
@@ -88,13 +89,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # S3Backend is imported when asked for (and by an s3:// URL): a local store's users (`warmctl
-    # up` from the local store) never load http.client and ssl for it
-    if name == "S3Backend":
-        from warmctl.store.s3 import S3Backend
+#: Names imported from their module when first asked for: S3Backend (and an s3:// URL) only by
+#: an S3 store's users, so a local store's (`warmctl up` from the local store) never load
+#: boto3, http.client and ssl for it; copying between stores and the maintenance reports only
+#: by the commands that copy, verify, collect garbage or count (not by `up`)
+_LAZY = {"S3Backend": "warmctl.store.s3", "copy_manifest": "warmctl.store.copy",
+         **{n: "warmctl.store.reports" for n in ("ChunkProblem", "CopyReport", "DuReport", "DuRow", "GcReport",
+                                                  "VerifyReport")}}
 
-        return S3Backend
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

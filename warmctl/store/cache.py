@@ -13,9 +13,28 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from warmctl.store.backend import Backend, BackendProperties, ObjectInfo, ObjectNotFound
-from warmctl.store.reports import Fetched
+
+
+@dataclass
+class Fetched:
+    """Stored (compressed) bytes of the chunks a read loaded, by where they came from:
+    ``remote`` (a remote store) and ``local`` (the local store, or the local cache in front of a
+    remote). Filled by :meth:`warmctl.store.Store.read_file`; thread-safe."""
+
+    remote: int = 0
+    local: int = 0
+    _mu: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, where: str, n: int) -> None:
+        """Count ``n`` bytes loaded from ``where`` (``"remote"`` or ``"local"``)."""
+        with self._mu:
+            setattr(self, where, getattr(self, where) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"remote": self.remote, "local": self.local}
 
 
 class CachingBackend(Backend):

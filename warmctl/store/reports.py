@@ -5,7 +5,6 @@ Plain dataclasses (no I/O); sizes are bytes, times seconds.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 
@@ -102,22 +101,3 @@ class CopyReport:
     bytes_copied: int = 0
     logical: int = 0
     seconds: float = 0.0
-
-
-@dataclass
-class Fetched:
-    """Stored (compressed) bytes of the chunks a read loaded, by where they came from:
-    ``remote`` (a remote store) and ``local`` (the local store, or the local cache in front of a
-    remote). Filled by :meth:`warmctl.store.Store.read_file`; thread-safe."""
-
-    remote: int = 0
-    local: int = 0
-    _mu: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, where: str, n: int) -> None:
-        """Count ``n`` bytes loaded from ``where`` (``"remote"`` or ``"local"``)."""
-        with self._mu:
-            setattr(self, where, getattr(self, where) + n)
-
-    def as_dict(self) -> dict[str, int]:
-        return {"remote": self.remote, "local": self.local}

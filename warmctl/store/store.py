@@ -29,12 +29,11 @@ from warmctl.records.manifest import ChunkRef, Manifest, sha256_digest
 from warmctl.store import chunks as ck
 from warmctl.store import lock as lk
 from warmctl.store.backend import Backend, ObjectNotFound, load_limited
-from warmctl.store.cache import CachingBackend
+from warmctl.store.cache import CachingBackend, Fetched
 from warmctl.store.chunkio import ChunkBuffers, Progress, load_verified, ordered_map
 from warmctl.store.chunkio import FileWatch, kept
 from warmctl.store.chunkio import read_files as _read_files
 from warmctl.store.layout import MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, attachment_prefixes, chunk_key, manifest_key
-from warmctl.store.reports import Fetched
 
 _open_stores: "weakref.WeakSet[Store]" = weakref.WeakSet()
 

@@ -36,6 +36,8 @@ class Ref(BaseModel):
     """A snapshot reference as users write it: ``NAME``, ``NAME:TAG`` or ``NAME@sha256:<hex>``
     (a digest pins one manifest, whether or not a tag still names it)."""
 
+    model_config = ConfigDict(defer_build=True)
+
     name: str
     tag: str = DEFAULT_TAG
     digest: str | None = None
@@ -64,7 +66,7 @@ class CatalogEntry(BaseModel):
     by :func:`warmctl.naming.trust.verify_manifest`, never by this field).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     format: int = CATALOG_FORMAT
     kind: Literal["catalog-entry"] = "catalog-entry"
@@ -89,7 +91,7 @@ class Resolution(BaseModel):
     a rollback), each a fallback ``up`` reports. ``entry_key``: the trusted key that signed
     ``entry`` (None for a pinned digest, or an insecure resolve of an unsigned entry)."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(defer_build=True, arbitrary_types_allowed=True)
 
     digest: str
     entry: CatalogEntry | None
@@ -122,6 +124,8 @@ def _sig_key(name: str, tag: str, digest: str) -> str:
 
 class ProfileRecord(BaseModel):
     """``catalog/<name>/profile.json``: the profile last published under ``name``."""
+
+    model_config = ConfigDict(defer_build=True)
 
     format: int = CATALOG_FORMAT
     name: str

@@ -15,7 +15,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any, Literal, Sequence
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from warmctl.base.errors import ImageMismatch, SnapshotNotFound
 from warmctl.host import FINGERPRINT_FORMAT, HostFingerprint
@@ -66,6 +66,8 @@ class KnownBad(BaseModel):
     whose version starts with ``criu_prefix`` (``(4, 2)``: every 4.2.x). ``reason`` says what
     breaks and cites where it was reported."""
 
+    model_config = ConfigDict(defer_build=True)
+
     vendor: str
     criu_prefix: tuple[int, ...]
     reason: str
@@ -93,6 +95,8 @@ def _pairwise_at_least(snap: list[int], host: list[int]) -> bool:
 class Rejection(BaseModel):
     """Why candidate ``digest`` does not fit: ``rule`` (short name from :data:`RULES`) and
     ``reason`` (one sentence naming the snapshot's and the host's values)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     digest: str
     rule: str
