@@ -52,17 +52,23 @@ def table() -> str:
 
 
 def run_summary(results: dict) -> str:
-    cells = results["cells"]
+    failed = sorted(cid for cid, r in results["cells"].items() if "failed" in r)
+    cells = {cid: r for cid, r in results["cells"].items() if "seconds" in r}
     by_fault: dict[str, float] = {}
     for cid, r in cells.items():
         fault = cid.rsplit("-", 1)[1] if not cid.endswith("-5xx") else "5xx"
         by_fault[fault] = max(by_fault.get(fault, 0.0), r["seconds"])
     done = [r["cell_seconds"] for r in cells.values() if "cell_seconds" in r]
     slow = ", ".join(f"{f} {by_fault[f]:.1f} s" for f in FAULTS if f in by_fault)
+    run = results.get("run")
+    wall = (f" The last run of {run['cells']} cells took {run['wall_seconds']:.0f} s of wall time on {run['cores']} "
+            f"cores ({run['workers']} cells at a time beside the `up`-family, one at a time per snapshot in "
+            f"{run.get('lanes', 1)} lane(s))." if run else "")
     return (f"Last run ({results['date']}, build/fault-matrix.json; a shared 2-core host): "
-            f"{len(cells)} of {len(MATRIX)} cells run, "
-            f"{len(done)} passed whole, {sum(done):.0f} s for them all (failing command, checks, the rerun); "
-            f"the slowest failing command by fault: {slow}.")
+            f"{len(cells) + len(failed)} of {len(MATRIX)} cells run, "
+            f"{len(done)} passed whole" + (f", {len(failed)} failed ({', '.join(failed)})" if failed else "") + ", "
+            f"{sum(done):.0f} s of cell time for them all (failing command, checks, the "
+            f"rerun, waits for the engine's port included); the slowest failing command by fault: {slow}.{wall}")
 
 
 def _replace(doc: str, begin: str, end: str, body: str) -> str:

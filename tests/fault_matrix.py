@@ -3,27 +3,35 @@ what each must end in. Pure data (no pytest, no warmctl imports): the test param
 :data:`MATRIX`, and scripts/reliability_table.py writes docs/reliability.md's table from it, so
 the table cannot drift from what is tested (tests/test_fault_matrix.py checks the doc).
 
-Remotes: ``dir`` (a directory remote) and ``s3`` (moto on loopback), each ``plain`` or
-``sealed`` (``warmctl seal``; the node holds the fleet key). Paths: ``push`` (node A to a fresh
-remote), ``pull``, ``up`` (the image written first), ``up-stream`` (``restore_stream = auto``:
-CRIU reads the image while it is written), ``verify --store REMOTE``, ``gc --store REMOTE``.
-Faults, at the remote: :data:`FAULTS`.
+Remotes: ``dir`` (a directory remote) and ``rgw`` (S3 on the real Ceph RGW on loopback,
+tests/rgw_server.py), each ``plain`` or ``sealed`` (``warmctl seal``; the node holds the fleet
+key). Paths: ``push`` (node A to a fresh remote), ``pull``, ``up`` (the image written first),
+``up-stream`` (``restore_stream = auto``: CRIU reads the image while it is written),
+``agent-up`` (the agent's ``POST /v1/engines/NAME/up`` job), ``verify --store REMOTE``,
+``gc --store REMOTE``. Faults, at the remote: :data:`FAULTS`.
 
 A cell applies when the fault can happen on that path: damage to a stored object (a flipped
 byte, a truncated object, another object's bytes, an object gone) is a fault of what a path
 reads, so not of ``push`` (which writes: damage on its side is the local store's) nor of ``gc``
-(which reads no chunk); a remote that stalls, trickles or answers 5xx is a network fault, so
-only of S3 (a directory has no network); a trickle is a fault of a transfer's body, so not of
-``gc`` (it moves only small listings and deletes).
+(which reads no chunk); an object that vanishes while its body is read, or a remote that
+stalls, trickles or answers 5xx, is a network fault, so only of S3 (a directory has no network,
+and a file deleted while it is read stays readable through its open descriptor); a trickle is
+a fault of a transfer's body, so not of ``gc`` (it moves only small listings and deletes). A
+streamed ``up`` reads the remote as ``up`` does, so it is tried under the faults of what it
+reads (damage, an object gone or cut mid-read); the agent's ``up`` under :data:`AGENT_FAULTS`.
+The ``up``-family cells restore one at a time (tests/test_fault_matrix.py): each one costs the
+matrix's wall time, which is why these two are trimmed.
+
+OCI registry remotes are not in the matrix yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REMOTES = ("dir", "s3")
+REMOTES = ("dir", "rgw")
 SEALS = ("plain", "sealed")
-PATHS = ("push", "pull", "up", "up-stream", "verify", "gc")
+PATHS = ("push", "pull", "up", "up-stream", "agent-up", "verify", "gc")
 
 #: fault -> how it is injected (the table's wording)
 FAULTS = {
@@ -31,24 +39,28 @@ FAULTS = {
     "truncate": "a chunk object cut to half its length",
     "swap": "a chunk object holding another chunk's object",
     "vanish": "a chunk object deleted while the manifest names it",
-    "stall": ("the endpoint accepts connections and answers nothing (tests/tcp_proxy.py); a request whose answer "
-              "never starts is bounded by `s3_read_timeout_s` (3 s here), retried for `s3_outage_s`"),
+    "cut": ("a chunk object deleted while its body is being read: the connection cut (RST) 4 KiB into the "
+            "answer and the object deleted at that instant (tests/tcp_proxy.py's `cut`); the retry finds it gone"),
+    "stall": ("the endpoint accepts connections and answers nothing (tests/tcp_proxy.py); the request ends at "
+              "its total deadline (`remote_deadline_floor_s` 3 s here, shorter than `s3_read_timeout_s`), "
+              "naming it and the seconds waited, not retried"),
     "trickle": ("the endpoint trickles its answers (reads: 64 KiB, then a byte every 0.2 s) or takes uploads "
-                "slowly (20 KiB/s; tests/tcp_proxy.py); an upload that fits the socket buffers then waits for "
-                "its answer, which `s3_read_timeout_s` ends, not the total deadline"),
+                "slowly (20 KiB/s; tests/tcp_proxy.py); each request, its answer's head included, ends at its "
+                "total deadline"),
     "5xx": "every request for a chunk (all requests for gc) answered 503 SlowDown (tests/test_store_proxy.py)",
 }
 DATA = ("flip", "truncate", "swap", "vanish")
-NET = ("stall", "trickle", "5xx")
+NET = ("cut", "stall", "trickle", "5xx")
 
 #: the settings every cell runs under (environment of the failing and the next run)
-SETTINGS = {"WARMCTL_REMOTE_DEADLINE_FLOOR_S": "1", "WARMCTL_REMOTE_MIN_RATE_BYTES_S": str(64 << 20),
-            "WARMCTL_S3_OUTAGE_S": "2", "WARMCTL_S3_READ_TIMEOUT_S": "3"}
+#: (the floor leaves a real RGW on a loaded 2-core host, the cells side by side, time to answer)
+SETTINGS = {"WARMCTL_REMOTE_DEADLINE_FLOOR_S": "3", "WARMCTL_REMOTE_MIN_RATE_BYTES_S": str(64 << 20),
+            "WARMCTL_S3_OUTAGE_S": "2", "WARMCTL_S3_READ_TIMEOUT_S": "6"}
 
 #: seconds each failing command must end within, by fault: interpreter start and a few requests
-#: on a loaded 2-core host, plus the fault's own bound (remote_deadline_floor_s 1 s + size at
-#: 64 MiB/s; s3_outage_s 2 s; a stalled request: s3_read_timeout_s 3 s)
-BOUND_S = {"flip": 30, "truncate": 30, "swap": 30, "vanish": 30, "stall": 30, "trickle": 30, "5xx": 30}
+#: on a loaded 2-core host (the cells run side by side), plus the fault's own bound
+#: (remote_deadline_floor_s 3 s + size at 64 MiB/s; s3_outage_s 2 s)
+BOUND_S = {"flip": 30, "truncate": 30, "swap": 30, "vanish": 30, "cut": 30, "stall": 30, "trickle": 30, "5xx": 30}
 
 #: what is left after the failure, by path
 LEFT = {
@@ -56,6 +68,7 @@ LEFT = {
     "pull": "chunks committed before the fault (verified); nothing named; the rerun fetches only what is missing",
     "up": "fetched chunks committed (verified); nothing named, no process or /dev/shm file; the rerun fetches only what is missing",
     "up-stream": "as `up`",
+    "agent-up": "the job failed with the error; as `up`; the rerun (a new job) fetches only what is missing",
     "verify": "nothing (read only); the rerun passes",
     "gc": "no lock object; the remote verifies; the rerun passes",
 }
@@ -84,23 +97,34 @@ class Cell:
 
 def expect(path: str, fault: str) -> tuple[str, str]:
     """(error class, word the error names the fault with) of ``path`` under ``fault``."""
-    if fault in DATA:
+    if fault in DATA or fault == "cut":
+        gone = fault in ("vanish", "cut")
         if path == "verify":
-            return "IntegrityError", "missing" if fault == "vanish" else "corrupt"
-        return ("ChunkMissing", "missing") if fault == "vanish" else ("ChunkCorrupt", "corrupt")
-    if fault == "trickle":
+            return "IntegrityError", "missing" if gone else "corrupt"
+        return ("ChunkMissing", "missing") if gone else ("ChunkCorrupt", "corrupt")
+    if fault in ("stall", "trickle"):
         return "RemoteTooSlow", "too slow"
     return "BackendUnavailable", "unavailable"
 
 
+#: the faults the agent's ``up`` is tried under: it runs the same ``up`` in its own process, so
+#: one damage, one object cut and gone mid-read and one outage show its job's reporting (the
+#: ``up``-family cells restore one at a time: each costs the matrix's wall time)
+AGENT_FAULTS = ("flip", "cut", "stall")
+
+
 def applies(remote: str, path: str, fault: str) -> bool:
+    if path == "agent-up" and fault not in AGENT_FAULTS:
+        return False
     if fault in DATA:
         return path not in ("push", "gc")
-    if remote != "s3":
+    if remote == "dir":
         return False
+    if fault == "cut":
+        return path not in ("push", "gc")
     if fault == "trickle":
-        return path != "gc"
-    return path != "up-stream" or fault == "5xx"
+        return path not in ("gc", "up-stream")
+    return path != "up-stream"  # a streamed up reads the remote as `up` does: its own faults are data
 
 
 MATRIX: list[Cell] = [Cell(r, s, p, f, *expect(p, f))

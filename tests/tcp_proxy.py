@@ -13,7 +13,10 @@ nothing (a server that hangs: the client's read timeout fires). With ``trickle``
 answers, server to client; ``"up"``: requests, client to server), the first ``after`` bytes of
 each connection at full speed and then ``step`` bytes (default 1) every ``every`` seconds: a
 server that trickles its answer, or reads an upload slowly, never silent long enough for the
-client's read timeout to fire.
+client's read timeout to fire. With ``cut`` set to ``(needle, after)`` the proxy cuts (RST) the
+first connection whose request holds the bytes ``needle`` (a path) once ``after`` bytes of its
+answer have been forwarded, calling ``on_cut`` first (a test deletes the object there: it
+vanishes while its body is being read); later connections are forwarded whole.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class TcpProxy:
         self.on_down: Callable[[], None] | None = None
         self.stall = False
         self.trickle: tuple | None = None
+        self.cut: tuple[bytes, int] | None = None
+        self.on_cut: Callable[[], None] | None = None
+        self.cuts = 0  # connections cut
         self._mu = threading.Lock()
         self._listener: socket.socket | None = None
         self._socks: set[socket.socket] = set()
@@ -84,6 +90,14 @@ class TcpProxy:
                 pass
             s.close()
 
+    def reset(self) -> None:
+        """Reset every open connection (RST), still listening."""
+        with self._mu:
+            socks, self._socks = self._socks, set()
+        for s in socks:
+            _rst(s)
+            s.close()
+
     def stop(self) -> None:
         for t in self._timers:
             t.cancel()
@@ -109,8 +123,9 @@ class TcpProxy:
                 continue
             if not (self._track(client) and self._track(server)):
                 continue
-            threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, "down"), daemon=True).start()
+            conn = {"armed": False}  # the two directions' shared state: a request to cut was seen
+            threading.Thread(target=self._pump, args=(client, server, "up", conn), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "down", conn), daemon=True).start()
 
     def _track(self, s: socket.socket) -> bool:
         with self._mu:
@@ -120,16 +135,30 @@ class TcpProxy:
             self._socks.add(s)
             return True
 
-    def _pump(self, src: socket.socket, dst: socket.socket, direction: str = "") -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str = "", conn: dict | None = None) -> None:
         sent = 0
         try:
             while True:
+                if conn is not None and direction == "down" and conn["armed"] and self._cut_now(sent, conn, (src, dst)):
+                    return
                 tr = self.trickle if self.trickle and self.trickle[0] == direction else None
                 slow = tr is not None and sent >= tr[1]
                 step = int(tr[3]) if tr is not None and len(tr) > 3 else 1
+                if conn is not None and direction == "down":
+                    conn["down"] = sent
                 data = src.recv(step if slow else 65536)
                 if not data:
                     break
+                if conn is not None and direction == "down" and conn["armed"] and sent + len(data) >= conn["mark"]:
+                    dst.sendall(data[: max(0, conn["mark"] - sent)])  # up to the mark, then the cut
+                    self._cut_now(conn["mark"], conn, (src, dst))
+                    return
+                cut = self.cut
+                if cut is not None and conn is not None and direction == "up" and cut[0] in data:
+                    with self._mu:
+                        if self.cut is cut:  # this connection is the one cut
+                            self.cut, conn["mark"] = None, conn.get("down", 0) + cut[1]
+                            conn["armed"] = True
                 if self._count(len(data)):
                     self._went_down()  # these bytes are never delivered
                     break
@@ -155,6 +184,21 @@ class TcpProxy:
             self._socks.discard(src)
         src.close()
 
+    def _cut_now(self, sent: int, conn: dict, socks: tuple[socket.socket, socket.socket]) -> bool:
+        """Cut the armed connection (both sockets reset) once ``sent`` passed its mark."""
+        if sent < conn["mark"]:
+            return False
+        conn["armed"] = False
+        if self.on_cut:
+            self.on_cut()
+        self.cuts += 1
+        for s in socks:
+            _rst(s)
+            with self._mu:
+                self._socks.discard(s)
+            s.close()
+        return True
+
     def _count(self, n: int) -> bool:
         """Count ``n`` forwarded bytes; True when they cross ``down_after``."""
         with self._mu:
@@ -173,3 +217,13 @@ class TcpProxy:
             t.daemon = True
             self._timers.append(t)
             t.start()
+
+
+def _rst(s: socket.socket) -> None:
+    """End ``s`` with a reset (RST, linger 0) rather than an orderly close; an already dead
+    socket is left as it is."""
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

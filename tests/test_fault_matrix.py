@@ -3,21 +3,29 @@ sealed x path x fault) injects its fault at the remote and asserts one property:
 
 - the command ends within the cell's bound and exits with its error class's code
   (warmctl.base.errors.EXIT_CODES), one error line naming the object (the chunk's digest, or a key
-  of the remote) and the fault, no traceback;
+  of the remote) and the fault, no traceback (the agent's ``up``: the job ends ``failed`` with
+  that error, its class and exit code);
 - it names nothing it could not verify: the node's catalog (pull, up) or the remote's (push)
   names nothing new;
 - it leaves no process of the node, no new ``/dev/shm`` file and no partial object: the node's
   store (and, for push and gc, the remote) verifies, and gc leaves no lock object;
 - with the fault removed the same command succeeds, fetching (or sending) only what is missing:
-  ``pull --json``/``push --json``'s ``chunks_copied``, ``up --json``'s ``fetched``.
+  ``pull --json``/``push --json``'s ``chunks_copied``, ``up --json``'s (the agent's job
+  result's) ``fetched``.
 
 The snapshot is the fake engine's (tests/fake_vllm.py, the real snapshot pipeline under real
-CRIU), made once per session and pushed once per (remote, sealed) to a remote the module shares;
-each cell reads it from a fresh node. A data fault edits one chunk object of the shared remote
-(a directory's file; S3: put_object/delete_object through boto3) and puts it back after the
-cell; a network fault puts a loopback proxy between the node and moto. Small bounds
-(:data:`fault_matrix.SETTINGS`) keep each cell to seconds. Each cell's outcome and seconds are
-written to ``build/fault-matrix.json`` (``scripts/reliability_table.py`` prints its summary).
+CRIU), made once per session and pushed once per (remote, sealed) to a master remote; each cell
+gets its own copy of it (a directory copied, a bucket copied object by object on the RGW), its
+own node (home, store), and for a network fault its own loopback proxy, so the cells run side by
+side: :func:`ran` runs every selected cell in a thread pool before the first test, and each
+parametrized test asserts on its own cell's outcome (one pytest id per cell, the ids the table of
+docs/reliability.md is made from). The engine's internal port is the snapshot's (CRIU restores
+its socket, and its ``/dev/shm`` files under their recorded names), so the ``up``-family runs, the
+failing ones and the reruns that serve, run one at a time per snapshot (:attr:`World.serving`):
+more publishing homes, each with its own fake snapshot on other ports (:func:`_lane`), share
+them out (:data:`LANES` in all), and the lanes run in a pool of their own beside the other cells. Small bounds (:data:`fault_matrix.SETTINGS`) keep each cell to
+seconds. Each cell's outcome and seconds, and the matrix's wall time, are written to
+``build/fault-matrix.json`` (``scripts/reliability_table.py`` prints its summary).
 """
 
 from __future__ import annotations
@@ -28,72 +36,93 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 import time
+import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
-from tests.conftest import fake_env, shm_leaked, shm_names, warmctl
+from tests.conftest import FAKE_PORT_OFFSET, fake_env, shm_leaked, shm_names, snapshot_once, stop_process, wait_agent_ready, warmctl
+from tests.damage import damaged
 from tests.fault_matrix import BOUND_S, DATA, FAULTS, MATRIX, SETTINGS, Cell
 
+from warmctl.base.errors import EXIT_CODES
 from warmctl.naming.catalog import Catalog
 from warmctl.records.config import Settings
-from warmctl.base.errors import EXIT_CODES
 from warmctl.store import chunk_key, maintenance, open_backend, open_store
 from warmctl.store.sealed import load_key, seal_store
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "build" / "fault-matrix.json"
-_results: dict[str, dict] = {}
+#: cells other than the up-family run side by side (each mostly waits: on its fault's bound, on the CLI's processes;
+#: fewer leave the one-at-a-time up-family, which sets the wall time, more of the two cores)
+WORKERS = 4
+UP_PATHS = ("up", "up-stream", "agent-up")
+#: snapshots the up-family cells are shared out over (each restores one at a time): more lanes
+#: cost a snapshot each and shorten the matrix's wall time while the two cores have room
+LANES = 3
 
 
 class Remote:
-    """One remote holding the fake snapshot: ``url``, ``env`` (what a process needs to read it:
-    endpoint, fleet key), ``settings`` (the same, for this process), and direct access to its
-    objects (``get``/``put``/``delete`` by key under the store's root), bypassing warmctl."""
+    """One remote: ``url``, ``env`` (what a process needs to read it: endpoint, credentials,
+    fleet key), ``settings`` (the same, for this process), and direct access to its objects
+    (``get``/``put``/``delete`` by key under the store's root), bypassing warmctl. ``rgw``:
+    (endpoint, access key, secret key) of the S3 server."""
 
-    def __init__(self, kind: str, seal: str, tmp: Path, moto: str | None):
-        self.kind, self.seal, self.tmp, self.moto = kind, seal, tmp, moto
+    def __init__(self, kind: str, seal: str, tmp: Path, rgw: tuple[str, str, str] | None, key: Path | None,
+                 seal_it: bool = True):
+        self.kind, self.seal, self.tmp, self.rgw, self.key = kind, seal, tmp, rgw, key
         self.env: dict[str, str] = {}
         kw: dict = {}
         if seal == "sealed":
-            key = tmp / "fleet.key"
-            if not key.exists():
-                key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
-                key.chmod(0o600)
-            self.key = key
             self.env["WARMCTL_SEAL_KEY"] = str(key)
             kw["seal_key"] = key
-        if kind == "s3":
+        if kind == "rgw":
             import boto3
 
-            self.s3 = boto3.client("s3", endpoint_url=moto, region_name="us-east-1")
+            ep, ak, sk = rgw  # type: ignore[misc]
+            self.s3 = boto3.client("s3", endpoint_url=ep, region_name="us-east-1", aws_access_key_id=ak,
+                                   aws_secret_access_key=sk)
             self.bucket = f"fm-{uuid.uuid4().hex[:12]}"
             self.s3.create_bucket(Bucket=self.bucket)
             self.prefix = "snaps"
             self.url = f"s3://{self.bucket}/{self.prefix}"
-            self.env.update(WARMCTL_S3_ENDPOINT=moto, AWS_ACCESS_KEY_ID=os.environ["AWS_ACCESS_KEY_ID"],  # type: ignore[arg-type]
-                            AWS_SECRET_ACCESS_KEY=os.environ["AWS_SECRET_ACCESS_KEY"], AWS_DEFAULT_REGION="us-east-1")
-            kw["s3_endpoint"] = moto
+            self.endpoint = ep
+            self.env.update(WARMCTL_S3_ENDPOINT=ep, AWS_ACCESS_KEY_ID=ak, AWS_SECRET_ACCESS_KEY=sk,
+                            AWS_DEFAULT_REGION="us-east-1")
+            kw["s3_endpoint"] = ep
         else:
             self.dir = tmp / f"remote-{uuid.uuid4().hex[:8]}"
+            self.dir.mkdir()
             self.url = str(self.dir)
         self.settings = Settings(**kw)
-        if seal == "sealed":
-            seal_store(open_backend(self.url, settings=self.settings, unseal=False), load_key(self.key))
+        if seal == "sealed" and seal_it:
+            seal_store(open_backend(self.url, settings=self.settings, unseal=False), load_key(key))  # type: ignore[arg-type]
 
-    def fresh(self) -> "Remote":
-        """Another, empty remote of the same kind (sealed for the same key)."""
-        return Remote(self.kind, self.seal, self.tmp, self.moto)
+    def copy(self) -> "Remote":
+        """A new remote of the same kind holding the same objects (sealed alike)."""
+        r = Remote(self.kind, self.seal, self.tmp, self.rgw, self.key, seal_it=False)
+        if self.kind == "rgw":
+            for k in self.keys(""):
+                r.s3.copy_object(Bucket=r.bucket, Key=f"{r.prefix}/{k}",
+                                 CopySource={"Bucket": self.bucket, "Key": f"{self.prefix}/{k}"})
+        else:
+            shutil.copytree(self.dir, r.dir, symlinks=True, dirs_exist_ok=True)
+        return r
 
     def get(self, key: str) -> bytes:
-        if self.kind == "s3":
+        if self.kind == "rgw":
             return self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read()
         return (self.dir / key).read_bytes()
 
     def put(self, key: str, data: bytes) -> None:
-        if self.kind == "s3":
+        if self.kind == "rgw":
             self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}", Body=data)
         else:
             p = self.dir / key
@@ -102,13 +131,13 @@ class Remote:
             p.write_bytes(data)
 
     def delete(self, key: str) -> None:
-        if self.kind == "s3":
+        if self.kind == "rgw":
             self.s3.delete_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")
         else:
             (self.dir / key).unlink()
 
     def keys(self, under: str) -> list[str]:
-        if self.kind == "s3":
+        if self.kind == "rgw":
             out = []
             for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/{under}"):
                 out += [o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])]
@@ -122,54 +151,47 @@ class Remote:
 
 class World:
     """The module's shared state: node A (the session's fake home, which made the snapshot), its
-    snapshot's chunks, and one remote per (kind, sealed) holding it, made on first use."""
+    snapshot's chunks, and one master remote per (kind, sealed) holding it."""
 
-    def __init__(self, a_env: dict[str, str], digest: str, tmp: Path, moto_factory):
-        self.a_env, self.digest, self.tmp, self.moto_factory = a_env, digest, tmp, moto_factory
-        self.remotes: dict[tuple[str, str], Remote] = {}
+    def __init__(self, a_env: dict[str, str], digest: str, tmp: Path, rgw: tuple[str, str, str] | None,
+                 engine_ports: tuple[int, int]):
+        self.a_env, self.digest, self.tmp, self.rgw, self.engine_ports = a_env, digest, tmp, rgw, engine_ports
+        self.masters: dict[tuple[str, str], Remote] = {}
+        self.key = tmp / "fleet.key"
+        self.key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+        self.key.chmod(0o600)
         with open_store(Path(a_env["WARMCTL_TEST_HOME"]) / "store") as a:
             m = a.get_manifest(digest)
         self.refs = {c.digest: c for f in m.files for c in f.chunks}
+        # the /dev/shm files a restore of this snapshot writes (others on a shared host are not its)
+        self.shm = {f.path for f in m.files if f.role == "shm"}
         self.nchunks = len(self.refs)
         big = max(m.files, key=lambda f: len(f.chunks))
         self.target = big.chunks[len(big.chunks) // 2].digest  # the object each data fault damages
         self.other = next(c.digest for c in big.chunks if c.digest != self.target)
         self.a_pub = next((Path(a_env["WARMCTL_CONFIG"]).parent / "keys").glob("local-*.pub"))
+        # the restores of the fake snapshot bind its internal port: see the module docstring
+        self.serving = threading.Lock()
 
-    def remote(self, kind: str, seal: str, empty: bool = False) -> Remote:
-        moto = self.moto_factory() if kind == "s3" else None
-        if empty:
-            return Remote(kind, seal, self.tmp, moto)
-        if (kind, seal) not in self.remotes:
-            r = Remote(kind, seal, self.tmp, moto)
-            warmctl("push", "fake", "--to", r.url, env={**self.a_env, **r.env}, timeout=300)
-            self.remotes[(kind, seal)] = r
-        return self.remotes[(kind, seal)]
+    def empty(self, kind: str, seal: str) -> Remote:
+        return Remote(kind, seal, self.tmp, self.rgw, self.key)
 
-
-@pytest.fixture(scope="module")
-def world(fk_env, fake_snapshot, tmp_path_factory, request):
-    def moto():
-        return request.getfixturevalue("moto_endpoint")
-
-    yield World(fk_env, fake_snapshot["digest"], tmp_path_factory.mktemp("fault-matrix"), moto)
-    if _results:  # merged into the file's cells: a run of some cells updates theirs
-        RESULTS.parent.mkdir(exist_ok=True)
-        cells = json.loads(RESULTS.read_text())["cells"] if RESULTS.exists() else {}
-        cells.update(_results)
-        RESULTS.write_text(json.dumps({"cells": cells, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-                                      indent=1) + "\n")
+    def master(self, kind: str, seal: str) -> Remote:
+        r = self.empty(kind, seal)
+        warmctl("push", "fake", "--to", r.url, env={**self.a_env, **r.env}, timeout=300)
+        self.masters[(kind, seal)] = r
+        return r
 
 
 class Node:
     """A fresh node (its own home and store) that trusts A's key and reads ``remote``."""
 
-    def __init__(self, root: Path, a_env: dict[str, str], a_pub: Path, remote: Remote, engine_ports):
+    def __init__(self, root: Path, world: World, remote: Remote):
         self.root = root
-        hold = Path(a_env["WARMCTL_CONFIG"]).parent / "hold"  # the same fake profile as A's
-        self.env = fake_env(root, *engine_ports, hold=hold)
+        hold = Path(world.a_env["WARMCTL_CONFIG"]).parent / "hold"  # the same fake profile as A's
+        self.env = fake_env(root, *world.engine_ports, hold=hold)
         (root / "keys").mkdir(exist_ok=True)
-        shutil.copy(a_pub, root / "keys" / "a.pub")
+        shutil.copy(world.a_pub, root / "keys" / "a.pub")
         self.env.update({**remote.env, **SETTINGS, "WARMCTL_REMOTE_STORE": remote.url})
         self.home = Path(self.env["WARMCTL_TEST_HOME"])
         self.store_dir = self.home / "store"
@@ -218,40 +240,54 @@ def intact(store, refs: dict) -> None:
     assert maintenance.verify(store).ok
 
 
-def _proxy(cell: Cell, moto: str, push: bool):
-    """The loopback proxy between the node and moto for a network fault: (proxy, url)."""
-    from tcp_proxy import TcpProxy
-    from test_store_proxy import FaultProxy
+class Fault:
+    """A network fault between a node and ``remote`` (its own loopback proxy): ``url`` the node
+    uses; :meth:`clear` lifts the fault (the proxy stays, forwarding whole: a rerun, and an
+    agent started with this endpoint, go through it)."""
 
-    if cell.fault == "5xx":
-        p = FaultProxy(moto).start()
-        everything = cell.path == "gc"
-        p.fault = lambda method, path, n: "503" if everything or "/chunks/" in path else None
-        return p, p.url
-    t = TcpProxy(moto).start()
-    if cell.fault == "stall":
-        t.stall = True
-    elif push:
-        t.trickle = ("up", 16 << 10, 0.05, 1 << 10)  # 20 KiB/s against a 64 MiB/s minimum
-    else:
-        t.trickle = ("down", 64 << 10, 0.2)  # 64 KiB, then a byte every 0.2 s
-    return t, t.url
+    def __init__(self, cell: Cell, remote: Remote, world: World):
+        from tcp_proxy import TcpProxy
+        from test_store_proxy import FaultProxy
+
+        self.cell = cell
+        if cell.fault == "5xx":
+            self.proxy = FaultProxy(remote.endpoint).start()
+            everything = cell.path == "gc"
+            self.proxy.fault = lambda method, path, n: "503" if everything or "/chunks/" in path else None
+            self.url = self.proxy.url
+            return
+        self.proxy = t = TcpProxy(remote.endpoint).start()
+        self.url = t.url
+        if cell.fault == "stall":
+            t.stall = True
+        elif cell.fault == "cut":  # the target's body cut 4 KiB in, the object deleted at that instant
+            key = chunk_key(world.target)
+            t.cut = (f"/{remote.bucket}/{remote.prefix}/{key}".encode(), 4096)
+            t.on_cut = lambda: remote.delete(key)
+        elif cell.path == "push":
+            t.trickle = ("up", 16 << 10, 0.05, 1 << 10)  # 20 KiB/s against a 64 MiB/s minimum
+        else:
+            t.trickle = ("down", 64 << 10, 0.2)  # 64 KiB, then a byte every 0.2 s
+
+    def clear(self) -> None:
+        if self.cell.fault == "5xx":
+            self.proxy.fault = None
+        else:  # and the failed run's connections reset: a trickle in flight would finish its upload later
+            self.proxy.stall, self.proxy.trickle, self.proxy.cut = False, None, None
+            self.proxy.reset()
+
+    def stop(self) -> None:
+        self.proxy.stop()
 
 
 def _damage(remote: Remote, world: World, fault: str) -> bytes:
     """Inject a data fault in the chunk object of ``world.target``; returns its bytes to restore."""
     key = chunk_key(world.target)
     good = remote.get(key)
-    if fault == "flip":
-        b = bytearray(good)
-        b[len(b) // 2] ^= 0x01
-        remote.put(key, bytes(b))
-    elif fault == "truncate":
-        remote.put(key, good[: len(good) // 2])
-    elif fault == "swap":
-        remote.put(key, remote.get(chunk_key(world.other)))
-    else:
+    if fault == "vanish":
         remote.delete(key)
+    else:
+        remote.put(key, damaged(good, fault, remote.get(chunk_key(world.other))))
     return good
 
 
@@ -265,95 +301,289 @@ def _command(cell: Cell, remote: Remote, json_out: bool) -> list[str]:
             "gc": ["gc", "--store", remote.url, "--grace", "0"]}[cell.path]
 
 
-@pytest.mark.e2e
-@pytest.mark.s3
-@pytest.mark.parametrize("cell", MATRIX, ids=lambda c: c.id)
-def test_fault(cell: Cell, world: World, tmp_path, engine_ports):
+class Agent:
+    """``warmctl agent`` of a node on a free port; :meth:`up` runs its ``up`` job to its end."""
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        from test_agent_api import free_port
+
+        self.root, self.env = root, env
+        self.log_path = root / "agent.log"
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "warmctl", "agent", "--port", self.url.rsplit(":", 1)[1]],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_agent_ready(self.url, self.proc, self.log_path.read_text, timeout_s=120)
+        token = (Path(env["WARMCTL_TEST_HOME"]) / "agent" / "token").read_text().strip()
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def job(self, route: str, body: dict, wait_s: float) -> dict:
+        """POST ``route`` and poll its job until it ends (AssertionError after ``wait_s``)."""
+        t0 = time.monotonic()
+        job = self.http.post(route, json=body).json()
+        assert "id" in job, job
+        while (j := self.http.get(f"/v1/jobs/{job['id']}").json())["state"] in ("queued", "running"):
+            assert time.monotonic() - t0 < wait_s, f"the agent's job still {j['state']} after {wait_s} s: {j['log'][-5:]}"
+            time.sleep(0.1)
+        return j
+
+    def stop(self) -> None:
+        self.http.close()
+        stop_process(self.proc)
+        self.log.close()
+
+
+def run_cell(cell: Cell, world: World, root: Path) -> dict:
+    """Run ``cell`` (see the module docstring); its record: ``exit``, ``seconds`` (the failing
+    command), ``kept``, ``cell_seconds``. Raises AssertionError naming what does not hold."""
+    held: dict = {}
+    try:
+        return _run_cell(cell, world, root, held)
+    finally:  # what a failed check left running
+        if "agent" in held:
+            held["agent"].stop()
+        if "fault" in held:
+            held["fault"].stop()
+        for p in held["node"].procs() if "node" in held else []:
+            p.kill()
+
+
+def _run_cell(cell: Cell, world: World, root: Path, held: dict) -> dict:
     t_cell = time.monotonic()
     push = cell.path == "push"
-    remote = world.remote(cell.remote, cell.seal, empty=push)
-    node = Node(tmp_path / "node", world.a_env, world.a_pub, remote, engine_ports)
+    master = world.masters[(cell.remote, cell.seal)]
+    remote = world.empty(cell.remote, cell.seal) if push else master.copy()
+    node = held["node"] = Node(root / "node", world, remote)
     env = dict(world.a_env, **remote.env, **SETTINGS) if push else node.env
-    if cell.path == "up-stream":
-        env["WARMCTL_RESTORE_STREAM"] = "auto"
-    elif cell.path == "up":
-        env["WARMCTL_RESTORE_STREAM"] = "never"
+    env["WARMCTL_RESTORE_STREAM"] = "auto" if cell.path == "up-stream" else "never"
     env["WARMCTL_RESTORE_PAGES"] = "eager"
-    before = shm_names()
-    good, proxy = None, None
+    rec: dict = {}
+    good, fault = None, None
     if cell.fault in DATA:
         good = _damage(remote, world, cell.fault)
         names = [world.target]
     else:
-        proxy, url = _proxy(cell, remote.moto, push)  # type: ignore[arg-type]
-        env = dict(env, WARMCTL_S3_ENDPOINT=url)
-        names = [f"{remote.url}/"]
+        fault = held["fault"] = Fault(cell, remote, world)
+        env = dict(env, WARMCTL_S3_ENDPOINT=fault.url)
+        names = [world.target] if cell.fault == "cut" else [f"{remote.url}/"]
+    lock = world.serving
+    agent = None
     try:
-        t0 = time.monotonic()
-        try:
-            r = warmctl(*_command(cell, remote, False), env=env, check=False, timeout=2 * cell.bound_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{cell.id}: still running after {2 * cell.bound_s} s")
-        took = time.monotonic() - t0
+        if cell.path == "agent-up":
+            agent = held["agent"] = Agent(root, env)
+        with (lock if cell.path in UP_PATHS else _nothing()):
+            shm_before = shm_names()
+            t0 = time.monotonic()  # the command's time, not the wait for the lock
+            if agent is not None:
+                j = agent.job("/v1/engines/fake/up", {"cold_start": "never"}, 2 * cell.bound_s)
+                took = time.monotonic() - t0
+                assert j["state"] == "failed", json.dumps(j)[:2000]
+                err = j["error"]
+                code, said, says = err["exit_code"], err["message"], err["message"]
+                assert err["type"] == cell.exit, err
+                out = json.dumps(j)
+            else:
+                try:
+                    r = warmctl(*_command(cell, remote, False), env=env, check=False, timeout=2 * cell.bound_s)
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{cell.id}: still running after {2 * cell.bound_s} s") from None
+                took = time.monotonic() - t0
+                out = r.stdout + r.stderr
+                code, says = r.returncode, r.stderr
+                # verify reports each damaged chunk on stdout, its error line sums them up
+                said = out if cell.path == "verify" else r.stderr
+                assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")], r.stderr[-3000:]
+            if cell.path in UP_PATHS and (set(os.listdir("/dev/shm")) - shm_before) & world.shm:
+                # the one run that may have written the snapshot's /dev/shm files now: none left
+                shm_left = shm_leaked(shm_before) & world.shm
+                assert shm_left == set(), f"{cell.id}: /dev/shm files left: {sorted(shm_left)}"
     finally:
-        if proxy is not None:
-            proxy.stop()
         if good is not None:
             remote.put(chunk_key(world.target), good)
-    out = r.stdout + r.stderr
-    _results[cell.id] = {"exit": r.returncode, "seconds": round(took, 1)}
+        if fault is not None:
+            if cell.fault == "cut":  # deleted mid-read: put back
+                remote.put(chunk_key(world.target), master.get(chunk_key(world.target)))
+            fault.clear()
+    try:
+        rec.update(exit=code, seconds=round(took, 1))
+        left = node.procs()
+        if agent is not None:
+            left = [p for p in left if p.pid != agent.proc.pid]
+        for p in left:
+            p.kill()
+        want = EXIT_CODES[cell.exit][0]
+        assert code == want, f"{cell.id}: exit {code}, not {want} ({cell.exit})\n{out[-3000:]}"
+        assert took < cell.bound_s, f"{cell.id}: {took:.1f} s"
+        assert "Traceback" not in out, out[-3000:]
+        assert any(n in said for n in names), f"{cell.id}: {names} not named\n{out[-3000:]}"
+        assert cell.says in says, f"{cell.id}: the fault ({cell.says!r}) not named\n{says[-3000:]}"
+        if fault is not None and cell.fault == "cut":
+            assert fault.proxy.cuts == 1, "the body was never cut"
+        # names nothing it could not verify; leaves no process or partial object
+        assert node.named() == []
+        assert left == [], f"processes left: {left}"
+        node.verifies(world.refs)
+        if push:
+            with remote.store() as s:
+                assert Catalog(s).names() == [], "a push that failed named its snapshot"
+                intact(s, world.refs)
+        if cell.path == "gc":
+            assert remote.keys("locks/") == [], "a failed gc left its lock"
+            with remote.store() as s:
+                intact(s, world.refs)
+
+        # the fault removed: the same command succeeds, moving only what is missing
+        have = node.chunks()
+        if push:
+            sent = len({k.rsplit("/", 1)[-1] for k in remote.keys("chunks/")})
+        rec["kept"] = len(have) if not push else sent
+        with (lock if cell.path in UP_PATHS else _nothing()):
+            try:
+                if agent is not None:
+                    j = agent.job("/v1/engines/fake/up", {"cold_start": "never"}, 300)
+                    assert j["state"] == "succeeded", json.dumps(j)[:3000]
+                    res = j["result"]
+                else:
+                    r2 = warmctl(*_command(cell, remote, cell.path not in ("verify", "gc")), env=env, check=False,
+                                 timeout=300)
+                    assert r2.returncode == 0, f"{cell.id}: the rerun failed\n{(r2.stdout + r2.stderr)[-3000:]}"
+                    if cell.path in ("pull", "push"):
+                        [rep] = json.loads(r2.stdout)
+                        done = len(have) if cell.path == "pull" else sent
+                        assert rep["chunks_copied"] == rep["chunks_total"] - done, (rep, done)
+                    res = json.loads(r2.stdout) if cell.path in UP_PATHS else None
+                if res is not None:
+                    assert res["source"] == "restore", res
+                    # the chunks the failed run committed are read locally, only the others fetched
+                    now = node.chunks()
+                    assert len(now) == world.nchunks and set(have) <= set(now)
+                    assert res["fetched"] == {"remote": sum(n for c, n in now.items() if c not in have),
+                                              "local": sum(have.values())}, (res["fetched"], len(have))
+            finally:
+                if agent is not None:
+                    agent.job("/v1/engines/fake/down", {}, 120)
+                elif cell.path in UP_PATHS:
+                    warmctl("down", "fake", env=env, check=False)
+    finally:
+        if agent is not None:
+            agent.stop()
+            held.pop("agent")
+        if fault is not None:
+            fault.stop()
+            held.pop("fault")
     left = node.procs()
     for p in left:
         p.kill()
-    code = EXIT_CODES[cell.exit][0]
-    assert r.returncode == code, f"{cell.id}: exit {r.returncode}, not {code} ({cell.exit})\n{out[-3000:]}"
-    assert took < cell.bound_s, f"{cell.id}: {took:.1f} s"
-    assert "Traceback" not in out, out[-3000:]
-    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert err, r.stderr[-3000:]
-    # verify reports each damaged chunk on stdout, its error line sums them up
-    said = out if cell.path == "verify" else r.stderr
-    assert any(n in said for n in names), f"{cell.id}: {names} not named\n{out[-3000:]}"
-    assert cell.says in r.stderr, f"{cell.id}: the fault ({cell.says!r}) not named\n{r.stderr[-3000:]}"
-    # names nothing it could not verify; leaves no process, /dev/shm file or partial object
-    assert node.named() == []
-    assert left == [], f"processes left: {left}"
-    assert {n for n in shm_leaked(before) if not n.startswith("tmp:")} == set()
-    node.verifies(world.refs)
-    if push:
-        with remote.store() as s:
-            assert Catalog(s).names() == [], "a push that failed named its snapshot"
-            intact(s, world.refs)
-    if cell.path == "gc":
-        assert remote.keys("locks/") == [], "a failed gc left its lock"
-        with remote.store() as s:
-            intact(s, world.refs)
+    assert left == [], f"processes left after the rerun: {left}"
+    rec["cell_seconds"] = round(time.monotonic() - t_cell, 1)
+    return rec
 
-    # the fault removed: the same command succeeds, moving only what is missing
-    env = dict(env, WARMCTL_S3_ENDPOINT=remote.moto) if proxy is not None else env
-    have = node.chunks()
-    if push:
-        sent = len({k.rsplit("/", 1)[-1] for k in remote.keys("chunks/")})
-    _results[cell.id]["kept"] = len(have) if not push else sent
-    r2 = warmctl(*_command(cell, remote, cell.path not in ("verify", "gc")), env=env, check=False, timeout=300)
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _selected(request) -> list[Cell]:
+    """The cells of this module's selected tests (all of :data:`MATRIX`, or what ``-k`` kept)."""
+    out = []
+    for item in request.session.items:
+        cs = getattr(item, "callspec", None)
+        if item.module is sys.modules[__name__] and cs is not None and isinstance(cs.params.get("cell"), Cell):
+            out.append(cs.params["cell"])
+    return out
+
+
+def _lane(tmp: Path, rgw, n: int) -> World:
+    """Lane ``n``: another publishing home with its own fake snapshot, its engine on other ports
+    (and so its own ``/dev/shm`` names): the ``up``-family cells of the lanes restore side by side."""
+    from test_agent_api import free_port
+
+    d = tmp / f"lane{n}"
+    d.mkdir()
+    ports = (free_port() - FAKE_PORT_OFFSET, free_port() - FAKE_PORT_OFFSET)
+    env = fake_env(d / "a", *ports)
+    return World(env, snapshot_once(env, "fake")["digest"], d, rgw, ports)
+
+
+@pytest.fixture(scope="module")
+def ran(request, fk_env, fake_snapshot, tmp_path_factory, engine_ports):
+    """Every selected cell run (side by side, :data:`WORKERS` at a time): cell id -> ("ok",
+    record) or ("failed", what) or ("skipped", why)."""
+    cells = _selected(request)
+    out: dict[str, tuple[str, object]] = {}
+    rgw = None
+    if any(c.remote == "rgw" for c in cells):
+        try:
+            rgw = request.getfixturevalue("ceph_rgw")
+        except pytest.skip.Exception as e:
+            out.update({c.id: ("skipped", str(e)) for c in cells if c.remote == "rgw"})
+            cells = [c for c in cells if c.remote != "rgw"]
+    tmp = tmp_path_factory.mktemp("fault-matrix")
+    mp = pytest.MonkeyPatch()
+    if rgw is not None:  # this process's stores of the RGW (the checks) use its user's keys
+        mp.setenv("AWS_ACCESS_KEY_ID", rgw[1])
+        mp.setenv("AWS_SECRET_ACCESS_KEY", rgw[2])
+    (tmp / "lane0").mkdir()
+    worlds = [World(fk_env, fake_snapshot["digest"], tmp / "lane0", rgw, engine_ports)]
+    ups = [c for c in cells if c.path in UP_PATHS]
+    shm_before = shm_names()
+    t0 = time.monotonic()
     try:
-        assert r2.returncode == 0, f"{cell.id}: the rerun failed\n{(r2.stdout + r2.stderr)[-3000:]}"
-        if cell.path in ("pull", "push"):
-            [rep] = json.loads(r2.stdout)
-            done = len(have) if cell.path == "pull" else sent
-            assert rep["chunks_copied"] == rep["chunks_total"] - done, (rep, done)
-        elif cell.path in ("up", "up-stream"):
-            res = json.loads(r2.stdout)
-            assert res["source"] == "restore", res
-            # the chunks the failed run committed are read locally, only the others fetched
-            now = node.chunks()
-            assert len(now) == world.nchunks and set(have) <= set(now)
-            assert res["fetched"] == {"remote": sum(n for c, n in now.items() if c not in have),
-                                      "local": sum(have.values())}, (res["fetched"], len(have))
+        with ThreadPoolExecutor(WORKERS) as pool:
+            more = [pool.submit(_lane, tmp, rgw, n) for n in range(1, min(LANES, len(ups)))]
+            kinds = sorted({(c.remote, c.seal) for c in cells})
+            for _ in pool.map(lambda ks: worlds[0].master(*ks), kinds):
+                pass
+            worlds += [f.result() for f in more]
+            up_kinds = sorted({(c.remote, c.seal) for c in ups})
+            for _ in pool.map(lambda wk: wk[0].master(*wk[1]), [(w, k) for w in worlds[1:] for k in up_kinds]):
+                pass
+            lane = {c.id: worlds[k % len(worlds)] for k, c in enumerate(ups)}
+
+            def one(i_cell):
+                i, cell = i_cell
+                try:
+                    return cell.id, ("ok", run_cell(cell, lane.get(cell.id, worlds[0]), tmp / f"c{i:03d}-{cell.id}"))
+                except AssertionError as e:
+                    return cell.id, ("failed", str(e))
+                except Exception:  # noqa: BLE001 - reported as the cell's failure
+                    return cell.id, ("failed", traceback.format_exc())
+
+            # the up-family, one at a time per lane (two threads each: one prepares while the other
+            # runs), beside the rest
+            with ThreadPoolExecutor(2 * len(worlds)) as up_pool:
+                futs = [(up_pool if c.path in UP_PATHS else pool).submit(one, (i, c)) for i, c in enumerate(cells)]
+                out.update(dict(f.result() for f in futs))
     finally:
-        if cell.path in ("up", "up-stream"):
-            warmctl("down", "fake", env=env, check=False)
-    _results[cell.id]["cell_seconds"] = round(time.monotonic() - t_cell, 1)
+        mp.undo()
+    wall = time.monotonic() - t0
+    leaked = shm_leaked(shm_before) & {n for w in worlds for n in w.shm}
+    if leaked:  # the cells share /dev/shm: a file of the snapshots left is every cell's failure
+        for cid, (state, _) in list(out.items()):
+            if state == "ok":
+                out[cid] = ("failed", f"/dev/shm files left by the matrix: {sorted(leaked)}")
+    records = {cid: rec for cid, (state, rec) in out.items() if state == "ok"}
+    for cid, (state, what) in out.items():
+        if state == "failed":
+            records[cid] = {"failed": str(what)[:300]}
+    RESULTS.parent.mkdir(exist_ok=True)
+    prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    merged = dict(prev.get("cells", {}), **records)  # a run of some cells updates theirs
+    RESULTS.write_text(json.dumps({"cells": merged, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                   "run": {"cells": len(cells), "wall_seconds": round(wall, 1), "workers": WORKERS, "lanes": len(worlds),
+                                           "cores": os.cpu_count()}}, indent=1) + "\n")
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.s3
+@pytest.mark.parametrize("cell", MATRIX, ids=lambda c: c.id)
+def test_fault(cell: Cell, ran):
+    state, what = ran[cell.id]
+    if state == "skipped":
+        pytest.skip(str(what))
+    assert state == "ok", f"{cell.id}:\n{what}"
 
 
 def test_the_reliability_table_is_the_matrix():

@@ -98,6 +98,42 @@ def test_an_upload_the_server_takes_slowly_ends_at_its_deadline(bucket, moto_end
     assert not S3Backend(bucket, "t", endpoint_url=moto_endpoint).exists("chunks/up")  # nothing half-written
 
 
+@pytest.mark.parametrize("fault", ["headers", "stall"])
+def test_every_s3_request_ends_at_its_deadline_head_included(bucket, moto_endpoint, proxy, fault):
+    """A server that trickles its whole answer from the first byte (the status line and headers a
+    byte every 0.2 s: never silent for the 20 s read timeout), or answers nothing at all: every
+    request (``load``, ``load_into``, a ranged ``load``, ``stat``, a ``list`` page, ``save``,
+    ``remove``) ends at its total deadline (floor 1 s + size at 1 MiB/s), naming the request,
+    the object and the seconds waited, not at the read timeout."""
+    direct = S3Backend(bucket, "t", endpoint_url=moto_endpoint)
+    direct.save("chunks/c", os.urandom(64 * KiB))
+    b = S3Backend(bucket, "t", endpoint_url=proxy.url, read_timeout=20.0, bound=TransferBound(1.0, MiB))
+    if fault == "headers":
+        proxy.trickle = ("down", 0, 0.2)
+    else:
+        proxy.stall = True
+    calls = {"load": (lambda: b.load("chunks/c"), 0), "load_into": (lambda: b.load_into("chunks/c", bytearray(), 128 * KiB), 128 * KiB + 1),
+             "ranged load": (lambda: b.load("chunks/c", 10, 32 * KiB), 32 * KiB), "stat": (lambda: b.stat("chunks/c"), 0),
+             "list": (lambda: list(b.list("chunks/")), 0), "save": (lambda: b.save("chunks/d", b"x" * 1000), 1000),
+             "remove": (lambda: b.remove("chunks/c"), 0)}
+    for name, (call, size) in calls.items():
+        t0 = time.monotonic()
+        with pytest.raises(RemoteTooSlow) as ei:
+            call()
+        took = time.monotonic() - t0
+        bound = 1.0 + size / MiB
+        assert bound - 0.05 < took < bound + 0.5, (name, took, bound)
+        msg = str(ei.value)
+        op = {"ranged load": "load", "load_into": "load"}.get(name, name)
+        where = "chunks/" if name == "list" else ("chunks/d" if name == "save" else "chunks/c")
+        assert f"{op} s3://{bucket}/t/{where} at {proxy.url}: too slow: " in msg, (name, msg)
+        # a save waits for "100 Continue" before its body: it may end with none of it sent
+        m = re.search(r"too slow: (stalled: no answer after|0 of [\d,]+ bytes sent in) (\d+\.\d+) s", msg)
+        assert m and float(m.group(2)) >= 1.0 and "remote_deadline_floor_s 1 s" in msg, msg
+    if fault == "stall":  # nothing reached the server (a trickled answer's request did)
+        assert direct.exists("chunks/c") and not direct.exists("chunks/d")
+
+
 def test_pull_of_a_trickling_remote_exits_43_within_its_bound(bucket, moto_endpoint, proxy, tmp_path):
     from test_store_fixtures import push, snapshot, write_payload
     from warmctl.store import open_store

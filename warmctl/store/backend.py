@@ -47,10 +47,10 @@ class BackendUnavailable(TransientBackendError):
 class RemoteTooSlow(WarmctlError):
     """A transfer with a remote (S3, an OCI registry) did not finish within its total
     deadline (:class:`TransferBound`: ``remote_deadline_floor_s`` + its size at
-    ``remote_min_rate_bytes_s``): a server that trickles its answer, or reads an upload
-    slowly, ends here instead of stretching the transfer without bound. The message names the
-    operation, the object, the remote, the bytes moved and the seconds waited. Not retried: a
-    retry of a trickle is one more trickle."""
+    ``remote_min_rate_bytes_s``): a server that trickles its answer (its head included), reads
+    an upload slowly, or answers nothing (on S3), ends here instead of stretching the transfer
+    without bound. The message names the operation, the object, the remote, the bytes moved and
+    the seconds waited. Not retried: a retry of a trickle is one more trickle."""
 
 
 #: Default ``remote_deadline_floor_s``: seconds every remote transfer may take whatever its size.
@@ -85,6 +85,7 @@ class TransferClock:
     def __init__(self, bound: TransferBound, what: str, size: int, t0: float):
         self.bound, self.what, self.size, self.t0 = bound, what, size, t0
         self.limit = bound.seconds(size)
+        self.done = 0  # bytes moved at the last check
 
     def left(self) -> float:
         return self.t0 + self.limit - time.monotonic()
@@ -93,13 +94,18 @@ class TransferClock:
         return self.left() <= 0
 
     def check(self, done: int, verb: str = "received") -> None:
+        self.done = done
         if self.expired():
             raise self.error(done, verb)
 
-    def error(self, done: int, verb: str = "received") -> RemoteTooSlow:
+    def error(self, done: int, verb: str = "received", stalled: bool = False) -> RemoteTooSlow:
+        """The error of this transfer past its deadline, ``done`` bytes moved (``verb``);
+        ``stalled``: the request ended waiting on the server (no answer, or its head, yet)."""
         waited = time.monotonic() - self.t0
+        moved = (f"stalled: no answer after {waited:.2f} s ({done:,} of {self.size:,} bytes {verb})" if stalled
+                 else f"{done:,} of {self.size:,} bytes {verb} in {waited:.2f} s")
         return RemoteTooSlow(
-            f"{self.what}: too slow: {done:,} of {self.size:,} bytes {verb} in {waited:.2f} s, over its "
+            f"{self.what}: too slow: {moved}, over its "
             f"{self.limit:.2f} s bound (remote_deadline_floor_s {self.bound.floor_s:g} s + {self.size:,} bytes "
             f"at remote_min_rate_bytes_s {self.bound.min_rate:,} B/s); check the network path to the remote")
 

@@ -25,8 +25,13 @@ the ``remote_deadline_floor_s`` + the object's size at ``remote_min_rate_bytes_s
 read piece by piece as it arrives, with the socket's timeout clamped to what is left of the
 deadline, and an upload's body is handed over piece by piece, so a server that trickles (a
 byte every 19 s keeps a 20 s read timeout from ever firing) ends in :class:`RemoteTooSlow`
-naming the object, the endpoint, the bytes moved and the seconds waited. The wait for an
-answer's head (status line and headers) is bounded by the read timeout between its bytes only.
+naming the object, the endpoint, the bytes moved and the seconds waited. The deadline covers
+the whole request, its head (status line and headers) and an upload's wait for its answer
+included: a watchdog thread (:class:`_Watchdog`) shuts down the connection of a request still
+running at its deadline, so a server that answers nothing, or trickles its headers, ends the
+request at the deadline too (``stat``, ``list`` pages and ``remove`` move no body: their
+deadline is ``remote_deadline_floor_s``). A request whose connection is still being made is
+bounded by the connect timeout.
 The outage window of :class:`warmctl.store.RetryingBackend` (which ``open_store``
 wraps around this backend) is the one place that decides how long an outage is survived.
 """
@@ -36,10 +41,14 @@ from __future__ import annotations
 import http.client
 import io
 import os
+import heapq
+import itertools
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 
@@ -111,11 +120,120 @@ def _load_sdk() -> None:
     """Import boto3, botocore and urllib3 into this module on first use, not at import: they
     cost ~130 ms, and every CLI command imports the store package (``warmctl up``
     from a local store never needs them)."""
-    global boto3, botocore, bx, urllib3
+    global boto3, botocore, bx, urllib3, _POOLS
     import boto3
+    import botocore.awsrequest
     import botocore.config
     import botocore.exceptions as bx
     import urllib3.exceptions
+
+    if _POOLS is None:
+        _POOLS = {"http": _watched_pool(botocore.awsrequest.AWSHTTPConnectionPool),
+                  "https": _watched_pool(botocore.awsrequest.AWSHTTPSConnectionPool)}
+
+
+#: what the calling thread's request runs under (a :class:`_Watch`), read by the connections
+_tls = threading.local()
+#: botocore's connection pools, their connections telling the running watch which they are
+_POOLS: dict[str, type] | None = None
+
+
+def _watched_pool(pool: type) -> type:
+    """A subclass of botocore's connection pool ``pool`` whose connections, on each request,
+    hand themselves to the calling thread's :class:`_Watch` (so its watchdog can shut down the
+    socket the request waits on)."""
+
+    class Conn(pool.ConnectionCls):
+        def request(self, *a, **kw):  # urllib3's entry for one request on this connection
+            w = getattr(_tls, "watch", None)
+            self._warmctl_watch = w
+            if w is not None:
+                w.conn = self
+            return super().request(*a, **kw)
+
+    return type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": Conn})
+
+
+class _Watch:
+    """One transfer under its :class:`TransferClock`: the connection its current request uses
+    (set by the connection), and whether the watchdog fired."""
+
+    def __init__(self, clock: TransferClock):
+        self.clock = clock
+        self.conn = None
+        self.fired = False
+        self.done = False
+        self.mu = threading.Lock()
+
+    @property
+    def deadline(self) -> float:
+        return self.clock.t0 + self.clock.limit
+
+    def fire(self) -> None:
+        """Shut down the socket of the request in flight (the blocked read or write returns at once)."""
+        with self.mu:
+            if self.done:
+                return
+            self.fired = True
+            conn = self.conn
+        sock = getattr(conn, "sock", None)
+        if sock is not None and getattr(conn, "_warmctl_watch", None) is self:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _Watchdog:
+    """One daemon thread firing each :class:`_Watch` whose deadline has passed while it runs."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, _Watch]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, w: _Watch) -> None:
+        """Watch ``w`` until it is done (again, after its clock changed)."""
+        with self._cv:
+            heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="warmctl-s3-deadlines", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap:
+                    self._cv.wait()
+                at, _, w = self._heap[0]
+                if w.done or w.deadline > at:  # finished, or re-armed with a later deadline
+                    heapq.heappop(self._heap)
+                    continue
+                wait = at - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+            w.fire()
+
+
+_WATCHDOG = _Watchdog()
+
+
+@contextmanager
+def _watched(clock: TransferClock) -> Iterator[_Watch]:
+    """Run the requests made in this block (this thread) under ``clock``'s deadline."""
+    w = _Watch(clock)
+    _tls.watch = w
+    _WATCHDOG.arm(w)
+    try:
+        yield w
+    finally:
+        with w.mu:
+            w.done = True
+        _tls.watch = None
 
 
 class S3Backend(Backend):
@@ -176,6 +294,9 @@ class S3Backend(Backend):
         except ValueError as e:  # botocore: "Invalid endpoint: ..."
             src = "$AWS_ENDPOINT_URL" if endpoint_url is None else "the s3_endpoint setting"
             raise HostError(f"S3 endpoint {self.endpoint_url!r} (from {src}) is not a valid URL: {e}") from None
+        # the connections of this client tell the watchdog which socket a request waits on
+        # (the dict is shared with botocore's pool managers)
+        self.client._endpoint.http_session._pool_classes_by_scheme.update(_POOLS)
 
     def __repr__(self) -> str:
         return f"S3Backend({self.location()!r}, endpoint={self.endpoint_url!r})"
@@ -257,17 +378,19 @@ class S3Backend(Backend):
         if not isinstance(data, bytes):
             data = bytes(data)  # boto3 wants bytes (a view may be a memory map of a local object)
         clock = self.bound.start(f"save {self.location(key)} at {self.endpoint()}", len(data))
-        try:
-            if len(data) < self.multipart_threshold:
-                self.client.put_object(Bucket=self.bucket, Key=k, Body=_TimedBody(data, clock))
-                return
-            self._multipart(k, data, clock)
-        except RemoteTooSlow:
-            raise
-        except Exception as e:  # noqa: BLE001 - translated
-            if clock.expired():  # the socket timed out at the deadline's end
-                raise clock.error(0, "sent") from e
-            raise self._err("save", key, e) from e
+        with _watched(clock) as w:
+            try:
+                if len(data) < self.multipart_threshold:
+                    self.client.put_object(Bucket=self.bucket, Key=k, Body=_TimedBody(data, clock))
+                    return
+                self._multipart(k, data, clock)
+            except RemoteTooSlow:
+                raise
+            except Exception as e:  # noqa: BLE001 - translated
+                if w.fired or clock.expired():  # the watchdog, or the socket, timed out at the deadline
+                    # stalled: the whole body handed over, the answer never came
+                    raise clock.error(clock.done, "sent", stalled=clock.done >= len(data)) from e
+                raise self._err("save", key, e) from e
 
     def _multipart(self, k: str, data: bytes, clock: TransferClock) -> None:
         up = self.client.create_multipart_upload(Bucket=self.bucket, Key=k)
@@ -299,7 +422,7 @@ class S3Backend(Backend):
         elif offset:
             kw["Range"] = f"bytes={offset}-"
         try:
-            r, data = self._get(key, kw, None)
+            r, data = self._get(key, kw, None, length or 0)
         except (RemoteTooSlow, ObjectNotFound):
             raise
         except Exception as e:  # noqa: BLE001 - translated
@@ -314,7 +437,7 @@ class S3Backend(Backend):
         if limit is None:
             return memoryview(self.load(key))
         try:
-            r, data = self._get(key, {"Range": f"bytes=0-{limit}"}, limit + 1)
+            r, data = self._get(key, {"Range": f"bytes=0-{limit}"}, limit + 1, limit + 1)
         except (RemoteTooSlow, ObjectNotFound):
             raise
         except Exception as e:  # noqa: BLE001 - translated
@@ -331,40 +454,53 @@ class S3Backend(Backend):
                                         f"{len(data)} of {total} bytes")
         return memoryview(data)
 
-    def _get(self, key: str, kw: dict, most: int | None) -> tuple[dict, bytes]:
+    def _get(self, key: str, kw: dict, most: int | None, expect: int) -> tuple[dict, bytes]:
         """(GET answer, its body: at most ``most`` bytes, else all) of ``key`` with the extra
-        arguments ``kw``, within the total deadline of its ``Content-Length``: the body is read
-        as it arrives, the socket's timeout clamped to what is left of the deadline. Raises
-        :class:`RemoteTooSlow` past the deadline; the client's exceptions otherwise."""
+        arguments ``kw``, within the total deadline of ``expect`` bytes until the answer's head
+        has come, then of its ``Content-Length``: the body is read as it arrives, the socket's
+        timeout clamped to what is left of the deadline, and the watchdog shuts the connection
+        down at the deadline whatever the request waits on. Raises :class:`RemoteTooSlow` past
+        the deadline; the client's exceptions otherwise."""
+        what = f"load {self.location(key)} at {self.endpoint()}"
         t0 = time.monotonic()
-        r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, **kw)
-        size = int(r.get("ContentLength") or 0)
-        if most is not None:
-            size = min(size, most)
-        clock = self.bound.start(f"load {self.location(key)} at {self.endpoint()}", size, t0)
-        body = r["Body"]
-        raw = getattr(body, "_raw_stream", None)  # urllib3's response: read1 returns what has arrived
-        read1 = getattr(raw, "read1", None)
-        out = bytearray()
-        try:
-            while most is None or len(out) < most:
-                clock.check(len(out))
-                want = READ_PIECE if most is None else min(READ_PIECE, most - len(out))
-                try:
-                    body.set_socket_timeout(max(0.01, min(self.read_timeout, clock.left())))
-                except (AttributeError, OSError):
-                    pass
-                try:
-                    piece = read1(want) if read1 is not None else body.read(want)
-                except Exception as e:  # noqa: BLE001 - a timeout at the deadline is the deadline's
-                    if clock.expired():
-                        raise clock.error(len(out)) from e
-                    raise
-                if not piece:
-                    break
-                out += piece
-        finally:
-            body.close()
+        clock = self.bound.start(what, expect, t0)
+        with _watched(clock) as w:
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key, **kw)
+            except Exception as e:  # noqa: BLE001 - a head that never came is the deadline's
+                if w.fired or clock.expired():
+                    raise clock.error(0, stalled=True) from e
+                raise
+            size = int(r.get("ContentLength") or 0)
+            if most is not None:
+                size = min(size, most)
+            w.clock = clock = self.bound.start(what, size, t0)
+            _WATCHDOG.arm(w)
+            body = r["Body"]
+            raw = getattr(body, "_raw_stream", None)  # urllib3's response: read1 returns what has arrived
+            read1 = getattr(raw, "read1", None)
+            out = bytearray()
+            try:
+                while most is None or len(out) < most:
+                    clock.check(len(out))
+                    want = READ_PIECE if most is None else min(READ_PIECE, most - len(out))
+                    try:
+                        body.set_socket_timeout(max(0.01, min(self.read_timeout, clock.left())))
+                    except (AttributeError, OSError):
+                        pass
+                    try:
+                        piece = read1(want) if read1 is not None else body.read(want)
+                    except Exception as e:  # noqa: BLE001 - a timeout at the deadline is the deadline's
+                        if w.fired or clock.expired():
+                            raise clock.error(len(out)) from e
+                        raise
+                    if not piece:
+                        break
+                    out += piece
+                if w.fired:  # the connection shut down under a read: the body ended early
+                    raise clock.error(len(out))
+            finally:
+                body.close()
         return r, bytes(out)
 
     def _check_length(self, key: str, r: dict, data: bytes, offset: int, length: int | None, ranged: bool) -> bytes:
@@ -393,30 +529,43 @@ class S3Backend(Backend):
             raise TransientBackendError(f"{where}: body cut short: {len(data)} of {expect} bytes (offset {offset})")
         return data
 
+    @contextmanager
+    def _small(self, op: str, key: str) -> Iterator[None]:
+        """Run one request that moves no body (``op`` on ``key``) within ``remote_deadline_floor_s``,
+        translating its failures (:meth:`_err`)."""
+        clock = self.bound.start(f"{op} {self.location(key)} at {self.endpoint()}", 0)
+        with _watched(clock) as w:
+            try:
+                yield
+            except Exception as e:  # noqa: BLE001 - translated
+                if w.fired or clock.expired():
+                    raise clock.error(0, stalled=True) from e
+                raise self._err(op, key, e) from e
+
     def stat(self, key: str) -> ObjectInfo:
-        try:
+        with self._small("stat", key):
             r = self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)
-        except Exception as e:  # noqa: BLE001 - translated
-            raise self._err("stat", key, e) from e
         return ObjectInfo(key, r["ContentLength"], r["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        pag = self.client.get_paginator("list_objects_v2")
         n = len(self.prefix)
-        try:
-            for page in pag.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-                for o in page.get("Contents", []):
-                    yield ObjectInfo(o["Key"][n:], o["Size"], o["LastModified"].timestamp())
-        except Exception as e:  # noqa: BLE001 - translated
-            raise self._err("list", prefix, e) from e
+        kw: dict = {}
+        while True:  # one page per request, each within its own deadline
+            with self._small("list", prefix):
+                page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix + prefix, **kw)
+            for o in page.get("Contents", []):
+                yield ObjectInfo(o["Key"][n:], o["Size"], o["LastModified"].timestamp())
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            kw = {"ContinuationToken": token}
 
     def remove(self, key: str) -> None:
         try:
-            self.client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
-        except Exception as e:  # noqa: BLE001 - translated
-            err = self._err("remove", key, e)
-            if not isinstance(err, ObjectNotFound):
-                raise err from e
+            with self._small("remove", key):
+                self.client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
+        except ObjectNotFound:
+            pass
 
     def close(self) -> None:
         self.client.close()
