@@ -16,10 +16,11 @@
 # WARMCTL_CLEAN_ROOT_TOOL) and free ports 8000/18000. Only that test:
 #   bash scripts/test.sh --clean-root tests/test_clean_root.py
 #
-# --kubernetes: also run the pod tests on a real kubelet (tests/test_kube_pods.py, marker
-# `kubelet`, WARMCTL_TEST_KUBERNETES=1): builds the kubelet and installs containerd, runc and the
-# image tools (WARMCTL_KUBE_WITH_KUBELET=1 scripts/install-kubernetes.sh), then the engine image
-# (deploy/image/build.sh: cached; the first build takes many minutes). Only those tests:
+# --kubernetes: also run the pod tests on a real kubelet (tests/test_kube_pods*.py and
+# tests/test_kube_workloads.py, marker `kubelet`, WARMCTL_TEST_KUBERNETES=1): builds the
+# kubelet and installs containerd, runc and the image tools (WARMCTL_KUBE_WITH_KUBELET=1
+# scripts/install-kubernetes.sh), then the engine image (deploy/image/build.sh: cached; the
+# first build takes many minutes). Only those tests:
 #   bash scripts/test.sh --kubernetes tests/test_kube_pods.py
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

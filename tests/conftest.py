@@ -4,6 +4,9 @@ Environment knobs (for running several suites side by side on one host):
 ``WARMCTL_TEST_ENGINE_PORT`` (internal engine port, default 18000) and
 ``WARMCTL_TEST_GATE_PORT`` (public port, default 18080). ``WARMCTL_TEST_KEEP_TMP=1`` keeps each
 module's temporary directories after it (by default removed: :func:`_module_tmp_freed`).
+At the session's end the terminal summary lists the slowest test files (wall seconds of their
+tests' setup, call and teardown, module fixtures included); ``WARMCTL_TEST_TIMES=FILE`` also
+writes every file's seconds to FILE (``SECONDS PATH`` lines, slowest first).
 """
 
 from __future__ import annotations
@@ -21,6 +24,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 WARMCTL = [sys.executable, "-m", "warmctl"]
+
+
+#: Wall seconds per test file (setup + call + teardown of its tests), filled as reports arrive.
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    rows = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    if out := os.environ.get("WARMCTL_TEST_TIMES"):
+        Path(out).write_text("".join(f"{s:9.1f} {p}\n" for p, s in rows))
+    if len(rows) > 1:
+        terminalreporter.write_sep("=", f"slowest test files (of {len(rows)}, {sum(FILE_SECONDS.values()):.0f} s in all)")
+        for p, s in rows[:20]:
+            terminalreporter.write_line(f"{s:9.1f} s  {p}")
 
 
 def warmctl(*args: str, env: dict[str, str], check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -131,6 +153,19 @@ def read_to_close(s) -> bytes:
     except (ConnectionResetError, socket.timeout):
         pass
     return out
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """End ``proc``: SIGTERM, then SIGKILL if it has not exited within ``grace_s`` seconds;
+    reaped either way (nothing when it has already exited)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_agent_ready(url: str, proc: subprocess.Popen, log_text, timeout_s: float = 60) -> None:
@@ -273,12 +308,14 @@ FAKE_PORT_OFFSET = 6
 
 
 def fake_profile(engine_port: int, gate_port: int, name: str = "fake", hold: Path | None = None,
-                 extra: str = "") -> str:
+                 extra: str = "", tp: int = 1) -> str:
     """A profile named ``name`` whose engine is :data:`FAKE_VLLM` (under :func:`fake_env`), on
     the given internal and public ports: a small warm-up grid and the ``tiny`` profile's canary
     (tokens and logprobs compared bit for bit), with ``extra`` TOML appended. ``hold``: a path
-    whose existence holds the engine's canary answers (``FAKE_VLLM_HOLD``, see tests/fake_vllm.py)."""
+    whose existence holds the engine's canary answers (``FAKE_VLLM_HOLD``, see tests/fake_vllm.py).
+    ``tp``: ``--tensor-parallel-size`` (above 1: worker ranks ``Worker_TP0``.., tests/fake_vllm.py)."""
     env = f'\n[engine.env]\nFAKE_VLLM_HOLD = "{hold}"\n' if hold else ""
+    tp_args = f', "--tensor-parallel-size", "{tp}"' if tp > 1 else ""
     return f"""name = "{name}"
 description = "tests/fake_vllm.py: a two-process stand-in for vLLM (orchestration tests)"
 
@@ -287,7 +324,7 @@ model = "fake-model"
 served_model_name = "{name}"
 port = {engine_port}
 startup_timeout_s = 60
-args = ["--seed", "0"]
+args = ["--seed", "0"{tp_args}]
 {env}
 [gate]
 host = "127.0.0.1"

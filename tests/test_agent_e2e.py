@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import wait_agent_ready, warmctl
+from tests.conftest import stop_process, wait_agent_ready, warmctl
 from tests.test_agent_api import free_port
 
 pytestmark = pytest.mark.e2e
@@ -66,13 +66,7 @@ class Agent:
         self.http.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.http.close()
         self.log.close()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import read_to_close, wait_agent_ready
+from tests.conftest import read_to_close, stop_process, wait_agent_ready
 from tests.test_agent_api import TOKEN, LiveAgent
 from warmctl.base.proc import kill_child
 from warmctl.records.state import EngineState, save as save_state
@@ -186,17 +186,14 @@ class AgentProc:
 
     def stop(self) -> None:
         self.http.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 15)
 
 
-@pytest.fixture
-def agent_proc(tmp_path):
-    a = AgentProc(tmp_path / "home")
+@pytest.fixture(scope="module")
+def agent_proc(tmp_path_factory):
+    """One agent for the module's request-level probes (each test sends its own requests and
+    waits for its own connections to end; none changes the agent's state)."""
+    a = AgentProc(tmp_path_factory.mktemp("agent-hostile") / "home")
     yield a
     a.stop()
 

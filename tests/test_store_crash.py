@@ -233,9 +233,13 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+#: The paused writer's lock lifetime (seconds): it refreshes every third of it while it runs.
+LIFETIME_S = 1.5
+
+
 def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_data(tmp_path):
     """A writer (a real ``warmctl push``) is paused by
-    SIGSTOP past its lock's lifetime (3 s here, ``WARMCTL_LOCK_STALE_S``) at one write point after
+    SIGSTOP past its lock's lifetime (1.5 s here, ``WARMCTL_LOCK_STALE_S``) at one write point after
     another, ``warmctl gc --grace 0`` runs meanwhile (and judges the lock stale), the writer is
     resumed (SIGCONT): either it fails cleanly (LockLost, its own exit code, no traceback) or every
     chunk of what it named exists; ``verify`` passes either way."""
@@ -247,7 +251,7 @@ def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_dat
     outcomes: dict[int, str] = {}
     for n in range(1, 200, 3):
         subprocess.run(["rm", "-rf", str(dst)], check=True)
-        env = _env(tmp_path, **{FAULT_STOP_ENV: str(n), "WARMCTL_LOCK_STALE_S": "3"})
+        env = _env(tmp_path, **{FAULT_STOP_ENV: str(n), "WARMCTL_LOCK_STALE_S": str(LIFETIME_S)})
         p = subprocess.Popen([sys.executable, "-m", "warmctl", "push", "tiny", "--to", str(dst), "--store", str(src)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -257,7 +261,7 @@ def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_dat
                 out, err = p.communicate()
                 assert p.returncode == 0, err
                 break
-            time.sleep(4.0)  # past the lock's lifetime
+            time.sleep(LIFETIME_S + 0.3)  # past the lock's lifetime (its last refresh was before the stop)
             g = _warmctl(["gc", "--grace", "0", "--store", str(dst)], _env(tmp_path))
             assert g.returncode == 0, f"stop at {n}: gc exited {g.returncode}: {g.stderr}"
             p.send_signal(signal.SIGCONT)
