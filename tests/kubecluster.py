@@ -1,6 +1,6 @@
 """A real Kubernetes control plane on loopback, for tests: etcd and kube-apiserver v1.20.2 (built
 by scripts/install-kubernetes.sh from Debian 12's source package), and on demand
-kube-controller-manager. No kubelet: pods are stored and admitted, never run.
+kube-controller-manager and kube-scheduler. No kubelet: pods are stored and admitted, never run.
 
     from kubecluster import KubeCluster, missing                  # tests/ is on sys.path under pytest
     with KubeCluster() as k:                                       # ~4 s on 2 cores
@@ -10,6 +10,7 @@ kube-controller-manager. No kubelet: pods are stored and admitted, never run.
         k.request("GET", "/api/v1/nodes", user=NODE)               # (HTTP status, parsed JSON)
         k.service_account_dir(tmp / "sa", ENGINE)                  # token, ca.crt, namespace files
         k.start_controllers()                                      # kube-controller-manager
+        k.start_scheduler()                                        # kube-scheduler
 
 What is real: etcd 3.4 (Debian's etcd-server, its own data dir, client and peer URLs on
 127.0.0.1), kube-apiserver with TLS (a CA and serving certificate for 127.0.0.1 made with
@@ -193,8 +194,82 @@ def _make_pki(d: Path) -> tuple[Path, Path, Path, Path, Path]:
     return out
 
 
-class KubeCluster:
-    """etcd + kube-apiserver on 127.0.0.1 (free ports), optionally kube-controller-manager.
+class Processes:
+    """The start/stop plumbing the test cluster and the test node share: child processes by
+    name (``procs``), each logging to ``workdir/log/NAME.log``; :meth:`_wait` polls a readiness
+    check until it passes, failing fast with the logs' tails when a child exits; ``with`` starts
+    (stopping again when the start fails) and stops. Subclasses give :meth:`start`, :meth:`stop`."""
+
+    timeout: float
+    workdir: Path
+    procs: dict[str, subprocess.Popen]
+
+    def start(self):  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def stop(self) -> None:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def _spawn(self, name: str, argv: list[str], **popen: object) -> None:
+        """Start ``argv`` as child ``name``, stdin closed, stdout and stderr into its log;
+        ``popen``: more :class:`subprocess.Popen` arguments."""
+        (self.workdir / "log").mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "log" / f"{name}.log", "wb") as out:
+            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                                close_fds=True, **popen)  # type: ignore[call-overload]
+
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise KubeStartError(f"{name} (pid {p.pid}) exited with status {p.returncode} during start-up"
+                                     f"{self.tails()}")
+
+    def tails(self, lines: int = 15) -> str:
+        """The last ``lines`` lines of each process's log (for error messages)."""
+        return "".join(f"\n{p}:\n{_tail(p, lines)}" for p in sorted((self.workdir / "log").glob("*.log")))
+
+    def _wait(self, what: str, ok, deadline: float, period: float = 0.1) -> None:
+        """Call ``ok()`` every ``period`` s until it is true (an OSError or a subprocess error
+        counts as not yet); :class:`KubeStartError` with the logs' tails when a child exits or
+        ``deadline`` (a ``time.monotonic()`` value) passes."""
+        while True:
+            self._check_alive()
+            try:
+                if ok():
+                    return
+            except (OSError, subprocess.SubprocessError):
+                pass
+            if time.monotonic() > deadline:
+                raise KubeStartError(f"{what} not ready within {self.timeout:.0f} s{self.tails()}")
+            time.sleep(period)
+
+    def _terminate(self, name: str, timeout: float = 10) -> None:
+        """SIGTERM child ``name``, SIGKILL when it has not exited ``timeout`` s later; reap it."""
+        p = self.procs.pop(name, None)
+        if p is None:
+            return
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class KubeCluster(Processes):
+    """etcd + kube-apiserver on 127.0.0.1 (free ports), optionally kube-controller-manager and
+    kube-scheduler.
 
     Attributes once started: ``server`` (``https://127.0.0.1:PORT``), ``ca_file`` (PEM of the CA
     that signed the serving certificate), ``workdir``, ``start_s`` (seconds from spawning etcd to
@@ -297,35 +372,11 @@ class KubeCluster:
             return status, {"raw": raw.decode(errors="replace")}
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], **popen: object) -> None:
+        """:meth:`Processes._spawn`, the child killed when the thread that started it dies
+        (``PR_SET_PDEATHSIG``; only from the main thread)."""
         main = threading.current_thread() is threading.main_thread()
-        with open(self.workdir / "log" / f"{name}.log", "wb") as out:
-            self.procs[name] = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, close_fds=True,
-                preexec_fn=_die_with_parent if main else None,  # noqa: PLW1509 - only prctl, resolved before fork
-            )
-
-    def _check_alive(self) -> None:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise KubeStartError(f"{name} (pid {p.pid}) exited with status {p.returncode} during start-up"
-                                     f"{self.tails()}")
-
-    def tails(self) -> str:
-        """The last lines of each process's log (for error messages)."""
-        return "".join(f"\n{p}:\n{_tail(p)}" for p in sorted((self.workdir / "log").glob("*.log")))
-
-    def _wait(self, what: str, ok, deadline: float) -> None:
-        while True:
-            self._check_alive()
-            try:
-                if ok():
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise KubeStartError(f"{what} not ready within {self.timeout:.0f} s{self.tails()}")
-            time.sleep(0.1)
+        super()._spawn(name, argv, preexec_fn=_die_with_parent if main else None, **popen)
 
     def start(self) -> KubeCluster:
         """Start etcd and kube-apiserver; return once ``/readyz`` answers ``ok``."""
@@ -334,7 +385,6 @@ class KubeCluster:
             raise KubeStartError(gone)
         t0 = time.monotonic()
         deadline = t0 + self.timeout
-        (self.workdir / "log").mkdir(parents=True, exist_ok=True)
         ca, cert, key, sa_key, sa_pub = _make_pki(self.workdir / "pki")
         self.ca_file = ca
         self.sa_key = sa_key
@@ -402,27 +452,27 @@ class KubeCluster:
             return st == 200 and bool(body.get("secrets"))
         self._wait("kube-controller-manager (the default service account's token)", sa_ready, deadline)
 
+    def start_scheduler(self) -> None:
+        """Start kube-scheduler (the default profile, no leader election, nothing served: it
+        binds the pods the controllers create, e.g. a Deployment's or a DaemonSet's, to a node)
+        once :meth:`start_controllers` ran; returns once its process has run 1 s without exiting
+        (it serves nothing to probe). Idempotent."""
+        if "kube-scheduler" in self.procs:
+            return
+        if not os.access(bin_dir() / "kube-scheduler", os.X_OK):
+            raise KubeStartError(f"{bin_dir() / 'kube-scheduler'} missing: run scripts/install-kubernetes.sh as root")
+        self._spawn("kube-scheduler", [
+            str(bin_dir() / "kube-scheduler"), f"--kubeconfig={self._kubeconfig_of(ADMIN)}",
+            "--leader-elect=false", "--port=0", "--secure-port=0", "--bind-address=127.0.0.1", "--v=1",
+        ])
+        started = time.monotonic()
+        self._wait("kube-scheduler", lambda: time.monotonic() - started > 1, started + self.timeout)
+
     def stop(self) -> None:
         """SIGTERM each process in reverse start order, SIGKILL what has not exited 10 s later,
         reap each; then remove the working directory (when this object made it)."""
-        for p in reversed(list(self.procs.values())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs.clear()
+        for name in reversed(list(self.procs)):
+            self._terminate(name)
         if self._own_dir and os.environ.get("WARMCTL_TEST_KEEP_TMP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> KubeCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import Callable
 
 import kubecluster
-from kubecluster import ADMIN, KubeCluster, KubeStartError, free_port
+import pytest
+from kubecluster import ADMIN, KubeCluster, KubeStartError, Processes, free_port
 from registry_server import Registry
 
 #: The node's name, host name and InternalIP.
@@ -59,6 +60,15 @@ NODE_NAME = "127.0.0.1"
 #: static tokens (kubecluster.USERS).
 KUBELET_USER = kubecluster.KUBELET
 assert KUBELET_USER == f"system:node:{NODE_NAME}"
+
+#: What a pod test module sets as its ``pytestmark``: marker ``kubelet``, and skipped unless
+#: ``WARMCTL_TEST_KUBERNETES=1`` (``bash scripts/test.sh --kubernetes``): pod tests are opt-in.
+OPT_IN = [
+    pytest.mark.kubelet,
+    pytest.mark.skipif(os.environ.get("WARMCTL_TEST_KUBERNETES") != "1",
+                       reason="pod tests on a real kubelet are opt-in: bash scripts/test.sh --kubernetes, "
+                              "or WARMCTL_TEST_KUBERNETES=1"),
+]
 
 CNI_BIN = Path("/usr/lib/cni")
 #: Host directories the kubelet (pod and container logs, device plugins) and containerd's shims
@@ -163,7 +173,7 @@ class ImageStore:
         return self.push(layout, tag, "warmctl/busybox")
 
 
-class KubeNode:
+class KubeNode(Processes):
     """containerd + kubelet registered as node :data:`NODE_NAME` with ``cluster`` (which must
     serve :data:`KUBELET_USER`'s token, as every KubeCluster does), pulling
     from ``images``. Attributes once started: ``name``, ``workdir``, ``sock`` (containerd's CRI
@@ -210,29 +220,12 @@ class KubeNode:
                                      f" status: {status}{self.tails()}")
             time.sleep(0.2)
 
-    def tails(self) -> str:
+    def tails(self, lines: int = 25) -> str:
         """The last lines of containerd's and the kubelet's logs."""
-        return "".join(f"\n{p}:\n{kubecluster._tail(p, 25)}" for p in sorted((self.workdir / "log").glob("*.log")))
+        return super().tails(lines)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        with open(self.workdir / "log" / f"{name}.log", "wb") as out:
-            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                close_fds=True, start_new_session=True)
-
-    def _wait(self, what: str, ok: Callable[[], bool], deadline: float) -> None:
-        while True:
-            for n, p in self.procs.items():
-                if p.poll() is not None:
-                    raise KubeStartError(f"{n} (pid {p.pid}) exited with status {p.returncode} during start-up"
-                                         f"{self.tails()}")
-            try:
-                if ok():
-                    return
-            except (OSError, subprocess.SubprocessError):
-                pass
-            if time.monotonic() > deadline:
-                raise KubeStartError(f"{what} not ready within {self.timeout:.0f} s{self.tails()}")
-            time.sleep(0.2)
+    def _spawn(self, name: str, argv: list[str], **popen: object) -> None:
+        super()._spawn(name, argv, start_new_session=True, **popen)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> KubeNode:
@@ -287,7 +280,7 @@ state = "{w}/containerd/state"
     endpoint = ["http://{self.images.host}"]
 """)
         self._spawn("containerd", ["containerd", "--config", str(w / "containerd" / "config.toml"), "--log-level", "warn"])
-        self._wait("containerd", lambda: self.ctr("version", check=False, timeout=5).returncode == 0, deadline)
+        self._wait("containerd", lambda: self.ctr("version", check=False, timeout=5).returncode == 0, deadline, 0.2)
 
         port, healthz = free_port(), free_port()
         kubeconfig = self.cluster.kubeconfig(w / "kubelet.kubeconfig", KUBELET_USER)
@@ -316,11 +309,20 @@ state = "{w}/containerd/state"
                 return False
             conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
             return conds.get("Ready") == "True"
-        self._wait(f"node {self.name} Ready", ready, deadline)
+        self._wait(f"node {self.name} Ready", ready, deadline, 0.2)
         st, node = self.cluster.request("GET", f"/api/v1/nodes/{self.name}")
         addrs = {a["type"]: a["address"] for a in node["status"].get("addresses", [])}
         if addrs.get("InternalIP") != "127.0.0.1":
             raise KubeStartError(f"node {self.name}: InternalIP is {addrs.get('InternalIP')!r}, not 127.0.0.1{self.tails()}")
+        # the node lifecycle controller's part (the test cluster runs none: its API-only nodes have
+        # no kubelet): a Ready node loses the not-ready taint it registered with, so that the
+        # scheduler binds pods to it
+        taints = [t for t in node["spec"].get("taints", []) if t.get("key") != "node.kubernetes.io/not-ready"]
+        if taints != node["spec"].get("taints", []):
+            st, body = self.cluster.request("PATCH", f"/api/v1/nodes/{self.name}", {"spec": {"taints": taints or None}},
+                                            content_type="application/merge-patch+json")
+            if st != 200:
+                raise KubeStartError(f"node {self.name}: removing its not-ready taint: HTTP {st}: {body}")
         self.start_s = time.monotonic() - t0
         return self
 
@@ -379,7 +381,7 @@ state = "{w}/containerd/state"
                 if st != 200 or not pods.get("items"):
                     break
                 time.sleep(0.5)
-        self._terminate("kubelet")
+        self._terminate("kubelet", 15)
         if self.procs.get("containerd") and self.procs["containerd"].poll() is None:
             for t in self.ctr("tasks", "ls", "-q", check=False).stdout.split():
                 self.ctr("tasks", "kill", "--all", "--signal", "SIGKILL", t, check=False)
@@ -388,7 +390,7 @@ state = "{w}/containerd/state"
                 self.ctr("tasks", "delete", "--force", t, check=False)
             for c in self.ctr("containers", "ls", "-q", check=False).stdout.split():
                 self.ctr("containers", "delete", c, check=False)
-        self._terminate("containerd")
+        self._terminate("containerd", 15)
         # the shims started for this containerd (their command line names its socket): they
         # outlive containerd by design
         for pid in os.listdir("/proc"):
@@ -420,27 +422,5 @@ state = "{w}/containerd/state"
         if os.environ.get("WARMCTL_TEST_KEEP_TMP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def _terminate(self, name: str) -> None:
-        p = self.procs.pop(name, None)
-        if p is None:
-            return
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
-    def __enter__(self) -> KubeNode:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-__all__ = ["ADMIN", "ImageStore", "KubeNode", "KUBELET_USER", "NODE_NAME", "missing"]
+__all__ = ["ADMIN", "ImageStore", "KubeNode", "KUBELET_USER", "NODE_NAME", "OPT_IN", "missing"]

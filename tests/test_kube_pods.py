@@ -31,15 +31,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kubenode import OPT_IN
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [
-    pytest.mark.kubelet,
-    pytest.mark.skipif(os.environ.get("WARMCTL_TEST_KUBERNETES") != "1",
-                       reason="pod tests on a real kubelet are opt-in: bash scripts/test.sh --kubernetes, "
-                              "or WARMCTL_TEST_KUBERNETES=1"),
-]
+pytestmark = OPT_IN
 
 
 def _ready(pod: dict | None) -> bool | None:
