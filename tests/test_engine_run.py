@@ -7,7 +7,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -67,6 +69,48 @@ def test_process_identity_survives_only_as_the_same_process():
         assert p.wait(5) is not None and not any(pid_alive(c) for c in child)
         assert not me.alive() and kill_tree(me) is False
         assert ProcessId.of(p.pid) is None or ProcessId.of(p.pid) != me
+    finally:
+        _reap(p)
+
+
+#: a process that, on SIGTERM, writes "term" to the file it is given and exits
+_TERM_WRITER = ("import os, signal, sys, time\n"
+                "def term(*_):\n"
+                "    open(sys.argv[1], 'w').write('term'); os._exit(0)\n"
+                "signal.signal(signal.SIGTERM, term)\n"
+                "print('ready', flush=True)\n"
+                "while True: time.sleep(0.1)\n")
+
+
+def _term_writer(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "term"
+    p = subprocess.Popen([sys.executable, "-c", _TERM_WRITER, str(out)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p, out
+
+
+def test_kill_tree_continues_a_stopped_process_so_it_takes_its_sigterm(tmp_path):
+    """A stopped process (a rank under SIGSTOP or a debugger) holds SIGTERM pending until it is
+    continued: kill_tree sends SIGCONT after SIGTERM, so the process ends by its own handler
+    at once, not by SIGKILL after the grace period."""
+    p, out = _term_writer(tmp_path)
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert kill_tree(ProcessId.of(p.pid), timeout_s=30) is True
+        assert time.monotonic() - t0 < 10 and out.read_text() == "term" and not pid_alive(p.pid)
+    finally:
+        _reap(p)
+
+
+def test_kill_tree_without_grace_kills_a_frozen_tree_without_running_it(tmp_path):
+    """``timeout_s=0`` (the teardown of a frozen engine tree): SIGKILL only; the stopped process
+    never runs again, so its SIGTERM handler never writes."""
+    p, out = _term_writer(tmp_path)
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        assert kill_tree(ProcessId.of(p.pid), timeout_s=0) is True
+        assert not pid_alive(p.pid) and not out.exists()  # (psutil reaped it: Popen's status is lost)
     finally:
         _reap(p)
 

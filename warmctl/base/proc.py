@@ -323,8 +323,11 @@ def signal_process(ident: ProcessId | None, sig: int = signal.SIGTERM) -> bool:
 
 
 def kill_tree(root: ProcessId | None, timeout_s: float = 10.0) -> bool:
-    """SIGTERM ``root`` and all its descendants, SIGKILL what is left after ``timeout_s``
-    seconds; waits up to 5 s more for the killed ones. Returns True if a tree was signalled.
+    """SIGTERM ``root`` and all its descendants, then SIGCONT (a stopped process, such as a rank
+    stopped by SIGSTOP or a debugger, takes its SIGTERM only once continued: systemd's
+    ``SendSIGCONT``), SIGKILL what is left after ``timeout_s`` seconds; waits up to 5 s more for
+    the killed ones. ``timeout_s`` 0: SIGKILL at once, nothing else sent (a tree stopped by
+    :func:`freeze_tree` dies without running again). Returns True if a tree was signalled.
 
     ``root`` is acted on only while it still is the recorded process (:meth:`ProcessId.alive`:
     same start time and executable); a reused PID is left alone. Its descendants are found
@@ -341,12 +344,15 @@ def kill_tree(root: ProcessId | None, timeout_s: float = 10.0) -> bool:
         procs = [top, *top.children(recursive=True)]
     except psutil.Error:
         return False
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    alive = procs
+    if timeout_s > 0:
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.Error:
+                    pass
+        _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     for p in alive:
         try:
             p.kill()
