@@ -57,4 +57,6 @@ free_kib=$(df -Pk "${TMPDIR:-/tmp}" 2>/dev/null | awk 'NR==2 {print $4}' || true
 if [ -n "$free_kib" ] && [ "$free_kib" -lt $((16 * 1024 * 1024)) ]; then
   echo "[test] warning: $((free_kib / 1024 / 1024)) GiB free under ${TMPDIR:-/tmp}; the whole suite's temporary files need about 16 GiB" >&2
 fi
-exec "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${TIER[@]}"} "$@"
+# pytest runs under `tini -s` (scripts/install-test-services.sh says why): the processes the tests
+# orphan are reaped at once, as under systemd, not when this host's PID 1 gets to them.
+exec tini -s -- "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${TIER[@]}"} "$@"

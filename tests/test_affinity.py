@@ -15,9 +15,10 @@ from warmctl.base.proc import ProcessId, kill_tree
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 
 #: a main thread left on every CPU and one thread that binds itself to CPU 0 (what vLLM's
-#: CPU build does to its OpenMP compute threads), then prints its thread ID
+#: CPU build does to its OpenMP compute threads), then prints its thread ID; SIGTERM ends it
 _BOUND_THREAD = """
-import os, threading, time
+import os, signal, threading, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # a PID namespace's init ignores it otherwise
 def bound():
     os.sched_setaffinity(0, {0})
     print(threading.get_native_id(), flush=True)

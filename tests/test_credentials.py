@@ -144,7 +144,7 @@ def test_scan_finds_an_environment_secret_in_real_criu_images(tmp_path):
     started with the declared environment does not."""
     def dump(env: dict[str, str], img: Path) -> None:
         log = open(tmp_path / "out.log", "ab")
-        p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", "while :; do sleep 0.1; done"],
+        p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", "trap 'exit 0' TERM; while :; do sleep 0.1; done"],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env)
         for _ in range(100):
             if kids := psutil.Process(p.pid).children():

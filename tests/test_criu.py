@@ -18,9 +18,15 @@ from warmctl.base.proc import ProcessId, kill_tree
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 
 
+#: a shell that writes a line every 0.1 s and ends on SIGTERM (the init of a PID namespace, as
+#: these trees' roots are, ignores a signal it has no handler for: kill_tree would wait out its
+#: grace period before SIGKILL)
+_LOOP = "trap 'exit 0' TERM; while :; do echo tick; sleep 0.1; done"
+
+
 def _tree(tmp_path):
     log = open(tmp_path / "out.log", "ab")
-    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", "while :; do echo tick; sleep 0.1; done"],
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", _LOOP],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     for _ in range(100):
         kids = psutil.Process(p.pid).children()
@@ -84,7 +90,7 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
     criu.dump keeps it (post-dump action script)."""
     name = f"warmctl-test-{os.getpid()}"
     script = (f"exec 3<>/dev/shm/{name}.tmp; echo payload >&3; ln /dev/shm/{name}.tmp /dev/shm/{name}; "
-              f"rm /dev/shm/{name}.tmp; while :; do echo tick; sleep 0.1; done")
+              f"rm /dev/shm/{name}.tmp; {_LOOP}")
     log = open(tmp_path / "out.log", "ab")
     launcher = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", script],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
@@ -180,6 +186,11 @@ def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
     import tempfile
 
     marker_plugins(tmp_path, monkeypatch, {"marker": "marker.so"})
+    # warmctl's plugin directories go to a temporary directory of this test's own (another
+    # test session's CRIU calls share /tmp)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     before = set(os.listdir(tempfile.gettempdir()))
 
     # Control: CRIU itself loads the plugin from $CRIU_LIBS_DIR (so this test can fail).
@@ -212,7 +223,8 @@ def test_criu_runs_without_the_hosts_plugins(tmp_path, monkeypatch):
 # --- network lock: established loopback TCP, as a tensor-parallel engine's ranks hold ---------
 
 _TCP_PAIR = r"""
-import socket, sys, time
+import os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # a PID namespace's init ignores it otherwise
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
 cli = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()
 n = 0

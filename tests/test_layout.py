@@ -228,12 +228,14 @@ def test_cpu_workers_read_their_memory_affinity_from_proc_self_in_the_pid_namesp
     code = ("import os; os.getpid = lambda: 4000000\n"  # a namespace PID the host's /proc lacks
             "from vllm.utils.cpu_resource_utils import get_visible_memory_node; print(get_visible_memory_node())")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    bare = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert bare.returncode != 0 and "No such file or directory: '/proc/4000000/status'" in bare.stderr
-    fixed = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(NSPROC_DIR)},
-                           capture_output=True, text=True, timeout=120)
-    assert fixed.returncode == 0, fixed.stderr
-    assert fixed.stdout.strip().startswith("[") and fixed.stdout.strip() != "[]"
+    # both interpreters side by side (each imports vLLM: seconds)
+    bare_p, fixed_p = (subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                       for e in (env, {**env, "PYTHONPATH": str(NSPROC_DIR)}))
+    (_, bare_err), (fixed_out, fixed_err) = bare_p.communicate(timeout=120), fixed_p.communicate(timeout=120)
+    assert bare_p.returncode != 0 and "No such file or directory: '/proc/4000000/status'" in bare_err
+    assert fixed_p.returncode == 0, fixed_err
+    assert fixed_out.strip().startswith("[") and fixed_out.strip() != "[]"
     prof = load_profile_file(REPO / "profiles" / "tiny-tp2.toml")
     assert launch_env(prof, {"PYTHONPATH": "/x"})["PYTHONPATH"] == f"{NSPROC_DIR}:/x"
 

@@ -20,7 +20,8 @@ from warmctl.base.proc import ProcessId, kill_tree
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 
 HOLDER = r"""
-import hashlib, random, sys, time
+import hashlib, os, random, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # a PID namespace's init ignores it otherwise
 buf = bytearray(random.Random(7).randbytes(48 * 2**20))
 zeros = bytearray(24 * 2**20)  # touched pages of zeros: the dump holds them, the store keeps them as zero chunks (holes)
 for i in range(0, len(zeros), 4096):
