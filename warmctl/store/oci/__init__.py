@@ -52,9 +52,13 @@ has a total deadline (``bound``, a :class:`~warmctl.store.backend.TransferBound`
 checked as each piece of a body arrives or is handed to the connection: a registry that
 trickles ends in :class:`~warmctl.store.backend.RemoteTooSlow` naming the object, the bytes
 moved and the seconds waited: each request's read and write timeouts (20 s) are clamped to
-what is left of its deadline, so a stall between two pieces (or a TLS record that never
-completes) ends there too. Over plain HTTP an answer's head trickled a byte at a time is
-bounded only by the read timeout between its bytes.
+what is left of its deadline, and the deadline covers the whole request, its answer's head
+included (a watchdog shuts the connection down: :mod:`.registry`), so a registry that answers
+nothing, or trickles its headers, ends there too. A pack blob whose size in the registry is not
+the one its artifact records is damaged: its chunks are refused (IntegrityError, reported as
+corrupt), not retried as an outage. In a sealed store a snapshot artifact's first layer is the
+sealed manifest (:data:`SEALED_MANIFEST_LAYER`; :meth:`OCIBackend.save_sealed` lists the packs
+from the plaintext).
 
 The package, by concern: this module is the backend (:class:`OCIBackend`); :mod:`.registry`
 the HTTP client of one repository (:class:`~.registry.RegistryClient`: requests, errors,
