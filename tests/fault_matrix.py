@@ -3,9 +3,10 @@ what each must end in. Pure data (no pytest, no warmctl imports): the test param
 :data:`MATRIX`, and scripts/reliability_table.py writes docs/reliability.md's table from it, so
 the table cannot drift from what is tested (tests/test_fault_matrix.py checks the doc).
 
-Remotes: ``dir`` (a directory remote) and ``rgw`` (S3 on the real Ceph RGW on loopback,
-tests/rgw_server.py), each ``plain`` or ``sealed`` (``warmctl seal``; the node holds the fleet
-key). Paths: ``push`` (node A to a fresh remote), ``pull``, ``up`` (the image written first),
+Remotes: ``dir`` (a directory remote), ``rgw`` (S3 on the real Ceph RGW on loopback,
+tests/rgw_server.py) and ``oci`` (a repository of a real Distribution registry on loopback,
+tests/registry_server.py: chunks in pack blobs read with ranged GETs), each ``plain`` or
+``sealed`` (``warmctl seal``; the node holds the fleet key). Paths: ``push`` (node A to a fresh remote), ``pull``, ``up`` (the image written first),
 ``up-stream`` (``restore_stream = auto``: CRIU reads the image while it is written),
 ``agent-up`` (the agent's ``POST /v1/engines/NAME/up`` job), ``verify --store REMOTE``,
 ``gc --store REMOTE``. Faults, at the remote: :data:`FAULTS`.
@@ -14,31 +15,29 @@ A cell applies when the fault can happen on that path: damage to a stored object
 byte, a truncated object, another object's bytes, an object gone) is a fault of what a path
 reads, so not of ``push`` (which writes: damage on its side is the local store's) nor of ``gc``
 (which reads no chunk); an object that vanishes while its body is read, or a remote that
-stalls, trickles or answers 5xx, is a network fault, so only of S3 (a directory has no network,
+stalls, trickles or answers 5xx, is a network fault, so only of S3 and OCI (a directory has no network,
 and a file deleted while it is read stays readable through its open descriptor); a trickle is
 a fault of a transfer's body, so not of ``gc`` (it moves only small listings and deletes). A
 streamed ``up`` reads the remote as ``up`` does, so it is tried under the faults of what it
 reads (damage, an object gone or cut mid-read); the agent's ``up`` under :data:`AGENT_FAULTS`.
 The ``up``-family cells restore one at a time (tests/test_fault_matrix.py): each one costs the
 matrix's wall time, which is why these two are trimmed.
-
-OCI registry remotes are not in the matrix yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REMOTES = ("dir", "rgw")
+REMOTES = ("dir", "rgw", "oci")
 SEALS = ("plain", "sealed")
 PATHS = ("push", "pull", "up", "up-stream", "agent-up", "verify", "gc")
 
 #: fault -> how it is injected (the table's wording)
 FAULTS = {
-    "flip": "one byte flipped in the middle of a chunk object",
-    "truncate": "a chunk object cut to half its length",
-    "swap": "a chunk object holding another chunk's object",
-    "vanish": "a chunk object deleted while the manifest names it",
+    "flip": "one byte flipped in the middle of a chunk object (OCI: of the chunk's range of its pack blob)",
+    "truncate": "a chunk object cut to half its length (OCI: its pack blob cut in the middle of the chunk)",
+    "swap": "a chunk object holding another chunk's object (OCI: another chunk's bytes over the chunk's range, to its length)",
+    "vanish": "a chunk object deleted while the manifest names it (OCI: its pack blob deleted from the registry's storage)",
     "cut": ("a chunk object deleted while its body is being read: the connection cut (RST) 4 KiB into the "
             "answer and the object deleted at that instant (tests/tcp_proxy.py's `cut`); the retry finds it gone"),
     "stall": ("the endpoint accepts connections and answers nothing (tests/tcp_proxy.py); the request ends at "
@@ -47,7 +46,8 @@ FAULTS = {
     "trickle": ("the endpoint trickles its answers (reads: 64 KiB, then a byte every 0.2 s) or takes uploads "
                 "slowly (20 KiB/s; tests/tcp_proxy.py); each request, its answer's head included, ends at its "
                 "total deadline"),
-    "5xx": "every request for a chunk (all requests for gc) answered 503 SlowDown (tests/test_store_proxy.py)",
+    "5xx": ("every request for a chunk (OCI: a pack's ranged GETs; a push's blob uploads), all requests for gc, answered "
+            "503 SlowDown (tests/test_store_proxy.py)"),
 }
 DATA = ("flip", "truncate", "swap", "vanish")
 NET = ("cut", "stall", "trickle", "5xx")

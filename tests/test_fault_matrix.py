@@ -69,16 +69,48 @@ UP_PATHS = ("up", "up-stream", "agent-up")
 LANES = 3
 
 
+#: every registry the matrix started (its masters' and its cells'): stopped at the end whatever
+#: happened (they run from worker threads, so the parent-death signal does not reach them)
+_REGISTRIES: list = []
+_REG_MU = threading.Lock()
+#: ports a registry must not take: the lanes' engine ports (and those near them: the fake
+#: profile's own), free only while their engine is down, and the registries' own
+_TAKEN: set[int] = set()
+
+
+def _registry_port() -> int:
+    """A free port for a registry, none of :data:`_TAKEN` (the kernel hands a port just freed
+    out again, so a port a lane chose earlier would come back)."""
+    from registry_server import free_port
+
+    with _REG_MU:
+        while True:
+            port = free_port()
+            if port not in _TAKEN:
+                _TAKEN.add(port)
+                return port
+#: largest pack of an OCI remote's push (``oci_pack_bytes``): a few chunks a pack, so a pack's
+#: damage (truncated, gone) touches a few chunks and the reads within a pack are ranged
+OCI_PACK_BYTES = 4 << 20
+
+
 class Remote:
     """One remote: ``url``, ``env`` (what a process needs to read it: endpoint, credentials,
     fleet key), ``settings`` (the same, for this process), and direct access to its objects
     (``get``/``put``/``delete`` by key under the store's root), bypassing warmctl. ``rgw``:
-    (endpoint, access key, secret key) of the S3 server."""
+    (endpoint, access key, secret key) of the S3 server. An ``oci`` remote is a repository of
+    its own Distribution registry on loopback (plain HTTP, no login; ``tests/registry_server.py``),
+    so the damage of one cell (an edit of the registry's storage on disk: its blobs are shared by
+    the registry's repositories) reaches no other; its chunks live in pack blobs (:attr:`layout`:
+    chunk digest -> (pack digest, offset, length), read once from the master), damaged in place
+    by :func:`_damage`. ``source``: the remote a copy is made of (its registry's storage,
+    blobs hard-linked: an edit writes a new file)."""
 
     def __init__(self, kind: str, seal: str, tmp: Path, rgw: tuple[str, str, str] | None, key: Path | None,
-                 seal_it: bool = True):
+                 seal_it: bool = True, source: "Remote | None" = None):
         self.kind, self.seal, self.tmp, self.rgw, self.key = kind, seal, tmp, rgw, key
         self.env: dict[str, str] = {}
+        self.layout: dict[str, tuple[str, int, int]] = source.layout if source is not None else {}
         kw: dict = {}
         if seal == "sealed":
             self.env["WARMCTL_SEAL_KEY"] = str(key)
@@ -97,6 +129,25 @@ class Remote:
             self.env.update(WARMCTL_S3_ENDPOINT=ep, AWS_ACCESS_KEY_ID=ak, AWS_SECRET_ACCESS_KEY=sk,
                             AWS_DEFAULT_REGION="us-east-1")
             kw["s3_endpoint"] = ep
+        elif kind == "oci":
+            from registry_server import Registry
+
+            d = tmp / f"registry-{uuid.uuid4().hex[:8]}"
+            self.reg = Registry(d, _registry_port())
+            if source is not None:  # the source's storage: blobs hard-linked, the small link files copied
+                v2 = Path("docker") / "registry" / "v2"
+                src, dst = source.reg.data_dir() / v2, self.reg.data_dir() / v2
+                shutil.copytree(src / "blobs", dst / "blobs", copy_function=os.link)
+                shutil.copytree(src / "repositories", dst / "repositories")
+            with _REG_MU:
+                _REGISTRIES.append(self.reg)
+            self.reg.start()
+            self.host = self.reg.host
+            self.endpoint = self.reg.url
+            self.repo = "warmctl/fm"
+            self.url = f"oci://{self.host}/{self.repo}"
+            self.env.update(WARMCTL_OCI_INSECURE=self.host, WARMCTL_OCI_PACK_BYTES=str(OCI_PACK_BYTES))
+            kw.update(oci_insecure=[self.host], oci_pack_bytes=OCI_PACK_BYTES)
         else:
             self.dir = tmp / f"remote-{uuid.uuid4().hex[:8]}"
             self.dir.mkdir()
@@ -107,7 +158,9 @@ class Remote:
 
     def copy(self) -> "Remote":
         """A new remote of the same kind holding the same objects (sealed alike)."""
-        r = Remote(self.kind, self.seal, self.tmp, self.rgw, self.key, seal_it=False)
+        r = Remote(self.kind, self.seal, self.tmp, self.rgw, self.key, seal_it=False, source=self)
+        if self.kind == "oci":
+            return r
         if self.kind == "rgw":
             for k in self.keys(""):
                 r.s3.copy_object(Bucket=r.bucket, Key=f"{r.prefix}/{k}",
@@ -115,6 +168,36 @@ class Remote:
         else:
             shutil.copytree(self.dir, r.dir, symlinks=True, dirs_exist_ok=True)
         return r
+
+    def via(self, endpoint: str) -> str:
+        """The URL of this remote through ``endpoint`` (a proxy): an OCI remote's URL names its
+        registry's address; an S3 remote's endpoint is a setting (the URL is the same)."""
+        return f"oci://{endpoint.split('://', 1)[1]}/{self.repo}" if self.kind == "oci" else self.url
+
+    def close(self) -> None:
+        """Stop this remote's registry (an OCI remote's; its storage stays)."""
+        if self.kind == "oci":
+            self.reg.stop()
+
+    def read_layout(self) -> None:
+        """:attr:`layout` of an OCI remote, from its snapshot artifacts and pack indexes."""
+        if self.kind == "oci":
+            b = open_backend(self.url, settings=self.settings, retry=False, unseal=False)
+            try:
+                b._scan()  # type: ignore[attr-defined]
+                self.layout = dict(b._chunks)  # type: ignore[attr-defined]
+            finally:
+                b.close()
+
+    def pack(self, digest: str) -> Path:
+        """The file of the pack blob holding chunk ``digest`` in an OCI remote's registry storage."""
+        return self.reg.blob_path(self.layout[digest][0])
+
+    def in_pack(self, digest: str) -> list[str]:
+        """The chunks stored in the pack of chunk ``digest`` (an OCI remote), or just it."""
+        if self.kind != "oci":
+            return [digest]
+        return [d for d, loc in self.layout.items() if loc[0] == self.layout[digest][0]]
 
     def get(self, key: str) -> bytes:
         if self.kind == "rgw":
@@ -137,6 +220,12 @@ class Remote:
             (self.dir / key).unlink()
 
     def keys(self, under: str) -> list[str]:
+        if self.kind == "oci":  # what the backend lists (its chunks: those of the packs its artifacts name)
+            b = open_backend(self.url, settings=self.settings, retry=False, unseal=False)
+            try:
+                return [o.key for o in b.list(under)]
+            finally:
+                b.close()
         if self.kind == "rgw":
             out = []
             for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}/{under}"):
@@ -179,6 +268,7 @@ class World:
     def master(self, kind: str, seal: str) -> Remote:
         r = self.empty(kind, seal)
         warmctl("push", "fake", "--to", r.url, env={**self.a_env, **r.env}, timeout=300)
+        r.read_layout()
         self.masters[(kind, seal)] = r
         return r
 
@@ -253,7 +343,13 @@ class Fault:
         if cell.fault == "5xx":
             self.proxy = FaultProxy(remote.endpoint).start()
             everything = cell.path == "gc"
-            self.proxy.fault = lambda method, path, n: "503" if everything or "/chunks/" in path else None
+            if remote.kind == "oci":  # a chunk lives in a pack blob: its reads, and a push's uploads of blobs
+                packs = {loc[0] for loc in remote.layout.values()}
+                chunky = (lambda path: "/blobs/uploads/" in path) if cell.path == "push" else \
+                    (lambda path: any(p in path for p in packs))
+            else:
+                chunky = lambda path: "/chunks/" in path  # noqa: E731
+            self.proxy.fault = lambda method, path, n: "503" if everything or chunky(path) else None
             self.url = self.proxy.url
             return
         self.proxy = t = TcpProxy(remote.endpoint).start()
@@ -262,8 +358,13 @@ class Fault:
             t.stall = True
         elif cell.fault == "cut":  # the target's body cut 4 KiB in, the object deleted at that instant
             key = chunk_key(world.target)
-            t.cut = (f"/{remote.bucket}/{remote.prefix}/{key}".encode(), 4096)
-            t.on_cut = lambda: remote.delete(key)
+            if remote.kind == "oci":  # the ranged GET of the target's bytes; its pack blob deleted
+                _, off, n = remote.layout[world.target]
+                t.cut = (f"bytes={off}-{off + n - 1}".encode(), 4096)
+                t.on_cut = lambda: remote.pack(world.target).unlink()
+            else:
+                t.cut = (f"/{remote.bucket}/{remote.prefix}/{key}".encode(), 4096)
+                t.on_cut = lambda: remote.delete(key)
         elif cell.path == "push":
             t.trickle = ("up", 16 << 10, 0.05, 1 << 10)  # 20 KiB/s against a 64 MiB/s minimum
         else:
@@ -280,8 +381,32 @@ class Fault:
         self.proxy.stop()
 
 
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` as a new file (a registry's blob may be a hard link shared with the master)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _damage(remote: Remote, world: World, fault: str) -> bytes:
-    """Inject a data fault in the chunk object of ``world.target``; returns its bytes to restore."""
+    """Inject a data fault in the chunk object of ``world.target``; returns its bytes to restore
+    (:func:`_undamage`). In an OCI remote the chunk is a byte range of a pack blob: ``flip``
+    flips its middle byte, ``swap`` writes another chunk's bytes over it (cut or padded with
+    zeros to its length), ``truncate`` cuts the pack blob in the middle of it, ``vanish``
+    deletes the pack blob (the registry still names it)."""
+    if remote.kind == "oci":
+        path = remote.pack(world.target)
+        good = path.read_bytes()
+        _, off, n = remote.layout[world.target]
+        if fault == "vanish":
+            path.unlink()
+        elif fault == "truncate":
+            _replace(path, good[: off + n // 2])
+        else:
+            o_pack, o_off, o_n = remote.layout[world.other]
+            other = remote.reg.blob_path(o_pack).read_bytes()[o_off: o_off + o_n]
+            _replace(path, good[:off] + damaged(good[off: off + n], fault, (other + bytes(n))[:n]) + good[off + n:])
+        return good
     key = chunk_key(world.target)
     good = remote.get(key)
     if fault == "vanish":
@@ -291,14 +416,23 @@ def _damage(remote: Remote, world: World, fault: str) -> bytes:
     return good
 
 
-def _command(cell: Cell, remote: Remote, json_out: bool) -> list[str]:
+def _undamage(remote: Remote, world: World, good: bytes) -> None:
+    """Put back the bytes :func:`_damage` returned."""
+    if remote.kind == "oci":
+        _replace(remote.pack(world.target), good)
+    else:
+        remote.put(chunk_key(world.target), good)
+
+
+def _command(cell: Cell, url: str, json_out: bool) -> list[str]:
+    """The cell's command on the remote at ``url``."""
     j = ["--json"] if json_out else []
-    return {"push": ["push", "fake", "--to", remote.url, *j],
+    return {"push": ["push", "fake", "--to", url, *j],
             "pull": ["pull", "fake", *j],
             "up": ["up", "fake", "--cold-start", "never", *j],
             "up-stream": ["up", "fake", "--cold-start", "never", *j],
-            "verify": ["verify", "--store", remote.url],
-            "gc": ["gc", "--store", remote.url, "--grace", "0"]}[cell.path]
+            "verify": ["verify", "--store", url],
+            "gc": ["gc", "--store", url, "--grace", "0"]}[cell.path]
 
 
 class Agent:
@@ -346,26 +480,40 @@ def run_cell(cell: Cell, world: World, root: Path) -> dict:
             held["fault"].stop()
         for p in held["node"].procs() if "node" in held else []:
             p.kill()
+        if "remote" in held:
+            held["remote"].close()
 
 
 def _run_cell(cell: Cell, world: World, root: Path, held: dict) -> dict:
     t_cell = time.monotonic()
     push = cell.path == "push"
     master = world.masters[(cell.remote, cell.seal)]
-    remote = world.empty(cell.remote, cell.seal) if push else master.copy()
+    remote = held["remote"] = world.empty(cell.remote, cell.seal) if push else master.copy()
+    url = remote.url  # the remote as the node reaches it (through the fault's proxy)
     node = held["node"] = Node(root / "node", world, remote)
     env = dict(world.a_env, **remote.env, **SETTINGS) if push else node.env
     env["WARMCTL_RESTORE_STREAM"] = "auto" if cell.path == "up-stream" else "never"
     env["WARMCTL_RESTORE_PAGES"] = "eager"
     rec: dict = {}
     good, fault = None, None
+    # the chunks the error may name: the target, or in an OCI remote any chunk of the target's
+    # pack when the fault is the pack's (cut short, gone: whichever chunk of it is read first)
+    whole_pack = cell.fault in ("truncate", "vanish", "cut")
     if cell.fault in DATA:
         good = _damage(remote, world, cell.fault)
-        names = [world.target]
+        names = remote.in_pack(world.target) if whole_pack else [world.target]
     else:
         fault = held["fault"] = Fault(cell, remote, world)
-        env = dict(env, WARMCTL_S3_ENDPOINT=fault.url)
-        names = [world.target] if cell.fault == "cut" else [f"{remote.url}/"]
+        if remote.kind == "oci":
+            url = remote.via(fault.url)
+            env = dict(env, WARMCTL_OCI_INSECURE=f"{remote.host},{url.split('/')[2]}")
+            if not push:
+                env["WARMCTL_REMOTE_STORE"] = url
+            # a registry's errors name the object and the registry's address
+            names = remote.in_pack(world.target) if cell.fault == "cut" else [f"{url}/", f" at {fault.url}"]
+        else:
+            env = dict(env, WARMCTL_S3_ENDPOINT=fault.url)
+            names = [world.target] if cell.fault == "cut" else [f"{remote.url}/"]
     lock = world.serving
     agent = None
     try:
@@ -384,7 +532,7 @@ def _run_cell(cell: Cell, world: World, root: Path, held: dict) -> dict:
                 out = json.dumps(j)
             else:
                 try:
-                    r = warmctl(*_command(cell, remote, False), env=env, check=False, timeout=2 * cell.bound_s)
+                    r = warmctl(*_command(cell, url, False), env=env, check=False, timeout=2 * cell.bound_s)
                 except subprocess.TimeoutExpired:
                     raise AssertionError(f"{cell.id}: still running after {2 * cell.bound_s} s") from None
                 took = time.monotonic() - t0
@@ -399,9 +547,11 @@ def _run_cell(cell: Cell, world: World, root: Path, held: dict) -> dict:
                 assert shm_left == set(), f"{cell.id}: /dev/shm files left: {sorted(shm_left)}"
     finally:
         if good is not None:
-            remote.put(chunk_key(world.target), good)
+            _undamage(remote, world, good)
         if fault is not None:
-            if cell.fault == "cut":  # deleted mid-read: put back
+            if cell.fault == "cut" and remote.kind == "oci":  # the pack deleted mid-read: put back
+                _replace(remote.pack(world.target), master.pack(world.target).read_bytes())
+            elif cell.fault == "cut":
                 remote.put(chunk_key(world.target), master.get(chunk_key(world.target)))
             fault.clear()
     try:
@@ -444,7 +594,7 @@ def _run_cell(cell: Cell, world: World, root: Path, held: dict) -> dict:
                     assert j["state"] == "succeeded", json.dumps(j)[:3000]
                     res = j["result"]
                 else:
-                    r2 = warmctl(*_command(cell, remote, cell.path not in ("verify", "gc")), env=env, check=False,
+                    r2 = warmctl(*_command(cell, url, cell.path not in ("verify", "gc")), env=env, check=False,
                                  timeout=300)
                     assert r2.returncode == 0, f"{cell.id}: the rerun failed\n{(r2.stdout + r2.stderr)[-3000:]}"
                     if cell.path in ("pull", "push"):
@@ -501,7 +651,9 @@ def _lane(tmp: Path, rgw, n: int) -> World:
 
     d = tmp / f"lane{n}"
     d.mkdir()
-    ports = (free_port() - FAKE_PORT_OFFSET, free_port() - FAKE_PORT_OFFSET)
+    with _REG_MU:
+        ports = (free_port() - FAKE_PORT_OFFSET, free_port() - FAKE_PORT_OFFSET)
+        _TAKEN.update(q for port in ports for q in range(port - 16, port + 17))
     env = fake_env(d / "a", *ports)
     return World(env, snapshot_once(env, "fake")["digest"], d, rgw, ports)
 
@@ -519,6 +671,17 @@ def ran(request, fk_env, fake_snapshot, tmp_path_factory, engine_ports):
         except pytest.skip.Exception as e:
             out.update({c.id: ("skipped", str(e)) for c in cells if c.remote == "rgw"})
             cells = [c for c in cells if c.remote != "rgw"]
+    if any(c.remote == "oci" for c in cells):
+        from registry_server import missing_binary
+
+        from tests.conftest import need_service
+
+        try:
+            missing = missing_binary()
+            need_service(missing and f"{missing} missing: run scripts/install-test-services.sh", "WARMCTL_REQUIRE_REGISTRY")
+        except pytest.skip.Exception as e:
+            out.update({c.id: ("skipped", str(e)) for c in cells if c.remote == "oci"})
+            cells = [c for c in cells if c.remote != "oci"]
     tmp = tmp_path_factory.mktemp("fault-matrix")
     mp = pytest.MonkeyPatch()
     if rgw is not None:  # this process's stores of the RGW (the checks) use its user's keys
@@ -557,6 +720,10 @@ def ran(request, fk_env, fake_snapshot, tmp_path_factory, engine_ports):
                 out.update(dict(f.result() for f in futs))
     finally:
         mp.undo()
+        with _REG_MU:
+            regs, _REGISTRIES[:] = list(_REGISTRIES), []
+        for reg in regs:
+            reg.stop()
     wall = time.monotonic() - t0
     leaked = shm_leaked(shm_before) & {n for w in worlds for n in w.shm}
     if leaked:  # the cells share /dev/shm: a file of the snapshots left is every cell's failure

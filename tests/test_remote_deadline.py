@@ -17,7 +17,7 @@ from tests.conftest import isolated_env, warmctl
 from tcp_proxy import TcpProxy
 
 from warmctl.records.config import Settings
-from warmctl.store import RemoteTooSlow, S3Backend, TransferBound, open_backend
+from warmctl.store import ObjectNotFound, RemoteTooSlow, S3Backend, TransferBound, open_backend
 
 pytestmark = pytest.mark.s3
 KiB, MiB = 1 << 10, 1 << 20
@@ -226,5 +226,75 @@ def test_a_trickled_registry_blob_ends_at_its_deadline(tmp_path, monkeypatch, tm
 
             with pytest.raises(ObjectNotFound):  # nothing half-uploaded under its digest
                 direct.backend.api.send("HEAD", direct.backend.api.url(f"blobs/{digest}"), "probe").close()
+        finally:
+            p.stop()
+
+
+@pytest.mark.oci
+@pytest.mark.parametrize("fault", ["headers", "stall"])
+def test_every_registry_request_ends_at_its_deadline_head_included(tmp_path, fault):
+    """A registry (a real Distribution on loopback, plain HTTP, so the proxy trickles the head's
+    own bytes) that trickles its whole answer from the first byte (the status line and headers a
+    byte every 0.2 s: never silent for the 20 s read timeout), or answers nothing at all: every
+    request of the OCI backend (a chunk's ranged GET, a manifest blob, an object's ``stat``, a
+    ``list`` (the tags list), a ``save`` (its first request, the blob's HEAD) and a ``remove``)
+    ends at its total deadline (floor 1 s + size at 1 MiB/s; a metadata read at most
+    ``oci_read_deadline_s``, 1 s here) in ``RemoteTooSlow`` naming the request, the registry and
+    the seconds waited, not at the read timeout."""
+    from registry_server import Registry, free_port, missing_binary
+    from tests.conftest import need_service
+    from test_store_fixtures import push, snapshot, write_payload
+
+    from warmctl.store import Store, open_store
+    from warmctl.store.layout import chunk_key
+    from warmctl.store.oci import OCIBackend
+
+    missing = missing_binary()
+    need_service(missing and f"{missing} missing: run scripts/install-test-services.sh", "WARMCTL_REQUIRE_REGISTRY")
+    with Registry(tmp_path / "reg", free_port()) as reg:
+        p = TcpProxy(reg.url).start()
+        try:
+            ph, repo = f"127.0.0.1:{p.port}", f"warmctl/t{uuid.uuid4().hex[:8]}"
+            f = write_payload(tmp_path / "p.img", [("random", 512 * KiB)], seed=6)
+            local = open_store(tmp_path / "a", chunk_size=256 * KiB)
+            dig = snapshot(local, "tiny", {"p.img": f})
+            direct = OCIBackend(reg.host, repo, insecure=[reg.host])
+            push(local, Store(direct), "tiny")
+            direct._scan()
+            direct.stat("config")  # the objects the calls below ask for exist
+            chunk = local.get_manifest(dig).files[0].chunks[0].digest
+            n = direct._chunks[chunk][2]
+
+            def slow() -> OCIBackend:
+                """A backend through the proxy that knows the layout (read untrickled)."""
+                b = OCIBackend(ph, repo, insecure=[ph], read_timeout=20.0, read_deadline=1.0, bound=TransferBound(1.0, MiB))
+                b._chunks, b._packs, b._artifacts = dict(direct._chunks), dict(direct._packs), dict(direct._artifacts)
+                b._scanned = True
+                return b
+
+            if fault == "headers":
+                p.trickle = ("down", 0, 0.2)
+            else:
+                p.stall = True
+            calls = {"load chunk": (lambda b: b.load(chunk_key(chunk)), 1.0 + n / MiB, f"load chunk {chunk}"),
+                     "load manifest": (lambda b: b.load(f"manifests/sha256/{dig[7:]}"), 1.0, f"manifest {dig[7:19]}"),
+                     "stat": (lambda b: b.stat("config"), 1.0, "object config"),
+                     "list": (lambda b: list(b.list("catalog/")), 1.0, "list tags"),
+                     "save": (lambda b: b.save("catalog/x/y.json", b"x" * 1000), 1.0, "save catalog/x/y.json"),
+                     "remove": (lambda b: b.remove("catalog/x/z.json"), 1.0, "remove catalog/x/z.json")}
+            for name, (call, bound, what) in calls.items():
+                b = slow()
+                t0 = time.monotonic()
+                with pytest.raises(RemoteTooSlow) as ei:
+                    call(b)
+                took = time.monotonic() - t0
+                b.close()
+                assert bound - 0.05 < took < bound + 0.5, (name, took, bound)
+                msg = str(ei.value)
+                assert what in msg and f" at http://{ph}: too slow: stalled: no answer after" in msg, (name, msg)
+                assert "remote_deadline_floor_s 1 s" in msg, msg
+            if fault == "stall":  # nothing reached the registry
+                with pytest.raises(ObjectNotFound):
+                    direct.stat("catalog/x/y.json")
         finally:
             p.stop()

@@ -33,12 +33,12 @@ from pathlib import Path
 import pytest
 from tests.conftest import need_service
 from registry_server import Registry, docker_config, free_port, make_ca, missing_binary
-from test_store_fixtures import MiB, pull, push, snapshot, tag_of, write_payload
+from test_store_fixtures import MiB, chunk_files, pull, push, snapshot, tag_of, write_payload
 
 from warmctl.naming.catalog import Catalog
 from warmctl.base.errors import HostError, IntegrityError
 from warmctl.records.config import Settings, load_settings
-from warmctl.store import (BackendUnavailable, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_backend,
+from warmctl.store import (BackendUnavailable, ChunkCorrupt, ObjectNotFound, RetryingBackend, Store, TransientBackendError, open_backend,
                            open_store)
 from warmctl.store import oci as ocimod
 from warmctl.store.oci import OCIBackend, object_tag, parse_url
@@ -264,6 +264,76 @@ def test_corrupted_pack_is_refused_naming_it(oci, registry, tmp_path):
     with pytest.raises(IntegrityError, match=f"pack blob {pack['digest']}"):
         pull(_store(oci), b, "tiny")
     assert tag_of(b, "tiny") is None and not b.list_manifests()
+
+
+def test_a_truncated_pack_is_corrupt_not_an_outage(oci, registry, tmp_path):
+    """A pack blob cut short in the registry's storage: the registry answers a range inside it
+    206 with the short blob's size as the total, one past its end 416; either is the pack
+    damaged (not a body cut short, retried for the outage window), refused at once naming the
+    chunk, the pack and both sizes; nothing named locally."""
+    _, pack = _pushed_layer(oci, tmp_path, 11, ocimod.PACK_LAYER)
+    p = registry.blob_path(pack["digest"])
+    good = p.read_bytes()
+    p.write_bytes(good[: len(good) // 2])
+    b = open_store(tmp_path / "b")
+    t0 = time.monotonic()
+    with pytest.raises(ChunkCorrupt) as ei:
+        pull(_store(oci, window=20.0), b, "tiny")
+    assert time.monotonic() - t0 < 10, "retried as an outage"
+    msg = str(ei.value)
+    assert f"pack blob {pack['digest']}" in msg and "is corrupt" in msg and f"records {pack['size']:,}" in msg, msg
+    assert tag_of(b, "tiny") is None and not b.list_manifests()
+    have = len(chunk_files(tmp_path / "b"))  # the other packs' chunks, verified and kept
+    p.write_bytes(good)
+    assert pull(_store(oci), b, "tiny").chunks_copied == 4 - have < 4
+
+
+def test_a_sealed_registry_store(oci, registry, tmp_path):
+    """A sealed registry remote (``warmctl seal``): the snapshot artifact's first layer is the
+    sealed manifest (:data:`~warmctl.store.oci.SEALED_MANIFEST_LAYER`, the warmctl digest in its
+    annotation), its packs hold sealed chunks, and a host with the fleet key pushes, pulls,
+    verifies and collects it; a flipped byte in a pack is refused naming the chunk."""
+    import base64
+
+    from warmctl.store.sealed import MAGIC, load_key, seal_store
+
+    key = tmp_path / "fleet.key"
+    key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    key.chmod(0o600)
+    seal_store(open_backend(oci, unseal=False, settings=_settings()), load_key(key))
+    sealed = _settings(seal_key=key)
+    f = write_payload(tmp_path / "p.img", [("random", 16 * MiB), ("text", 4 * MiB)], seed=12)
+    a = open_store(tmp_path / "a")
+    d = snapshot(a, "tiny", {"p.img": f})
+    rep = push(a, open_store(oci, settings=sealed), "tiny")
+    assert rep.chunks_copied == rep.chunks_total == 5
+    art = _artifact(oci, f"manifest-{d[7:]}")
+    first = art["layers"][0]
+    assert first["mediaType"] == ocimod.SEALED_MANIFEST_LAYER and art["annotations"][ocimod.MANIFEST_ANNOTATION] == d
+    assert first["digest"] != d
+    raw = _backend(*parse_url(oci)).api.get_blob(first["digest"], 1 << 20, "sealed manifest", first["size"])
+    assert raw.startswith(MAGIC) and b'"files"' not in raw
+    b = open_store(tmp_path / "b")
+    assert pull(open_store(oci, settings=sealed), b, "tiny").chunks_copied == 5
+    b.read_file(b.get_manifest(d).files[0].chunks, tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == f.read_bytes()
+    v = maintenance.verify(open_store(oci, settings=sealed))
+    assert v.ok and v.chunks_checked == 5, str(v)
+    remote = open_store(oci, settings=sealed)
+    assert maintenance.gc(remote, keep=Catalog(remote).referenced_manifests(), grace=0).manifests_removed == []
+
+    pack = next(lay for lay in art["layers"] if lay["mediaType"] == ocimod.PACK_LAYER)
+    layout = _backend(*parse_url(oci))
+    layout._scan()
+    chunk, off, n = next((c, o, ln) for c, (pk, o, ln) in layout._chunks.items() if pk == pack["digest"])
+    blob = registry.blob_path(pack["digest"])
+    data = bytearray(blob.read_bytes())
+    data[off + n // 2] ^= 1
+    blob.write_bytes(bytes(data))
+    c = open_store(tmp_path / "c")
+    with pytest.raises(ChunkCorrupt, match=f"chunk {chunk} .*fails authentication"):
+        pull(open_store(oci, settings=sealed), c, "tiny")
+    assert tag_of(c, "tiny") is None
 
 
 def test_artifact_naming_a_missing_layer_then_rerun(oci, registry, tmp_path):

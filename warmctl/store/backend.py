@@ -11,6 +11,8 @@ and removes. Nothing else: retries (:class:`RetryingBackend`) and caching
 from __future__ import annotations
 
 import abc
+import heapq
+import itertools
 import logging
 import random
 import threading
@@ -48,7 +50,7 @@ class RemoteTooSlow(WarmctlError):
     """A transfer with a remote (S3, an OCI registry) did not finish within its total
     deadline (:class:`TransferBound`: ``remote_deadline_floor_s`` + its size at
     ``remote_min_rate_bytes_s``): a server that trickles its answer (its head included), reads
-    an upload slowly, or answers nothing (on S3), ends here instead of stretching the transfer
+    an upload slowly, or answers nothing, ends here instead of stretching the transfer
     without bound. The message names the operation, the object, the remote, the bytes moved and
     the seconds waited. Not retried: a retry of a trickle is one more trickle."""
 
@@ -110,6 +112,47 @@ class TransferClock:
             f"at remote_min_rate_bytes_s {self.bound.min_rate:,} B/s); check the network path to the remote")
 
 
+class DeadlineWatchdog:
+    """One daemon thread (started on first use, named ``name``) that calls ``fire()`` of each
+    armed watch once its ``deadline`` (monotonic seconds) has passed while it is not ``done``:
+    what a remote backend uses to shut down the connection of a request still waiting at its
+    :class:`TransferClock`'s deadline (a blocked read or write then returns at once), so the
+    deadline covers the whole request, its answer's head included. A watch is any object with
+    ``deadline``, ``done`` and ``fire()``; ``fire`` must itself ignore a watch done meanwhile."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, w) -> None:
+        """Watch ``w`` until it is done (again, after its deadline moved)."""
+        with self._cv:
+            heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap:
+                    self._cv.wait()
+                at, _, w = self._heap[0]
+                if w.done or w.deadline > at:  # type: ignore[attr-defined]  # finished, or re-armed later
+                    heapq.heappop(self._heap)
+                    continue
+                wait = at - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+            w.fire()  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """An object's ``key``, ``size`` in bytes and ``mtime`` (seconds since the epoch)."""
@@ -153,6 +196,13 @@ class Backend(abc.ABC):
         Raises :class:`warmctl.base.errors.HostError` when the disk is full (naming the bytes
         needed), :class:`TransientBackendError` for retryable failures.
         """
+
+    def save_sealed(self, key: str, sealed: bytes, plain: bytes | memoryview) -> None:
+        """Store ``sealed``, the sealed form of ``plain`` (:class:`warmctl.store.sealed.SealedBackend`),
+        under ``key``, as :meth:`save` does. A backend whose layout reads what it stores (an OCI
+        registry lists the packs a manifest's chunks lie in) overrides it to read ``plain``; the
+        default saves ``sealed``. Raises what :meth:`save` raises."""
+        self.save(key, sealed)
 
     @abc.abstractmethod
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -293,6 +343,9 @@ class ForwardingBackend(Backend):
 
     def save(self, key: str, data: bytes | memoryview) -> None:
         self.inner.save(key, data)
+
+    def save_sealed(self, key: str, sealed: bytes, plain: bytes | memoryview) -> None:
+        self.inner.save_sealed(key, sealed, plain)
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         return self.inner.load(key, offset, length)
@@ -440,6 +493,9 @@ class RetryingBackend(ForwardingBackend):
 
     def save(self, key: str, data: bytes | memoryview) -> None:
         self._call("save", key, lambda: self.inner.save(key, data))
+
+    def save_sealed(self, key: str, sealed: bytes, plain: bytes | memoryview) -> None:
+        self._call("save", key, lambda: self.inner.save_sealed(key, sealed, plain))
 
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         return self._call("load", key, lambda: self.inner.load(key, offset, length))

@@ -27,7 +27,7 @@ deadline, and an upload's body is handed over piece by piece, so a server that t
 byte every 19 s keeps a 20 s read timeout from ever firing) ends in :class:`RemoteTooSlow`
 naming the object, the endpoint, the bytes moved and the seconds waited. The deadline covers
 the whole request, its head (status line and headers) and an upload's wait for its answer
-included: a watchdog thread (:class:`_Watchdog`) shuts down the connection of a request still
+included: a watchdog thread (:class:`~warmctl.store.backend.DeadlineWatchdog`) shuts down the connection of a request still
 running at its deadline, so a server that answers nothing, or trickles its headers, ends the
 request at the deadline too (``stat``, ``list`` pages and ``remove`` move no body: their
 deadline is ``remote_deadline_floor_s``). A request whose connection is still being made is
@@ -41,8 +41,6 @@ from __future__ import annotations
 import http.client
 import io
 import os
-import heapq
-import itertools
 import re
 import socket
 import threading
@@ -53,7 +51,7 @@ from urllib.parse import urlparse
 
 
 from warmctl.base.errors import HostError
-from warmctl.store.backend import (Backend, BackendProperties, ObjectInfo, ObjectNotFound, RemoteTooSlow, TransferBound,
+from warmctl.store.backend import (Backend, BackendProperties, DeadlineWatchdog, ObjectInfo, ObjectNotFound, RemoteTooSlow, TransferBound,
                                    TransferClock, TransientBackendError, too_large)
 
 #: Bytes asked of the socket per read of a body (a read returns what has arrived, up to this).
@@ -184,42 +182,7 @@ class _Watch:
                 pass
 
 
-class _Watchdog:
-    """One daemon thread firing each :class:`_Watch` whose deadline has passed while it runs."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._heap: list[tuple[float, int, _Watch]] = []
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def arm(self, w: _Watch) -> None:
-        """Watch ``w`` until it is done (again, after its clock changed)."""
-        with self._cv:
-            heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="warmctl-s3-deadlines", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._heap:
-                    self._cv.wait()
-                at, _, w = self._heap[0]
-                if w.done or w.deadline > at:  # finished, or re-armed with a later deadline
-                    heapq.heappop(self._heap)
-                    continue
-                wait = at - time.monotonic()
-                if wait > 0:
-                    self._cv.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-            w.fire()
-
-
-_WATCHDOG = _Watchdog()
+_WATCHDOG = DeadlineWatchdog("warmctl-s3-deadlines")
 
 
 @contextmanager

@@ -52,9 +52,13 @@ has a total deadline (``bound``, a :class:`~warmctl.store.backend.TransferBound`
 checked as each piece of a body arrives or is handed to the connection: a registry that
 trickles ends in :class:`~warmctl.store.backend.RemoteTooSlow` naming the object, the bytes
 moved and the seconds waited: each request's read and write timeouts (20 s) are clamped to
-what is left of its deadline, so a stall between two pieces (or a TLS record that never
-completes) ends there too. Over plain HTTP an answer's head trickled a byte at a time is
-bounded only by the read timeout between its bytes.
+what is left of its deadline, and the deadline covers the whole request, its answer's head
+included (a watchdog shuts the connection down: :mod:`.registry`), so a registry that answers
+nothing, or trickles its headers, ends there too. A pack blob whose size in the registry is not
+the one its artifact records is damaged: its chunks are refused (IntegrityError, reported as
+corrupt), not retried as an outage. In a sealed store a snapshot artifact's first layer is the
+sealed manifest (:data:`SEALED_MANIFEST_LAYER`; :meth:`OCIBackend.save_sealed` lists the packs
+from the plaintext).
 
 The package, by concern: this module is the backend (:class:`OCIBackend`); :mod:`.registry`
 the HTTP client of one repository (:class:`~.registry.RegistryClient`: requests, errors,
@@ -90,6 +94,7 @@ from .pack import (
     KEY_ANNOTATION,
     MANIFEST_ANNOTATION,
     MANIFEST_LAYER,
+    SEALED_MANIFEST_LAYER,
     MAX_INDEX,
     OBJECT_LAYER,
     OBJECT_TYPE,
@@ -111,12 +116,12 @@ from .pack import (
     pack_index,
     snapshot_artifact,
 )
-from .registry import MAX_OCI_MANIFEST, READ_DEADLINE, RegistryClient, parse_url
+from .registry import MAX_OCI_MANIFEST, READ_DEADLINE, RegistryClient, _watched, parse_url
 
 __all__ = [
     "CERTS_D", "INDEX_ANNOTATION", "INDEX_LAYER", "KEY_ANNOTATION", "MANIFEST_ANNOTATION", "MANIFEST_LAYER",
     "MAX_INDEX", "MAX_MANIFEST", "MAX_OBJECT", "MAX_OCI_MANIFEST", "OBJECT_LAYER", "OBJECT_TYPE", "OCI_INDEX",
-    "OCI_MANIFEST", "OPEN_PACKS", "PACK_BYTES", "PACK_LAYER", "READ_DEADLINE", "SNAPSHOT_TYPE", "Credentials",
+    "OCI_MANIFEST", "OPEN_PACKS", "PACK_BYTES", "PACK_LAYER", "READ_DEADLINE", "SEALED_MANIFEST_LAYER", "SNAPSHOT_TYPE", "Credentials",
     "OCIBackend", "RegistryClient", "auth_file", "credentials", "object_tag", "pack_index", "parse_url",
     "snapshot_artifact",
 ]
@@ -207,7 +212,13 @@ class OCIBackend(Backend):
         except ObjectNotFound:
             raise ObjectNotFound(f"manifests/sha256/{hexd}", self.location(f"manifests/sha256/{hexd}")) from None
         layers = doc["layers"]
-        if not layers or layers[0].get("digest") != digest:
+        first = layers[0] if layers and isinstance(layers[0], dict) else {}
+        if first.get("mediaType") == SEALED_MANIFEST_LAYER and isinstance(first.get("digest"), str) \
+                and (doc.get("annotations") or {}).get(MANIFEST_ANNOTATION) == digest:
+            blob = first["digest"]  # a sealed store's manifest (SealedBackend authenticates it under its key)
+        elif first.get("digest") == digest:
+            blob = digest
+        else:
             raise IntegrityError(f"{what}: its first layer is not manifest {digest}; refused")
         packs = {}
         sizes = {x.get("digest"): x.get("size") for x in layers if isinstance(x, dict) and x.get("mediaType") == INDEX_LAYER}
@@ -218,7 +229,7 @@ class OCIBackend(Backend):
                 if not isinstance(idx, str) or not isinstance(isize, int):
                     raise IntegrityError(f"{what}: pack {lay.get('digest')} (layer {i}) names no index layer; refused")
                 packs[lay["digest"]] = (idx, isize, int(lay.get("size", 0)))
-        a = _Artifact(oci, int(layers[0].get("size", 0)), _mtime((doc.get("annotations") or {}).get(CREATED)), packs)
+        a = _Artifact(oci, int(first.get("size", 0)), _mtime((doc.get("annotations") or {}).get(CREATED)), packs, blob)
         with self._mu:
             self._artifacts[digest] = a
         return a
@@ -333,7 +344,11 @@ class OCIBackend(Backend):
                 self._filling.pop(d, None)
         p.close()
 
-    def _save_manifest(self, hexd: str, data: bytes | memoryview) -> None:
+    def _save_manifest(self, hexd: str, data: bytes | memoryview, stored: bytes | None = None) -> None:
+        """Upload manifest ``sha256:<hexd>`` (``data``, its plaintext) and its snapshot artifact,
+        every pack its chunks lie in uploaded first. ``stored``: the bytes to store instead
+        (its sealed form, :meth:`save_sealed`). Raises IntegrityError when ``data`` is not that
+        manifest or a chunk it names is in no pack."""
         from warmctl.records.manifest import Manifest
         from warmctl.store import chunks as ck
 
@@ -360,15 +375,19 @@ class OCIBackend(Backend):
                     packs[loc[0]] = None
         if missing:
             raise IntegrityError(f"{what}: {len(missing)} chunk(s) are in no pack of {self.location()}: {', '.join(missing[:5])}")
-        self.api.put_blob(digest, data, len(data), what)
+        body = data if stored is None else bytes(stored)
+        blob = digest if stored is None else _sha(body)
+        self.api.put_blob(blob, body, len(body), what)
         self.api.put_blob(EMPTY_DESC["digest"], EMPTY_BLOB, len(EMPTY_BLOB), what)
         created = _now_iso()
-        doc = snapshot_artifact(digest, len(data), m.name, created,
-                                [(pd, self._packs[pd].size, self._packs[pd].index, self._packs[pd].index_size) for pd in packs])
+        doc = snapshot_artifact(digest, len(body), m.name, created,
+                                [(pd, self._packs[pd].size, self._packs[pd].index, self._packs[pd].index_size) for pd in packs],
+                                sealed=None if stored is None else blob)
         oci = self.api.put_manifest(f"manifest-{hexd}", doc, what)
         with self._mu:
-            self._artifacts[digest] = _Artifact(oci, len(data), _mtime(created),
-                                                {pd: (self._packs[pd].index, self._packs[pd].index_size, self._packs[pd].size) for pd in packs})
+            self._artifacts[digest] = _Artifact(oci, len(body), _mtime(created),
+                                                {pd: (self._packs[pd].index, self._packs[pd].index_size, self._packs[pd].size) for pd in packs},
+                                                blob)
 
     # -- small objects
 
@@ -411,13 +430,20 @@ class OCIBackend(Backend):
             return self._save_manifest(key[17:], data)
         return self._save_object(key, data)
 
+    def save_sealed(self, key: str, sealed: bytes, plain: bytes | memoryview) -> None:
+        """As :meth:`save` of ``sealed``; a manifest's artifact lists the packs its plaintext
+        (``plain``) names, its first layer the sealed bytes (:data:`SEALED_MANIFEST_LAYER`)."""
+        if key.startswith("manifests/sha256/") and _HEX64.match(key[17:]):
+            return self._save_manifest(key[17:], plain, stored=sealed)
+        return self.save(key, sealed)
+
     def load(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         d = _digest_from_chunk_key(key)
         if d is not None:
             return self._load_chunk(key, d, offset, length)
         if key.startswith("manifests/sha256/") and _HEX64.match(key[17:]):
             a = self._artifact(key[17:])
-            data = self.api.get_blob(f"sha256:{key[17:]}", MAX_MANIFEST, f"manifest {key[17:][:12]}", a.size)
+            data = self.api.get_blob(a.blob or f"sha256:{key[17:]}", MAX_MANIFEST, f"manifest {key[17:][:12]}", a.size)
             self._load_artifact_indexes(a)
         else:
             _, doc = self._object(key)
@@ -463,40 +489,60 @@ class OCIBackend(Backend):
         origin while keeping it: with ``first`` (the first read of this pack by this process,
         which other readers of the pack wait for) such a body is read to its end, so the mirror
         finishes its copy and the origin serves the pack once; the later reads get ranges from the
-        mirror. Without ``first``, a whole-blob answer is read only up to the range wanted."""
+        mirror. Without ``first``, a whole-blob answer is read only up to the range wanted.
+
+        A pack blob whose size in the registry is not the one its snapshot artifact records (the
+        ``Content-Range`` total, a whole-blob ``Content-Length``, or 416 for a range inside the
+        recorded size) is damaged (truncated, or another blob's bytes): IntegrityError naming the
+        pack and both sizes, which the reader reports as the chunk corrupt (not retried as an
+        outage: the registry answers the same each time)."""
         what = f"load chunk {d} from pack {pack}"
         where = f"{what} at {self.base}"
         clock = self.api.clock(where, want)
+        with self._mu:
+            known = self._packs.get(pack)
+        psize = known.size if known is not None else None
         try:
-            r = self.api.send("GET", self.api.url(f"blobs/{pack}"), what, stream=True, ok=(200, 206),
+            r = self.api.send("GET", self.api.url(f"blobs/{pack}"), what, stream=True, ok=(200, 206, 416),
                               headers={"Range": f"bytes={start}-{start + want - 1}"}, clock=clock)
         except ObjectNotFound:
             raise ObjectNotFound(key, self.location(key)) from None
         pos = 0
         n = r.headers.get("content-length", "")
+        cr = r.headers.get("content-range", "")
+        total = cr.rpartition("/")[2] if r.status_code == 206 else n if r.status_code == 200 else ""
+        if r.status_code == 416 or (psize is not None and total.isdigit() and int(total) != psize):
+            r.close()
+            held = f"{int(total):,} bytes" if total.isdigit() else f"fewer than {start + want:,} bytes (HTTP 416 for bytes {start}-{start + want - 1})"
+            if psize is not None:
+                raise IntegrityError(f"{where}: pack blob {pack} in {self.location()} is corrupt: the registry holds "
+                                     f"{held}, its snapshot artifact records {psize:,}; refused")
+            raise IntegrityError(f"{where}: pack blob {pack} in {self.location()} is corrupt: the registry holds {held}; refused")
         if r.status_code == 200 and n.isdigit():  # the whole blob comes: its size is the transfer's
             clock = self.api.clock(where, int(n))
         try:
-            if r.status_code == 206:
-                cr = r.headers.get("content-range", "")
-                if not cr.startswith(f"bytes {start}-"):
-                    raise TransientBackendError(f"{where}: asked for bytes {start}- but got range {cr!r}")
-                got = bytearray()
-                for b in r.iter_bytes():
-                    got += b
-                    pos = len(got)
-                    clock.check(pos)
-                data = bytes(got)
-            else:  # the Range was ignored (a pull-through mirror filling its cache): skip to ours
-                out = bytearray()
-                for b in r.iter_bytes():
-                    if pos + len(b) > start and len(out) < want:
-                        out += b[max(0, start - pos): start + want - pos]
-                    pos += len(b)
-                    if len(out) >= want and not first:
-                        break
-                    clock.check(pos)
-                data = bytes(out[:want])
+            with _watched(clock) as w:
+                if r.status_code == 206:
+                    if not cr.startswith(f"bytes {start}-"):
+                        raise TransientBackendError(f"{where}: asked for bytes {start}- but got range {cr!r}")
+                    got = bytearray()
+                    for b in r.iter_bytes():
+                        got += b
+                        pos = len(got)
+                        clock.check(pos)
+                    data = bytes(got)
+                else:  # the Range was ignored (a pull-through mirror filling its cache): skip to ours
+                    out = bytearray()
+                    for b in r.iter_bytes():
+                        if pos + len(b) > start and len(out) < want:
+                            out += b[max(0, start - pos): start + want - pos]
+                        pos += len(b)
+                        if len(out) >= want and not first:
+                            break
+                        clock.check(pos)
+                    data = bytes(out[:want])
+            if w.fired:  # the watchdog shut the connection down at the deadline: the body ended early
+                raise clock.error(pos)
         except httpx.HTTPError as e:
             if clock.expired():
                 raise clock.error(pos) from e

@@ -23,6 +23,9 @@ SNAPSHOT_TYPE = "application/vnd.warmctl.snapshot.v1"
 #: artifactType of one small store object (catalog entry, signature, lock, config)
 OBJECT_TYPE = "application/vnd.warmctl.object.v1"
 MANIFEST_LAYER = "application/vnd.warmctl.manifest.v1+json"
+#: the first layer of a sealed store's snapshot artifact: the sealed manifest (its blob digest is the
+#: sealed bytes', the warmctl manifest digest is in the artifact's MANIFEST_ANNOTATION)
+SEALED_MANIFEST_LAYER = "application/vnd.warmctl.manifest.sealed.v1"
 PACK_LAYER = "application/vnd.warmctl.pack.v1"
 INDEX_LAYER = "application/vnd.warmctl.pack-index.v1+json"
 OBJECT_LAYER = "application/vnd.warmctl.object.v1"
@@ -128,11 +131,16 @@ def pack_index(pack: str, created: str, chunks: dict[str, tuple[int, int]]) -> b
                        "chunks": [[d, off, n] for d, (off, n) in sorted(chunks.items())]}, separators=(",", ":")).encode()
 
 
-def snapshot_artifact(digest: str, size: int, name: str, created: str, packs: list[tuple[str, int, str, int]]) -> dict:
+def snapshot_artifact(digest: str, size: int, name: str, created: str, packs: list[tuple[str, int, str, int]],
+                      sealed: str | None = None) -> dict:
     """The OCI image manifest of a snapshot: warmctl manifest ``digest`` (``size`` bytes) as the
     first layer, then each of ``packs`` (``(pack digest, pack bytes, index digest, index bytes)``)
-    as its index layer followed by the pack layer, which names its index in an annotation."""
-    layers = [_desc(MANIFEST_LAYER, digest, size, {"org.opencontainers.image.title": name})]
+    as its index layer followed by the pack layer, which names its index in an annotation.
+    ``sealed``: the blob digest of the manifest's sealed form (a sealed store; ``size`` is its
+    bytes), the first layer then a :data:`SEALED_MANIFEST_LAYER`."""
+    first = _desc(MANIFEST_LAYER, digest, size, {"org.opencontainers.image.title": name}) if sealed is None else \
+        _desc(SEALED_MANIFEST_LAYER, sealed, size, {"org.opencontainers.image.title": name})
+    layers = [first]
     for pd, psize, idx, isize in packs:
         layers.append(_desc(INDEX_LAYER, idx, isize))
         layers.append(_desc(PACK_LAYER, pd, psize, {INDEX_ANNOTATION: idx}))
@@ -144,9 +152,10 @@ def snapshot_artifact(digest: str, size: int, name: str, created: str, packs: li
 @dataclass
 class _Artifact:
     oci_digest: str
-    size: int  # bytes of the warmctl manifest
+    size: int  # bytes of the warmctl manifest (as stored: sealed, in a sealed store)
     created: float
     packs: dict[str, tuple[str, int, int]]  # pack -> (index digest, index size, pack size)
+    blob: str = ""  # digest of the blob holding the manifest (its own digest, unless sealed)
 
 
 @dataclass

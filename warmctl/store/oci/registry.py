@@ -2,21 +2,35 @@
 registry: requests with authentication (:class:`~.auth.RegistryAuth`) and httpx's redirect
 handling, every failure translated into warmctl's errors (:meth:`RegistryClient.send`), bounded
 metadata reads with a deadline (:meth:`RegistryClient._read_bounded`), and the manifest, blob and
-tag operations the backend is built on. docs/store-format.md says why not oras-py."""
+tag operations the backend is built on. docs/store-format.md says why not oras-py.
+
+Every request runs under a total deadline (a :class:`~warmctl.store.backend.TransferClock`; one
+of ``remote_deadline_floor_s`` when the caller gives none) that covers the whole request, its
+answer's head (status line and headers) and an upload's wait for its answer included: the
+client's connections are :class:`_WatchedStream` s, which tell the calling thread's
+:class:`_Watch` which socket it waits on, and a watchdog thread
+(:class:`~warmctl.store.backend.DeadlineWatchdog`) shuts that socket down at the deadline, so a
+registry that answers nothing, or trickles its headers, ends the request there in
+:class:`~warmctl.store.backend.RemoteTooSlow` (not at the per-read timeout, which a byte now and
+then never lets fire). A connection still being made is bounded by the connect timeout."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import ssl
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
 
+import httpcore
 import httpx
 
 from warmctl.base.errors import HostError, IntegrityError
-from warmctl.store.backend import ObjectNotFound, TransferBound, TransferClock, TransientBackendError
+from warmctl.store.backend import DeadlineWatchdog, ObjectNotFound, TransferBound, TransferClock, TransientBackendError
 
 from .auth import CERTS_D, Login, RegistryAuth, credentials, is_insecure, ssl_context
 from .pack import OCI_INDEX, OCI_MANIFEST, _sha
@@ -60,6 +74,128 @@ def _ssl_error(e: BaseException) -> ssl.SSLError | None:
     return None
 
 
+_tls = threading.local()  # .watch: the _Watch of the request this thread is making, or None
+
+
+class _Watch:
+    """One request (or body read) under ``clock``'s deadline: the stream it last read or wrote
+    (set by :class:`_WatchedStream`), and whether the watchdog fired."""
+
+    def __init__(self, clock: TransferClock):
+        self.clock = clock
+        self.stream: _WatchedStream | None = None
+        self.fired = False
+        self.done = False
+        self.mu = threading.Lock()
+
+    @property
+    def deadline(self) -> float:
+        return self.clock.t0 + self.clock.limit
+
+    def fire(self) -> None:
+        """Shut down the socket the request waits on (its blocked read or write returns at
+        once); under :attr:`mu`, so that a request that finished meanwhile (its connection
+        perhaps back in the pool, another request's now) is left alone."""
+        with self.mu:
+            if self.done:
+                return
+            self.fired = True
+            if self.stream is not None:
+                self.stream.shutdown()
+
+
+_WATCHDOG = DeadlineWatchdog("warmctl-oci-deadlines")
+
+
+@contextmanager
+def _watched(clock: TransferClock) -> Iterator[_Watch]:
+    """Run the reads and writes this thread makes in the block under ``clock``'s deadline."""
+    w = _Watch(clock)
+    outer = getattr(_tls, "watch", None)
+    _tls.watch = w
+    _WATCHDOG.arm(w)
+    try:
+        yield w
+    finally:
+        with w.mu:
+            w.done = True
+        _tls.watch = outer
+
+
+class _WatchedStream(httpcore.NetworkStream):
+    """A connection of the client (httpcore's stream ``inner``) whose every read and write first
+    tells the calling thread's :class:`_Watch` that it waits on this socket."""
+
+    def __init__(self, inner: httpcore.NetworkStream):
+        self.inner = inner
+
+    def _mark(self) -> None:
+        w = getattr(_tls, "watch", None)
+        if w is not None:
+            with w.mu:
+                w.stream = self
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._mark()
+        return self.inner.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._mark()
+        self.inner.write(buffer, timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> "_WatchedStream":
+        self._mark()
+        return _WatchedStream(self.inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str):
+        return self.inner.get_extra_info(info)
+
+    def shutdown(self) -> None:
+        """Shut the socket down both ways (the TLS layer left alone: the fd's own shutdown)."""
+        sock = self.inner.get_extra_info("socket")
+        if sock is not None:
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _WatchedBackend(httpcore.NetworkBackend):
+    """httpcore's network backend ``inner`` whose connections are :class:`_WatchedStream` s."""
+
+    def __init__(self, inner: httpcore.NetworkBackend):
+        self.inner = inner
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _WatchedStream(self.inner.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return _WatchedStream(self.inner.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self.inner.sleep(seconds)
+
+
+def _watch_connections(client: httpx.Client) -> None:
+    """Make every connection ``client`` opens (its transport's and each proxy mount's) a
+    :class:`_WatchedStream`. httpx does not take a network backend: its transports' httpcore
+    pools are given one. Raises RuntimeError when httpx's layout is not the one known here."""
+    for t in [client._transport, *client._mounts.values()]:  # noqa: SLF001 - see above
+        if t is None:
+            continue
+        pool = getattr(t, "_pool", None)
+        inner = getattr(pool, "_network_backend", None)
+        if not isinstance(inner, httpcore.NetworkBackend):
+            raise RuntimeError(f"httpx {httpx.__version__}: its transport {type(t).__name__} holds no httpcore "
+                               "network backend where warmctl expects it; the OCI client cannot bound its requests")
+        if not isinstance(inner, _WatchedBackend):
+            pool._network_backend = _WatchedBackend(inner)  # type: ignore[union-attr]  # noqa: SLF001
+
+
 class RegistryClient:
     """Repository ``repo`` of registry ``registry`` (``HOST[:PORT]``) over HTTPS (plain HTTP
     when ``registry`` is one of ``insecure``), with the CA of ``ca_bundle``/``certs_d``
@@ -86,6 +222,7 @@ class RegistryClient:
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=32),
             follow_redirects=False, trust_env=True,
         )
+        _watch_connections(self.client)
         self.login = Login(registry, repo, credentials(registry))
         self.have_blobs: set[str] = set()  # blobs known to exist (uploaded or seen by HEAD)
 
@@ -114,23 +251,29 @@ class RegistryClient:
         returning a fresh iterator of bytes per attempt. ``stream``: the caller reads and closes
         the response. ``what`` names the object in messages. ``clock``: the transfer's total
         deadline (:meth:`clock`): the read and write timeouts are clamped to what is left of it,
-        and a timeout once it has passed is :class:`~warmctl.store.backend.RemoteTooSlow`."""
+        and a timeout once it has passed is :class:`~warmctl.store.backend.RemoteTooSlow`; without
+        one, the request (up to its answer's head) gets ``remote_deadline_floor_s``. The deadline
+        covers the whole request, its answer's head included (the module docstring)."""
         where = f"{what} at {self.base}"
         again = content if callable(content) else None
         auth = RegistryAuth(self.login, self.client, where, again)
+        if clock is None:
+            clock = self.clock(where, 0)
         try:
-            request = self.client.build_request(method, url, headers=dict(headers or {}),
-                                                content=content() if again else content)
-            if clock is not None:  # this request's timeouts (httpx's request extension)
-                t = max(0.01, min(self.read_timeout, clock.left()))
+            with _watched(clock) as w:
+                request = self.client.build_request(method, url, headers=dict(headers or {}),
+                                                    content=content() if again else content)
+                t = max(0.01, min(self.read_timeout, clock.left()))  # this request's timeouts (httpx's extension)
                 request.extensions["timeout"] = httpx.Timeout(connect=self.connect_timeout, read=t, write=t,
                                                               pool=60.0).as_dict()
-            r = self.client.send(request, stream=stream, auth=auth, follow_redirects=method in ("GET", "HEAD"))
+                r = self.client.send(request, stream=stream, auth=auth, follow_redirects=method in ("GET", "HEAD"))
         except httpx.TooManyRedirects as e:
             raise HostError(f"{where}: the registry redirects too many times ({e})") from e
         except httpx.HTTPError as e:
-            if clock is not None and clock.expired():
-                raise clock.error(0, "sent" if content is not None else "received") from e
+            if w.fired or clock.expired():  # the watchdog, or the socket, timed out at the deadline
+                # stalled: no answer yet (its head), its body (if any) handed over whole
+                raise clock.error(clock.done, "sent" if content is not None else "received",
+                                  stalled=content is None or clock.done >= clock.size) from e
             raise self._transport_error(where, e) from e
         if r.status_code in ok:
             return r
@@ -192,11 +335,14 @@ class RegistryClient:
         try:
             if n is not None and n.isdigit() and int(n) > limit:
                 raise IntegrityError(f"{where}: the registry offers {int(n):,} bytes, more than the {limit:,} allowed for it; refused")
-            for b in r.iter_bytes():
-                out += b
-                if len(out) > limit:
-                    raise IntegrityError(f"{where}: the registry sent more than the {limit:,} bytes allowed for it; refused")
-                clock.check(len(out))
+            with _watched(clock) as w:
+                for b in r.iter_bytes():
+                    out += b
+                    if len(out) > limit:
+                        raise IntegrityError(f"{where}: the registry sent more than the {limit:,} bytes allowed for it; refused")
+                    clock.check(len(out))
+            if w.fired:  # the watchdog shut the connection down at the deadline: the body ended early
+                raise clock.error(len(out))
         except httpx.HTTPError as e:
             if clock.expired():
                 raise clock.error(len(out)) from e
