@@ -161,6 +161,11 @@ def test_recovery_leaves_a_shell_in_a_run_directory_alone(tmp_path):
 # ------------------------------------------------------------------------ the API under hostile clients
 
 
+#: the test agent's ``agent_header_timeout_s`` and ``agent_keep_alive_s`` (seconds)
+HEADER_TIMEOUT_S = 2.0
+KEEP_ALIVE_S = 1
+
+
 class AgentProc:
     """``python -m warmctl agent`` (the real server: uvicorn with the agent's protocol and
     limits) on a free loopback port, home ``home``; ``http`` carries the token."""
@@ -171,7 +176,9 @@ class AgentProc:
         (home / "agent" / "token").write_text(TOKEN + "\n")
         os.chmod(home / "agent" / "token", 0o600)
         cfg = home / "config.toml"
-        cfg.write_text(f'home = "{home}"\nkeys_dir = "{home / "keys"}"\n')
+        # short connection bounds (defaults 10 s and 5 s) keep the slow-client tests short
+        cfg.write_text(f'home = "{home}"\nkeys_dir = "{home / "keys"}"\n'
+                       f'agent_header_timeout_s = {HEADER_TIMEOUT_S}\nagent_keep_alive_s = {KEEP_ALIVE_S}\n')
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("WARMCTL_")}
         self.env.update({"WARMCTL_CONFIG": str(cfg), "PYTHONUNBUFFERED": "1"})
         with socket.socket() as s:
@@ -315,16 +322,17 @@ def test_a_chunked_body_over_the_cap_is_refused(agent_proc):
 
 
 def test_slow_header_clients_are_cut_off(agent_proc):
-    """50 connections that send a header line every 2 s and never finish: all closed by the
-    agent within 30 s (its header timeout is 10 s; the old agent kept them 60 s and more),
-    while a normal client is served meanwhile."""
+    """50 connections that send a header line every 0.5 s and never finish: all closed by the
+    agent within 15 s (its header timeout, ``agent_header_timeout_s``, is 2 s here, 10 s by
+    default; the old agent kept them 60 s and more), while a normal client is served meanwhile."""
     conns = []
     for _ in range(50):
         s = socket.create_connection(("127.0.0.1", agent_proc.port))
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         conns.append(s)
     closed: set[int] = set()
-    deadline = time.monotonic() + 30
+    t0 = time.monotonic()
+    deadline = t0 + 15
     n = 0
     while len(closed) < len(conns) and time.monotonic() < deadline:
         n += 1
@@ -341,10 +349,11 @@ def test_slow_header_clients_are_cut_off(agent_proc):
             except OSError:
                 closed.add(i)
         assert httpx.get(agent_proc.url + "/healthz", timeout=5).status_code == 200
-        time.sleep(2)
+        time.sleep(0.5)
     for s in conns:
         s.close()
-    assert len(closed) == len(conns), f"{len(conns) - len(closed)} slow-header connections still open after 30 s"
+    assert len(closed) == len(conns), f"{len(conns) - len(closed)} slow-header connections still open after 15 s"
+    assert time.monotonic() - t0 >= HEADER_TIMEOUT_S - 0.5  # closed by the timeout, not at once
 
 
 def test_listening_beyond_loopback_without_tls_is_refused(tmp_path):

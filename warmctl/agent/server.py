@@ -4,12 +4,12 @@ bearer token file, and systemd's readiness notification.
 ``run`` serves the app on ``host:port`` (127.0.0.1:7420 by default), with TLS when a
 certificate and key are given; an address beyond loopback without TLS is refused unless
 ``insecure_no_tls`` (``--insecure-no-tls``) says so. Against hostile or broken clients
- every connection must send its request headers within :data:`HEADER_TIMEOUT_S`
+ every connection must send its request headers within ``agent_header_timeout_s`` (10 s)
 (uvicorn has no such timeout: its keep-alive timer only runs *between* requests, measured:
 50 connections sending a header byte every few seconds stayed open for 60 s), at most
 :data:`MAX_CONNECTIONS` connections are open at once (more are closed on arrival), at most
 :data:`LIMIT_CONCURRENCY` requests run at once (uvicorn answers more with 503), and an idle
-keep-alive connection is closed after :data:`KEEP_ALIVE_S`. It tells systemd ``READY=1`` over ``$NOTIFY_SOCKET`` only
+keep-alive connection is closed after ``agent_keep_alive_s`` (5 s). It tells systemd ``READY=1`` over ``$NOTIFY_SOCKET`` only
 after start-up recovery finished and the socket listens (``Type=notify`` units), and
 ``STOPPING=1`` when it shuts down. The datagram is written by hand (no libsystemd needed).
 """
@@ -27,15 +27,10 @@ from warmctl.base.errors import HostError
 from warmctl.base.private import read_token as private_read_token
 from warmctl.base.sdnotify import notify
 
-#: seconds a connection may take to send a request's line and headers, counted from the
-#: connection (first request) or from the request's first byte (later ones); then it is closed
-HEADER_TIMEOUT_S = 10.0
 #: open connections at most; one more is closed as soon as it is accepted
 MAX_CONNECTIONS = 256
 #: requests (or connections) in progress at most before uvicorn answers 503
 LIMIT_CONCURRENCY = 128
-#: seconds an idle keep-alive connection stays open (uvicorn's ``timeout_keep_alive``)
-KEEP_ALIVE_S = 5
 
 log = logging.getLogger("warmctl.agent")
 
@@ -99,10 +94,11 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
-    """uvicorn's httptools HTTP protocol with a header timeout and a connection limit (see the
-    module doc); passed as ``uvicorn.Config(http=...)``. Raises :class:`HostError` without
-    httptools."""
+def guarded_protocol(header_timeout_s: float, max_connections: int = MAX_CONNECTIONS):
+    """uvicorn's httptools HTTP protocol with a header timeout (seconds a connection may take to
+    send a request's line and headers, counted from the connection for its first request or from
+    a later request's first byte; then it is closed) and a connection limit (see the module
+    doc); passed as ``uvicorn.Config(http=...)``. Raises :class:`HostError` without httptools."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError as e:  # pragma: no cover - a dependency (pyproject.toml)
@@ -179,9 +175,9 @@ def run(config: AgentConfig) -> None:
     uconf = uvicorn.Config(app, host=config.host, port=config.port, log_level="info", access_log=False,
                            ssl_certfile=str(config.tls_cert) if config.tls_cert else None,
                            ssl_keyfile=str(config.tls_key) if config.tls_key else None,
-                           timeout_graceful_shutdown=5, lifespan="on", http=guarded_protocol(),
+                           timeout_graceful_shutdown=5, lifespan="on", http=guarded_protocol(config.settings.agent_header_timeout_s),
                            ws="none",  # no WebSocket: an Upgrade is answered as plain HTTP (guarded)
-                           limit_concurrency=LIMIT_CONCURRENCY, timeout_keep_alive=KEEP_ALIVE_S)
+                           limit_concurrency=LIMIT_CONCURRENCY, timeout_keep_alive=config.settings.agent_keep_alive_s)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

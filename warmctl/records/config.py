@@ -48,6 +48,8 @@ ENV_VARS = {
     "agent_token_file": "WARMCTL_AGENT_TOKEN_FILE",
     "agent_host": "WARMCTL_AGENT_HOST",
     "agent_port": "WARMCTL_AGENT_PORT",
+    "agent_header_timeout_s": "WARMCTL_AGENT_HEADER_TIMEOUT_S",
+    "agent_keep_alive_s": "WARMCTL_AGENT_KEEP_ALIVE_S",
     "criu": "WARMCTL_CRIU",
     "match_driver": "WARMCTL_MATCH_DRIVER",
     "s3_outage_s": "WARMCTL_S3_OUTAGE_S",
@@ -163,6 +165,10 @@ class Settings(BaseModel):
       listener closed (default 30; ``down --now``: none).
     - ``agent_url``/``agent_token_file``: when set, the CLI talks to that agent.
     - ``agent_host``/``agent_port``: where ``warmctl agent`` listens by default.
+    - ``agent_header_timeout_s``: seconds a connection to the agent may take to send a
+      request's line and headers (default 10); then the agent closes it (a slow-header client).
+    - ``agent_keep_alive_s``: seconds an idle keep-alive connection to the agent stays open
+      (whole seconds, default 5; uvicorn's ``timeout_keep_alive``).
     - ``criu``: the CRIU binary (name looked up in ``$PATH``, or a path).
     - ``match_driver``: ``exact`` (default) or ``major``: how a snapshot's NVIDIA driver version
       must match the host's (see ``catalog/README.md``).
@@ -299,6 +305,8 @@ class Settings(BaseModel):
     agent_token_file: Path | None = None
     agent_host: str = "127.0.0.1"
     agent_port: int = Field(7420, ge=1, le=65535)
+    agent_header_timeout_s: float = Field(10.0, gt=0)
+    agent_keep_alive_s: int = Field(5, ge=1)
     criu: str = "criu"
     match_driver: Literal["exact", "major"] = "exact"
     s3_outage_s: float = Field(60.0, ge=0)
