@@ -9,6 +9,7 @@ by recording the fsync calls."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -242,25 +243,28 @@ def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_dat
     SIGSTOP past its lock's lifetime (1.5 s here, ``WARMCTL_LOCK_STALE_S``) at one write point after
     another, ``warmctl gc --grace 0`` runs meanwhile (and judges the lock stale), the writer is
     resumed (SIGCONT): either it fails cleanly (LockLost, its own exit code, no traceback) or every
-    chunk of what it named exists; ``verify`` passes either way."""
+    chunk of what it named exists; ``verify`` passes either way. The pauses run four at a time,
+    each into a store of its own (each waits out the lifetime mostly asleep)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from warmctl.store import LockLost
     from warmctl.store.local import FAULT_STOP_ENV
 
     src = _source(tmp_path)
-    dst = tmp_path / "dst"
-    outcomes: dict[int, str] = {}
-    for n in range(1, 200, 3):
-        subprocess.run(["rm", "-rf", str(dst)], check=True)
+
+    def pause_at(n: int) -> str:
+        """"stopped", "committed", or "never" (past the last write point: it never stopped)."""
+        dst = tmp_path / f"dst-{n}"
         env = _env(tmp_path, **{FAULT_STOP_ENV: str(n), "WARMCTL_LOCK_STALE_S": str(LIFETIME_S)})
         p = subprocess.Popen([sys.executable, "-m", "warmctl", "push", "tiny", "--to", str(dst), "--store", str(src)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             while p.poll() is None and _state(p.pid) != "T":
                 time.sleep(0.02)
-            if p.poll() is not None:  # past the last write point: it never stopped
+            if p.poll() is not None:
                 out, err = p.communicate()
                 assert p.returncode == 0, err
-                break
+                return "never"
             time.sleep(LIFETIME_S + 0.3)  # past the lock's lifetime (its last refresh was before the stop)
             g = _warmctl(["gc", "--grace", "0", "--store", str(dst)], _env(tmp_path))
             assert g.returncode == 0, f"stop at {n}: gc exited {g.returncode}: {g.stderr}"
@@ -270,13 +274,23 @@ def test_writer_paused_past_its_lock_lifetime_fails_cleanly_or_commits_whole_dat
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if p.returncode == 0:
-            outcomes[n] = "committed"
-        else:
-            assert p.returncode == LockLost.exit_code, f"stop at {n}: exit {p.returncode}: {err}"
-            assert "lost the shared lock" in err and "run it again" in err and "Traceback" not in err, err
-            outcomes[n] = "stopped"
         assert_consistent(dst)
+        shutil.rmtree(dst)
+        if p.returncode == 0:
+            return "committed"
+        assert p.returncode == LockLost.exit_code, f"stop at {n}: exit {p.returncode}: {err}"
+        assert "lost the shared lock" in err and "run it again" in err and "Traceback" not in err, err
+        return "stopped"
+
+    outcomes: dict[int, str] = {}
+    points = iter(range(1, 200, 3))
+    with ThreadPoolExecutor(4) as pool:
+        while True:
+            batch = [n for _, n in zip(range(4), points)]
+            got = dict(zip(batch, pool.map(pause_at, batch)))
+            outcomes.update({n: v for n, v in got.items() if v != "never"})
+            if not batch or "never" in got.values():
+                break
     print(f"paused push: {sum(v == 'stopped' for v in outcomes.values())} stopped (LockLost), "
           f"{sum(v == 'committed' for v in outcomes.values())} committed whole, of {len(outcomes)} pauses")
     assert "stopped" in outcomes.values(), outcomes
