@@ -11,6 +11,7 @@ import os
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tests.conftest import isolated_env, warmctl
@@ -116,14 +117,19 @@ def test_every_s3_request_ends_at_its_deadline_head_included(bucket, moto_endpoi
              "ranged load": (lambda: b.load("chunks/c", 10, 32 * KiB), 32 * KiB), "stat": (lambda: b.stat("chunks/c"), 0),
              "list": (lambda: list(b.list("chunks/")), 0), "save": (lambda: b.save("chunks/d", b"x" * 1000), 1000),
              "remove": (lambda: b.remove("chunks/c"), 0)}
-    for name, (call, size) in calls.items():
+    def timed(call) -> tuple[RemoteTooSlow, float]:
         t0 = time.monotonic()
         with pytest.raises(RemoteTooSlow) as ei:
             call()
-        took = time.monotonic() - t0
+        return ei.value, time.monotonic() - t0
+
+    with ThreadPoolExecutor(len(calls)) as pool:  # side by side: each waits out its own deadline
+        ended = dict(zip(calls, pool.map(timed, (call for call, _ in calls.values()))))
+    for name, (_, size) in calls.items():
+        err, took = ended[name]
         bound = 1.0 + size / MiB
         assert bound - 0.05 < took < bound + 0.5, (name, took, bound)
-        msg = str(ei.value)
+        msg = str(err)
         op = {"ranged load": "load", "load_into": "load"}.get(name, name)
         where = "chunks/" if name == "list" else ("chunks/d" if name == "save" else "chunks/c")
         assert f"{op} s3://{bucket}/t/{where} at {proxy.url}: too slow: " in msg, (name, msg)
@@ -282,15 +288,21 @@ def test_every_registry_request_ends_at_its_deadline_head_included(tmp_path, fau
                      "list": (lambda b: list(b.list("catalog/")), 1.0, "list tags"),
                      "save": (lambda b: b.save("catalog/x/y.json", b"x" * 1000), 1.0, "save catalog/x/y.json"),
                      "remove": (lambda b: b.remove("catalog/x/z.json"), 1.0, "remove catalog/x/z.json")}
-            for name, (call, bound, what) in calls.items():
+            def timed(call) -> tuple[RemoteTooSlow, float]:
                 b = slow()
                 t0 = time.monotonic()
                 with pytest.raises(RemoteTooSlow) as ei:
                     call(b)
                 took = time.monotonic() - t0
                 b.close()
+                return ei.value, took
+
+            with ThreadPoolExecutor(len(calls)) as pool:  # side by side: each waits out its own deadline
+                ended = dict(zip(calls, pool.map(timed, (call for call, _, _ in calls.values()))))
+            for name, (_, bound, what) in calls.items():
+                err, took = ended[name]
                 assert bound - 0.05 < took < bound + 0.5, (name, took, bound)
-                msg = str(ei.value)
+                msg = str(err)
                 assert what in msg and f" at http://{ph}: too slow: stalled: no answer after" in msg, (name, msg)
                 assert "remote_deadline_floor_s 1 s" in msg, msg
             if fault == "stall":  # nothing reached the registry
