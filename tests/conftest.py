@@ -27,6 +27,7 @@ import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +142,65 @@ def shm_leaked(before: set[str]) -> set[str]:
         return first
     time.sleep(2)
     return first & _left(before)
+
+
+def procs_under(d: Path) -> list[psutil.Process]:
+    """Live processes (this one aside) whose working directory is ``d`` or below it, or whose
+    command line names it: what a home, node or engine run directory ``d`` still has running."""
+    d = d.resolve()
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and (Path(p.cwd()).is_relative_to(d) or str(d) in " ".join(p.cmdline())):
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def engine_pids(env: dict[str, str]) -> list[int]:
+    """PIDs of the engine processes of ``env``'s home (restored ones too: CRIU restores the
+    environment block): their ``VLLM_RPC_BASE_PATH``, which warmctl declares, lies in the home's
+    run directory (``WARMCTL_TEST_HOME`` itself never reaches the engine's declared environment)."""
+    home = env["WARMCTL_TEST_HOME"] + "/"
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("VLLM_RPC_BASE_PATH", "").startswith(home):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def with_signing(env: dict[str, str], root: Path, *, trust: list[Path], signing_key: Path | None = None) -> dict[str, str]:
+    """``env`` (an :func:`isolated_env` in ``root``) as a node that signs what it makes: its own
+    signing key (generated into ``root/signing``, or ``signing_key``) named in its config, and
+    ``keys_dir`` holding its own public key plus the ``trust`` ones. Returns ``env``."""
+    keys = root / "keys"
+    keys.mkdir(exist_ok=True)
+    if signing_key is None:
+        warmctl("keygen", str(root / "signing"), "--name", "node", env=env)
+        signing_key = root / "signing" / "node.key"
+        shutil.copy(root / "signing" / "node.pub", keys / "node.pub")
+    for i, pub in enumerate(trust):
+        shutil.copy(pub, keys / f"trusted-{i}.pub")
+    cfg = Path(env["WARMCTL_CONFIG"])
+    cfg.write_text(cfg.read_text() + f'signing_key = "{signing_key}"\n')
+    return env
+
+
+@pytest.fixture
+def fake_clean(fk_env):
+    """``warmctl down fake`` in :func:`fk_env` before and after the test, then no process of its
+    engines may be left (any left is killed, and the test fails naming it)."""
+    warmctl("down", "fake", env=fk_env, check=False)
+    yield
+    warmctl("down", "fake", env=fk_env, check=False)
+    left = procs_under(Path(fk_env["WARMCTL_TEST_HOME"]) / "run")
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {left}"
 
 
 def engine_tmp_dirs(env: dict[str, str]) -> list[Path]:

@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import stop_process, wait_agent_ready, warmctl
+from tests.conftest import procs_under, stop_process, wait_agent_ready, warmctl
 from tests.test_agent_api import free_port
 
 pytestmark = pytest.mark.e2e
@@ -72,15 +72,8 @@ class Agent:
 
 
 def _engine_procs(home: Path) -> list[psutil.Process]:
-    run = (home / "run").resolve()
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if Path(p.cwd()).is_relative_to(run) or any(str(run) in a for a in p.cmdline()):
-                out.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return out
+    """Live processes of the engines of ``home`` (:func:`procs_under` its run directory)."""
+    return procs_under(home / "run")
 
 
 def _snapshot_shm(env, name: str = "tiny") -> list[str]:

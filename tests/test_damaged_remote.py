@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.conftest import isolated_env, shm_leaked, shm_names, wait_agent_ready, warmctl
+from tests.conftest import isolated_env, procs_under, shm_leaked, shm_names, wait_agent_ready, warmctl
 from tests.damage import flip_middle
 from tests.test_agent_api import free_port
 
@@ -110,14 +110,7 @@ class Node:
 
     def procs(self) -> list[psutil.Process]:
         """Live processes of node B: whose command line or working directory names its home."""
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if p.pid != os.getpid() and (str(self.home) in " ".join(p.cmdline()) or str(self.home) in p.cwd()):
-                    out.append(p)
-            except (psutil.Error, OSError):
-                continue
-        return out
+        return procs_under(self.home)
 
     def named(self) -> list[str]:
         """Snapshots named in B's local catalog."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import isolated_env, listening, warmctl
+from tests.conftest import isolated_env, listening, warmctl, with_signing
 from tests.test_agent_e2e import Agent, _engine_procs
 
 pytestmark = pytest.mark.e2e
@@ -32,17 +32,7 @@ pytestmark = pytest.mark.e2e
 def node(root: Path, engine_ports, *, trust: list[Path], signing_key: Path | None = None, **extra: str) -> dict[str, str]:
     """A node's environment: its own home under ``root``, its own signing key (generated, or
     ``signing_key``), and ``keys_dir`` holding its own public key plus the ``trust`` ones."""
-    env = isolated_env(root, *engine_ports)
-    keys = root / "keys"
-    keys.mkdir(exist_ok=True)
-    if signing_key is None:
-        warmctl("keygen", str(root / "signing"), "--name", "node", env=env)
-        signing_key = root / "signing" / "node.key"
-        shutil.copy(root / "signing" / "node.pub", keys / "node.pub")
-    for i, pub in enumerate(trust):
-        shutil.copy(pub, keys / f"trusted-{i}.pub")
-    cfg = Path(env["WARMCTL_CONFIG"])
-    cfg.write_text(cfg.read_text() + f'signing_key = "{signing_key}"\n')
+    env = with_signing(isolated_env(root, *engine_ports), root, trust=trust, signing_key=signing_key)
     env.update(extra)
     return env
 

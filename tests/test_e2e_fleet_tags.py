@@ -12,12 +12,11 @@ test builds its own nodes and remote.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import fake_env, warmctl
+from tests.conftest import fake_env, warmctl, with_signing
 from tests.test_agent_e2e import _engine_procs
 
 pytestmark = pytest.mark.e2e
@@ -28,16 +27,7 @@ def _node(root: Path, engine_ports, remote: Path, *, trust: list[Path], signing_
     ``remote``: its own signing key (generated, or ``signing_key``) and ``keys_dir`` holding its
     own public key plus the ``trust`` ones."""
     env = fake_env(root, *engine_ports, hold=remote.parent / "hold")  # one profile on every node
-    keys = root / "keys"
-    keys.mkdir(exist_ok=True)
-    if signing_key is None:
-        warmctl("keygen", str(root / "signing"), "--name", "node", env=env)
-        signing_key = root / "signing" / "node.key"
-        shutil.copy(root / "signing" / "node.pub", keys / "node.pub")
-    for i, pub in enumerate(trust):
-        shutil.copy(pub, keys / f"trusted-{i}.pub")
-    cfg = Path(env["WARMCTL_CONFIG"])
-    cfg.write_text(cfg.read_text() + f'signing_key = "{signing_key}"\n')
+    with_signing(env, root, trust=trust, signing_key=signing_key)
     return dict(env, WARMCTL_REMOTE_STORE=str(remote))
 
 

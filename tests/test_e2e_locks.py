@@ -16,7 +16,7 @@ import subprocess
 import psutil
 import pytest
 
-from tests.conftest import WARMCTL, listening, shm_leaked, shm_names, warmctl
+from tests.conftest import WARMCTL, engine_pids, listening, shm_leaked, shm_names, warmctl
 from tests.test_e2e_main import _settings
 from warmctl.naming.catalog import Catalog
 from warmctl.records.manifest import Manifest
@@ -32,18 +32,6 @@ def _down_after(fk_env):
     warmctl("down", "fake", env=fk_env, check=False)
 
 
-def _engine_pids(env) -> list[int]:
-    """PIDs of engine processes of ``env``'s home: their ``VLLM_RPC_BASE_PATH`` (declared by
-    warmctl, restored by CRIU with the environment block) lies in its run directory."""
-    home = env["WARMCTL_TEST_HOME"] + "/"
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("VLLM_RPC_BASE_PATH", "").startswith(home):
-                out.append(p.pid)
-        except psutil.Error:
-            continue
-    return out
 
 
 def test_two_concurrent_ups_of_one_name_restore_once(fake_snapshot, fk_env):
@@ -64,10 +52,10 @@ def test_two_concurrent_ups_of_one_name_restore_once(fake_snapshot, fk_env):
     orphans = {o["path"] for o in json.loads(warmctl("status", "--orphans", "--json", env=fk_env).stdout)}
     assert not orphans & (shm_names() - shm0), orphans
     root = psutil.Process(st[0]["root_pid"])  # one engine tree: every engine process is in it
-    pids = _engine_pids(fk_env)  # (a process that set its title, the engine core, no longer shows its environment)
+    pids = engine_pids(fk_env)  # (a process that set its title, the engine core, no longer shows its environment)
     assert root.pid in pids and set(pids) <= {root.pid} | {c.pid for c in root.children(recursive=True)}, pids
     warmctl("down", "fake", env=fk_env)
-    assert _engine_pids(fk_env) == []
+    assert engine_pids(fk_env) == []
     assert not shm_leaked(shm0)
 
 
@@ -92,7 +80,7 @@ def test_a_concurrent_up_reports_the_first_ones_failure(fake_snapshot, fk_env, f
         assert sum("this one waited for" in t for t in text) == 1, text  # one restore, one report
         assert sum(bool(re.search(r"ok restore\b", t)) for t in text) == 1  # one restore ran
         assert json.loads(warmctl("status", "--json", env=fk_env).stdout) == []
-        assert not listening(fake_ports[1]) and _engine_pids(fk_env) == []
+        assert not listening(fake_ports[1]) and engine_pids(fk_env) == []
         assert not shm_leaked(shm0)
     finally:
         Catalog(store).remove("fake", "tampered2", digest)

@@ -18,7 +18,7 @@ import time
 import httpx
 import psutil
 import pytest
-from tests.conftest import SNAPSHOT_PROBES, WARMCTL, listening, shm_leaked, shm_names, warmctl
+from tests.conftest import SNAPSHOT_PROBES, WARMCTL, engine_pids, listening, shm_leaked, shm_names, warmctl
 
 from warmctl.checkpoint import affinity
 from warmctl.checkpoint.imagecache import ImageCache, entry_name
@@ -279,23 +279,10 @@ def test_altered_canary_is_refused_port_never_opens(tiny_snapshot, wc_env, engin
     assert not opened, "public port accepted a connection before/without a passing canary"
     assert json.loads(warmctl("status", "--json", env=wc_env).stdout) == []
     assert not shm_leaked(shm0)
-    assert _our_engine_pids(wc_env) == []
+    assert engine_pids(wc_env) == []
     Catalog(store).remove("tiny", "tampered", digest)
 
 
-def _our_engine_pids(env) -> list[int]:
-    """PIDs of engine processes of this session's home (restored ones too: CRIU restores the
-    environment block): their ``VLLM_RPC_BASE_PATH``, which warmctl declares, lies in the home's
-    run directory (``WARMCTL_TEST_HOME`` itself never reaches the engine's declared environment)."""
-    home = env["WARMCTL_TEST_HOME"] + "/"
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("VLLM_RPC_BASE_PATH", "").startswith(home):
-                out.append(p.pid)
-        except psutil.Error:
-            continue
-    return out
 
 
 def test_public_port_taken_fails_before_restore(tiny_snapshot, wc_env, engine_ports):

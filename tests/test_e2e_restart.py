@@ -31,20 +31,9 @@ import psutil
 import pytest
 
 from tests.conftest import warmctl
-from tests.test_agent_e2e import Agent, _engine_procs
+from tests.test_agent_e2e import Agent
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def clean(fk_env):
-    warmctl("down", "fake", env=fk_env, check=False)
-    yield
-    warmctl("down", "fake", env=fk_env, check=False)
-    left = _engine_procs(Path(fk_env["WARMCTL_TEST_HOME"]))
-    for p in left:
-        p.kill()
-    assert not left, f"processes left behind: {left}"
 
 
 class NotifySocket:
@@ -107,7 +96,7 @@ def _foreground(env, sock: NotifySocket, log: Path) -> subprocess.Popen:
                             stdout=open(log, "a"), stderr=subprocess.STDOUT)
 
 
-def test_foreground_notifies_and_exits_when_the_engine_dies(fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+def test_foreground_notifies_and_exits_when_the_engine_dies(fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
     wc_env, gate = fk_env, fake_ports[1]
     sock = NotifySocket(tmp_path / "notify")
     log = tmp_path / "fg.log"

@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.conftest import FAKE_PORT_OFFSET, fake_env, shm_leaked, shm_names, snapshot_once, stop_process, wait_agent_ready, warmctl
+from tests.conftest import FAKE_PORT_OFFSET, fake_env, procs_under, shm_leaked, shm_names, snapshot_once, stop_process, wait_agent_ready, warmctl
 from tests.damage import damaged
 from tests.fault_matrix import BOUND_S, DATA, FAULTS, MATRIX, SETTINGS, Cell
 
@@ -307,14 +307,7 @@ class Node:
                 intact(s, refs)
 
     def procs(self) -> list[psutil.Process]:
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if p.pid != os.getpid() and (str(self.home) in " ".join(p.cmdline()) or str(self.home) in p.cwd()):
-                    out.append(p)
-            except (psutil.Error, OSError):
-                continue
-        return out
+        return procs_under(self.home)
 
 
 def intact(store, refs: dict) -> None:

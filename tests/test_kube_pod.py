@@ -145,18 +145,7 @@ def _public_health(port: int) -> int | None:
         return None
 
 
-@pytest.fixture
-def clean(fk_env):
-    warmctl("down", "fake", env=fk_env, check=False)
-    yield
-    warmctl("down", "fake", env=fk_env, check=False)
-    left = _engine_procs(Path(fk_env["WARMCTL_TEST_HOME"]))
-    for p in left:
-        p.kill()
-    assert not left, f"processes left behind: {left}"
-
-
-def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
     gate = fake_ports[1]
     hold = Path(fk_env["WARMCTL_TEST_HOME"]).parent / "hold"  # fake_env's: holds the canary's answers
     pod = Pod(kube, NS, "warmctl-engine", gate)
@@ -221,7 +210,7 @@ def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snaps
 
 
 
-def test_stop_during_up_and_a_dead_engine_set_final_reasons(kube, fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+def test_stop_during_up_and_a_dead_engine_set_final_reasons(kube, fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
     gate = fake_ports[1]
     hold = Path(fk_env["WARMCTL_TEST_HOME"]).parent / "hold"
     home = Path(fk_env["WARMCTL_TEST_HOME"])
@@ -307,7 +296,7 @@ def test_corrupt_chunk_ends_refused_naming_it(kube, corrupt_env, fake_ports, tmp
         pod.delete()
 
 
-def test_snapshot_of_another_image_is_refused(kube, fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+def test_snapshot_of_another_image_is_refused(kube, fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
     pod = Pod(kube, NS, "warmctl-engine", fake_ports[1])
     digest = "sha256:" + "bb" * 32
     env = _pod_env(fk_env, kube, pod, tmp_path, WARMCTL_IMAGE_DIGEST=digest)
@@ -324,7 +313,7 @@ def test_snapshot_of_another_image_is_refused(kube, fk_env, fake_snapshot, fake_
         pod.delete()
 
 
-def test_engine_account_cannot_patch_another_namespace(kube, fk_env, fake_snapshot, fake_ports, clean, tmp_path):
+def test_engine_account_cannot_patch_another_namespace(kube, fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
     sa = f"other-{uuid.uuid4().hex[:8]}"
     st, body = kube.request("POST", "/api/v1/namespaces/default/serviceaccounts",
                             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa}})
