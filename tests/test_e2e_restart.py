@@ -30,7 +30,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import warmctl
+from tests.conftest import listening, warmctl
 from tests.test_agent_e2e import Agent
 
 pytestmark = pytest.mark.e2e
@@ -146,7 +146,7 @@ def test_foreground_notifies_and_exits_when_the_engine_dies(fk_env, fake_snapsho
         sock.close()
 
 
-def test_agent_restarts_an_engine_that_dies(fk_env, fake_snapshot, fake_ports, clean):
+def test_agent_restarts_an_engine_that_dies(fk_env, fake_snapshot, fake_ports, fake_clean):
     wc_env, gate = fk_env, fake_ports[1]
     agent = Agent(wc_env)
     try:
@@ -186,3 +186,25 @@ def test_agent_restarts_an_engine_that_dies(fk_env, fake_snapshot, fake_ports, c
         assert v["phase"] == "down" and v["restart"] is None, v
     finally:
         agent.stop()
+
+
+def test_a_stop_as_the_port_opens_drains_the_serving_engine(fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
+    """SIGTERM in the moment the public port is open but ``up`` has not yet returned (a pod
+    deleted as soon as it is Ready; ``WARMCTL_TEST_KILL_AT_PHASE=serving:TERM`` sends it there) is
+    held, then taken as a stop of the serving engine: drained and taken down, exit 0. It was
+    once taken as a stop in the middle of ``up`` (exit 143)."""
+    sock = NotifySocket(tmp_path / "notify")
+    log = tmp_path / "fg.log"
+    p = _foreground({**fk_env, "WARMCTL_TEST_KILL_AT_PHASE": "serving:TERM"}, sock, log)
+    try:
+        assert p.wait(120) == 0, log.read_text()
+        text = log.read_text()
+        assert "signal 15: taking fake down" in text and "fake is down" in text, text
+        assert "while bringing fake up" not in text, text
+        assert "READY=1" in sock.drain().splitlines()  # it served before it stopped
+        assert _status(fk_env) == [] and not listening(fake_ports[1])
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        sock.close()

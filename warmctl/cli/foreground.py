@@ -15,7 +15,9 @@ is, so that ``Restart=on-failure`` brings a crashed engine back by restoring it 
    process exits :data:`ENGINE_DIED_EXIT` (non-zero: systemd restarts the unit);
 5. SIGTERM/SIGINT/SIGHUP (``systemctl stop``): ``STOPPING=1``, the engine is taken down like
    ``warmctl down`` (drain, then kill), exit 0. A signal during ``up`` tears down what ``up``
-   had started and exits 128+signal.
+   had started and exits 128+signal; one that comes once the public port is open (the ``gate``
+   phase ended: the engine may already be answering requests, a pod already Ready) is held until
+   ``up`` returns, then taken as in step 5 (:class:`StopSignals`).
 
 Without ``$NOTIFY_SOCKET`` (a terminal, a test) the same happens, minus the notifications.
 
@@ -69,6 +71,8 @@ class NotifyingReporter(ConsoleReporter):
     #: the pod condition each phase also drives (a :class:`warmctl.kube.conditions.PodCondition`;
     #: None outside a pod)
     condition: Any = None
+    #: called when the ``gate`` phase ended well: the public port is open
+    port_opened: Callable[[], None] | None = None
 
     def started(self, name: str, desc: str) -> None:
         budget = PHASE_BUDGET_S.get(name, DEFAULT_PHASE_BUDGET_S)
@@ -79,6 +83,8 @@ class NotifyingReporter(ConsoleReporter):
 
     def finished(self, name: str, seconds: float, ok: bool) -> None:
         super().finished(name, seconds, ok)
+        if name == "gate" and ok and self.port_opened is not None:
+            self.port_opened()
         if self.condition is not None:
             self.condition.phase_finished(name, seconds, ok)
 
@@ -101,8 +107,39 @@ class NotifyingReporter(ConsoleReporter):
         return advance
 
 
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise Stopped(signum)
+#: the signals that stop the supervisor
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class StopSignals:
+    """The handler of :data:`STOP_SIGNALS` in :func:`run`: each raises :class:`Stopped`, except
+    while held (:meth:`hold`: from the moment the public port is open until supervision begins),
+    when the first is kept and raised by :meth:`release`. A stop that lands between the port
+    opening and ``up`` returning is thus a drain of a serving engine (exit 0), not a teardown in
+    the middle of ``up`` (exit 128+signal, the engine perhaps left serving past ``up``'s clean-up)."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.held: int | None = None
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.holding:
+            self.held = self.held or signum
+            return
+        raise Stopped(signum)
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def release(self) -> None:
+        """Raise :class:`Stopped` from now on; at once if a signal was held."""
+        self.holding = False
+        if self.held is not None:
+            raise Stopped(self.held)
 
 
 def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[NotifyingReporter], object],
@@ -110,9 +147,10 @@ def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[Notifyin
     """Bring ``name`` up with ``up(reporter)`` (a :class:`warmctl.records.contract.UpResult`), print it
     with ``show``, then supervise it (module doc). ``say`` prints one line to the log. Returns
     the exit status: 0 after a stop signal, :data:`ENGINE_DIED_EXIT` when the engine died,
-    128+signal when stopped during ``up``."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _raise_stopped)
+    128+signal when stopped during ``up`` before the public port opened."""
+    stops = StopSignals()
+    stops.install()
+    reporter.port_opened = stops.hold
     cond = reporter.condition = pod_condition(settings, say)
     try:
         try:
@@ -138,7 +176,7 @@ def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[Notifyin
                f"({'already up' if res.already_up else res.source}"  # type: ignore[attr-defined]
                + (f" in {total:.1f} s" if total else "") + ")")
         show(res)
-        return watch(name, settings, say, condition=cond)
+        return watch(name, settings, say, condition=cond, stops=stops)
     finally:
         if cond is not None:
             cond.close()
@@ -186,22 +224,26 @@ def write_termination_message(settings, message: str, say: Callable[[str], None]
 
 
 def watch(name: str, settings, say: Callable[[str], None], *, interval_s: float = CHECK_INTERVAL_S,
-          unhealthy_grace_s: float = UNHEALTHY_GRACE_S, condition: Any = None) -> int:
+          unhealthy_grace_s: float = UNHEALTHY_GRACE_S, condition: Any = None,
+          stops: StopSignals | None = None) -> int:
     """Supervise the running engine ``name`` (steps 3-5 of the module doc); returns the exit
-    status. Expects the stop signals to raise :class:`Stopped`. ``condition``: the pod
-    condition (:class:`warmctl.kube.conditions.PodCondition`) told of a death or a stop."""
+    status. Expects the stop signals to raise :class:`Stopped`; ``stops``, when given, is
+    released first (a stop it held is taken at once). ``condition``: the pod condition
+    (:class:`warmctl.kube.conditions.PodCondition`) told of a death or a stop."""
     from warmctl.engine.run import EngineRun
     from warmctl.pipelines.lifecycle import down
 
-    run_ = EngineRun.load(settings.run_dir, name)
-    if run_ is None or run_.state is None:
-        say(f"engine {name} is not recorded as running; nothing to supervise")
-        return ENGINE_DIED_EXIT
-    wd = watchdog_interval_s()
-    interval = min(interval_s, wd) if wd else interval_s
-    port = run_.state.internal_port
-    bad_since: float | None = None
     try:
+        if stops is not None:
+            stops.release()
+        run_ = EngineRun.load(settings.run_dir, name)
+        if run_ is None or run_.state is None:
+            say(f"engine {name} is not recorded as running; nothing to supervise")
+            return ENGINE_DIED_EXIT
+        wd = watchdog_interval_s()
+        interval = min(interval_s, wd) if wd else interval_s
+        port = run_.state.internal_port
+        bad_since: float | None = None
         while True:
             time.sleep(interval)
             why = None
@@ -243,5 +285,5 @@ def watch(name: str, settings, say: Callable[[str], None], *, interval_s: float 
 
 
 def _ignore_stop_signals() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)

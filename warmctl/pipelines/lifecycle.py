@@ -52,6 +52,7 @@ from pydantic import ValidationError
 
 from warmctl.records import enginelock
 from warmctl.naming.catalog import Accepted, Catalog, CatalogEntry, CatalogError
+from warmctl.base import faults
 from warmctl.checkpoint import capture, criu, layout, rankfaults
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache
@@ -521,6 +522,7 @@ def _serving(run: EngineRun, timings: dict[str, float]) -> None:
     assert run.state is not None
     run.state.timings = timings
     run.save(phase="serving")
+    faults.point("serving")  # a test's stop signal (or kill -9) once the port is open, before up returns
 
 
 def _cold_up(u: _Up, reason: str) -> UpResult:
