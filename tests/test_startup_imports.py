@@ -149,3 +149,19 @@ def test_a_top_level_command_builds_only_itself_and_a_group_the_whole_tree(tmp_p
     assert built["up tiny"] == ["up"]  # still a group: `warmctl up NAME` as ever
     assert {"up", "down", "status", "push", "profile", "keys"} <= set(built["profile ls"])
     assert built["bogus"] == built[""] == built["profile ls"]  # click names what does not exist, and suggests
+
+
+def test_a_core_command_registers_core_alone_and_names_are_unique(tmp_path):
+    """``warmctl up`` registers the ``core`` area alone (the other areas' CLI modules are not
+    imported); that builds the same command as the whole registration only because no other
+    area registers a top-level command of a core command's name, which this also checks."""
+    code = ("import json, sys, warmctl.cli as c; c._register('up'); lone = c._command_names()\n"
+            "mods = sorted(m for m in sys.modules if m.startswith('warmctl.cli.'))\n"
+            "c.app.registered_commands.clear(); c._register(); every = c._command_names()\n"
+            "print(json.dumps({'lone': lone, 'mods': mods, 'every': every}))")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert "up" in got["lone"] and got["every"][:len(got["lone"])] == got["lone"]
+    assert [m for m in got["mods"] if m not in ("warmctl.cli.core", "warmctl.cli.output")] == []
+    assert len(got["every"]) == len(set(got["every"])) > len(got["lone"])

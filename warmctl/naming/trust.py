@@ -14,7 +14,9 @@ are the ``*.pub`` files in ``Settings.keys_dir`` (PEM ``SubjectPublicKeyInfo`` a
 digits of the sha256 of its raw 32-byte public key.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import base64
 import hashlib
@@ -101,7 +103,7 @@ class Verification(BaseModel):
 # --------------------------------------------------------------------------- keys
 
 
-def key_id(public_key: Ed25519PublicKey) -> str:
+def key_id(public_key: "Ed25519PublicKey") -> str:
     """First 32 hex digits of sha256 over the raw 32-byte public key."""
     from cryptography.hazmat.primitives import serialization
 
@@ -145,7 +147,7 @@ def generate_keypair(directory: str | Path, name: str = "warmctl", *, overwrite:
     return KeyPair(priv_path, pub_path, key_id(key.public_key()))
 
 
-def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+def load_private_key(path: str | Path) -> "Ed25519PrivateKey":
     """Load an unencrypted ed25519 private key (PEM PKCS#8 or OpenSSH).
 
     Raises :class:`TrustError` naming the file when it is missing, readable by group or others
@@ -175,7 +177,7 @@ def load_private_key(path: str | Path) -> Ed25519PrivateKey:
     return key
 
 
-def load_public_key(path: str | Path) -> Ed25519PublicKey:
+def load_public_key(path: str | Path) -> "Ed25519PublicKey":
     """Load an ed25519 public key (PEM SubjectPublicKeyInfo or one OpenSSH ``ssh-ed25519`` line).
     Raises :class:`TrustError` naming the file otherwise."""
     from cryptography.exceptions import UnsupportedAlgorithm
@@ -199,7 +201,7 @@ def load_public_key(path: str | Path) -> Ed25519PublicKey:
     return key
 
 
-def load_trusted_keys(keys_dir: str | Path) -> dict[str, tuple[Path, Ed25519PublicKey]]:
+def load_trusted_keys(keys_dir: str | Path) -> "dict[str, tuple[Path, Ed25519PublicKey]]":
     """``{key_id: (file, key)}`` for every ``*.pub`` in ``keys_dir`` (sorted by file name).
 
     A missing directory gives ``{}``. An unusable ``.pub`` file raises :class:`TrustError`
@@ -231,7 +233,7 @@ def signature_prefix(digest: str) -> str:
     return f"{SIGNATURES_PREFIX}{algo}/{hexpart}/"
 
 
-def sign_manifest(store: Any, digest: str, key: str | Path | Ed25519PrivateKey) -> SignatureDoc:
+def sign_manifest(store: Any, digest: str, key: "str | Path | Ed25519PrivateKey") -> SignatureDoc:
     """Sign manifest ``digest`` with ``key`` (a private key or its file) and save the signature in
     ``store.backend`` at ``signatures/<algo>/<hex>/<key_id>.json`` (replacing that key's earlier
     signature of the same manifest). Returns the stored document. Raises :class:`TrustError` for
@@ -270,7 +272,7 @@ def signatures(store: Any, digest: str) -> list[SignatureDoc | str]:
     return out
 
 
-def _verify_by(trusted: dict[str, tuple[Path, Ed25519PublicKey]], kid: str, algorithm: str, signature: str,
+def _verify_by(trusted: "dict[str, tuple[Path, Ed25519PublicKey]]", kid: str, algorithm: str, signature: str,
                message: bytes, among: str) -> str | None:
     """None when the ed25519 ``signature`` (base64) of ``message`` by key ``kid`` is one a key in
     ``trusted`` makes; else the problem, in words (``among``: where trusted keys are)."""
@@ -434,7 +436,7 @@ def entry_message(entry: Any) -> bytes:
     return ENTRY_SIGNATURE_DOMAIN + json.dumps(entry_fields(entry), sort_keys=True, separators=(",", ":")).encode()
 
 
-def sign_entry(entry: Any, key: str | Path | Ed25519PrivateKey) -> EntrySignature:
+def sign_entry(entry: Any, key: "str | Path | Ed25519PrivateKey") -> EntrySignature:
     """Sign catalog entry ``entry`` with ``key`` (a private key or its file). Raises
     :class:`TrustError` for an unusable key file."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -444,7 +446,7 @@ def sign_entry(entry: Any, key: str | Path | Ed25519PrivateKey) -> EntrySignatur
                           signature=base64.b64encode(k.sign(entry_message(entry))).decode())
 
 
-def check_entry(entry: Any, sigs: EntrySignatures | None, trusted: dict[str, tuple[Path, Ed25519PublicKey]],
+def check_entry(entry: Any, sigs: EntrySignatures | None, trusted: "dict[str, tuple[Path, Ed25519PublicKey]]",
                 where: str) -> str:
     """The id of a trusted key whose signature of ``entry`` verifies. ``trusted``:
     :func:`load_trusted_keys`'s answer; ``where``: the entry's location, for messages.

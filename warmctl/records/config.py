@@ -14,7 +14,9 @@ relative to the working directory. ``profile_dirs`` from the environment is a ``
 list.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import os
 import re

@@ -17,7 +17,9 @@ default, so an older agent's document still parses.
 Low in the layers: pydantic, :mod:`warmctl.base.errors`, :mod:`warmctl.base.names`, :mod:`warmctl.records.state`.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 from typing import Any, Literal
 

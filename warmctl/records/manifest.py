@@ -7,7 +7,9 @@ profile digest, the host fingerprint, the canary record and the phase timings of
 start. The store format is specified in ``docs/store-format.md``.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import hashlib
 import json

@@ -13,7 +13,9 @@ shipped inside the package (the repository's top-level ``profiles/``; ``warmctl/
 to it, so the wheel carries them as package data). The first file found wins.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import difflib
 import hashlib

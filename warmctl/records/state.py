@@ -5,7 +5,9 @@ that ``warmctl down`` (or the agent after a crash) can always find and remove th
 atomic (temp file + rename).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import logging
 from pathlib import Path

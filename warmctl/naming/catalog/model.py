@@ -2,7 +2,9 @@
 (:class:`CatalogEntry`), profile records (:class:`ProfileRecord`), what a resolve found
 (:class:`Resolution`), and the object keys of the layout in ``catalog/README.md``."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import re
 from datetime import datetime, timezone

@@ -7,7 +7,9 @@ entries or manifests) and give every candidate that does not fit exactly one
 compare (two snapshots with the same key suit the same hosts). Nothing here reads a store.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would then evaluate each field's
+# annotation from its string when the class is made (compiling it), about 4 ms of every
+# `warmctl up` over the model modules it imports (docs/benchmarks.md).
 
 import hashlib
 import json
