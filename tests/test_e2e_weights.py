@@ -17,12 +17,8 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import listening, shm_leaked, shm_names, tiny_profile, warmctl
-from tests.test_e2e_main import (
-    _completion,
-    _our_engine_pids,
-    _settings,
-)
+from tests.conftest import engine_pids, listening, shm_leaked, shm_names, tiny_profile, warmctl
+from tests.test_e2e_main import _completion, _settings
 from warmctl.naming.catalog import Catalog
 from warmctl.records.manifest import FileEntry, Manifest
 from warmctl.store import open_store
@@ -134,7 +130,7 @@ def test_restored_engine_depends_on_the_loaded_weights(manifest, wc_env, engine_
         assert r.returncode == 3, out
         assert "canary mismatch" in out
         assert not listening(engine_ports[1])
-        assert not shm_leaked(shm0) and _our_engine_pids(wc_env) == []
+        assert not shm_leaked(shm0) and engine_pids(wc_env) == []
     finally:
         Catalog(store).remove(NAME, "zeroed", digest)
 
@@ -162,6 +158,6 @@ def test_weights_outside_image_refused_when_weights_are_packed(wc_env, engine_po
     msg = r.stderr.strip().splitlines()[-1]  # one line, however long (output for logs)
     assert msg.startswith("error: weights_outside_image refused:"), r.stderr
     assert "weights_outside_image = false" in msg and "_proj: weight packed by vLLM's CPU GEMM dispatch" in msg, msg
-    assert _our_engine_pids(wc_env) == []  # (/dev/shm is shared with other suites' engines: not compared)
+    assert engine_pids(wc_env) == []  # (/dev/shm is shared with other suites' engines: not compared)
     ls = json.loads(warmctl("ls", "--json", env=wc_env).stdout)
     assert not [e for e in ls if e["name"] == name]
