@@ -7,6 +7,12 @@ module's temporary directories after it (by default removed: :func:`_module_tmp_
 At the session's end the terminal summary lists the slowest test files (wall seconds of their
 tests' setup, call and teardown, module fixtures included); ``WARMCTL_TEST_TIMES=FILE`` also
 writes every file's seconds to FILE (``SECONDS PATH`` lines, slowest first).
+
+The session's engine snapshots (``tiny``, ``tiny-tp2``, ``tiny-moe-tp2``: two minutes of cold start,
+warm-up and checkpoint each on 2 cores) are built ahead, one after another in a background
+thread, while the files without end-to-end tests run first (:func:`_session_snapshots_ahead`,
+:func:`pytest_collection_modifyitems`); ``WARMCTL_TEST_AHEAD=0`` builds each when a test first
+asks for it instead.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -287,17 +294,76 @@ SNAPSHOT_PROBES = {"AWS_ACCESS_KEY_ID": "AKIAPROBE5C2E9A71F0D3", "AWS_SECRET_ACC
                    "HF_TOKEN": "hf_probe3e7a1c9d50b2f468"}
 
 
+def _snapshot_tiny(env: dict[str, str]) -> dict:
+    """``warmctl snapshot tiny`` in ``env`` with :data:`SNAPSHOT_PROBES` added; :func:`snapshot_once`'s
+    dict plus ``shm_before`` (:func:`shm_names` before it)."""
+    before = shm_names()
+    return {**snapshot_once({**env, **SNAPSHOT_PROBES}, "tiny"), "shm_before": before}
+
+
+#: The session's engine snapshots: fixture name -> build(wc_env, engine_ports), in the order
+#: :func:`_session_snapshots_ahead` builds them.
+SESSION_SNAPSHOTS = {
+    "tiny_snapshot": lambda env, ports: _snapshot_tiny(env),
+    "tp2_snapshot": lambda env, ports: snapshot_once(tp2_env(env, *ports), "tiny-tp2"),
+    "moe_snapshot": lambda env, ports: snapshot_once(rank_env(env, "tiny-moe-tp2", *ports), "tiny-moe-tp2"),
+}
+_AHEAD = pytest.StashKey[dict[str, Future]]()
+_E2E_FILES = pytest.StashKey[set[Path]]()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Run the files without end-to-end tests first (each file's tests stay together and in
+    order): the session's engine snapshots are built meanwhile (:func:`_session_snapshots_ahead`)."""
+    e2e_files = config.stash[_E2E_FILES] = {item.path for item in items if item.get_closest_marker("e2e")}
+    items[:] = [i for i in items if i.path not in e2e_files] + [i for i in items if i.path in e2e_files]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_snapshots_ahead(request):
+    """From the session's first test on, build the engine snapshots (:data:`SESSION_SNAPSHOTS`) that
+    the selected tests need, one after another in a background thread; their fixtures wait for
+    them (:func:`_session_snapshot`). On 2 cores the fast tests that run meanwhile leave about a
+    core idle: the builds (about 5 minutes) cost the whole suite little wall time."""
+    wanted = [name for name in SESSION_SNAPSHOTS if any(name in item.fixturenames for item in request.session.items)]
+    if not wanted or os.environ.get("WARMCTL_TEST_AHEAD", "1") == "0":
+        yield
+        return
+    env, ports = request.getfixturevalue("wc_env"), request.getfixturevalue("engine_ports")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="snapshots-ahead")
+    request.config.stash[_AHEAD] = {name: pool.submit(SESSION_SNAPSHOTS[name], env, ports) for name in wanted}
+    yield
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ahead_builds_done_before_e2e(request) -> None:
+    """A file with end-to-end tests starts (its module fixtures included) only once every build
+    ahead has ended: no engine of theirs runs beside it (its checks of what is left on the host,
+    its ports and its timings stay its own)."""
+    if request.node.path in request.config.stash.get(_E2E_FILES, set()):
+        for ahead in request.config.stash.get(_AHEAD, {}).values():
+            ahead.exception()  # waits; a failed build is raised by its own fixture
+
+
+def _session_snapshot(request, name: str) -> dict:
+    """The session snapshot ``name`` (:data:`SESSION_SNAPSHOTS`): the one built ahead, waited
+    for (its failure raised here), or built now."""
+    ahead = request.config.stash.get(_AHEAD, {}).get(name)
+    if ahead is not None:
+        return ahead.result()
+    return SESSION_SNAPSHOTS[name](request.getfixturevalue("wc_env"), request.getfixturevalue("engine_ports"))
+
+
 @pytest.fixture(scope="session")
-def tiny_snapshot(wc_env) -> dict:
-    """``warmctl snapshot tiny`` run once per session, with :data:`SNAPSHOT_PROBES` in its
-    environment. Returns {"digest", "stdout", "stderr", "shm_left"}: ``shm_left`` = /dev/shm
-    names present after the snapshot but not before."""
-    shm_before = set(os.listdir("/dev/shm"))
-    r = warmctl("snapshot", "tiny", env={**wc_env, **SNAPSHOT_PROBES}, timeout=1500)
-    shm_after = set(os.listdir("/dev/shm"))
-    m = re.search(r"tiny:latest\s+(sha256:[0-9a-f]{64})", r.stdout.replace("\n", " "))
-    assert m, f"no digest in snapshot output:\n{r.stdout}\n{r.stderr}"
-    return {"digest": m.group(1), "stdout": r.stdout, "stderr": r.stderr, "shm_left": shm_after - shm_before}
+def tiny_snapshot(request) -> dict:
+    """``warmctl snapshot tiny`` run once per session in the session's home (:func:`wc_env`),
+    with :data:`SNAPSHOT_PROBES` in its environment. Returns {"digest", "stdout", "stderr",
+    "seconds", "shm_left"}: ``shm_left`` = /dev/shm files that appeared since the snapshot began,
+    that no process uses and that are still there (:func:`shm_leaked`), looked at when the first
+    test asks (the fast tests that may run beside an ahead build clean up their own)."""
+    snap = _session_snapshot(request, "tiny_snapshot")
+    return {**snap, "shm_left": {n for n in shm_leaked(snap["shm_before"]) if not n.startswith("tmp:")}}
 
 
 #: tests/fake_vllm.py: run in place of ``vllm`` by :func:`fake_env`'s warmctl.
@@ -412,18 +478,18 @@ def snapshot_once(env: dict[str, str], name: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tp2_snapshot(wc_env, engine_ports) -> dict:
+def tp2_snapshot(request) -> dict:
     """``warmctl snapshot tiny-tp2`` (tensor parallel 2: two worker ranks) run once per session,
-    in the session's home (:func:`snapshot_once`)."""
-    return snapshot_once(tp2_env(wc_env, *engine_ports), "tiny-tp2")
+    in the session's home (:func:`snapshot_once`, :func:`_session_snapshot`)."""
+    return _session_snapshot(request, "tp2_snapshot")
 
 
 @pytest.fixture(scope="session")
-def moe_snapshot(wc_env, engine_ports) -> dict:
+def moe_snapshot(request) -> dict:
     """``warmctl snapshot tiny-moe-tp2`` (the tiny mixture of experts at tensor parallel 2, no
     expert parallel: the CPU build refuses it) run once per session, in the session's home
-    (:func:`snapshot_once`)."""
-    return snapshot_once(rank_env(wc_env, "tiny-moe-tp2", *engine_ports), "tiny-moe-tp2")
+    (:func:`snapshot_once`, :func:`_session_snapshot`)."""
+    return _session_snapshot(request, "moe_snapshot")
 
 
 def rank_procs(roles: list[str]) -> dict[str, list[int]]:

@@ -18,6 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from warmctl.base.errors import IntegrityError, WarmctlError
@@ -117,17 +118,17 @@ class DeadlineWatchdog:
     armed watch once its ``deadline`` (monotonic seconds) has passed while it is not ``done``:
     what a remote backend uses to shut down the connection of a request still waiting at its
     :class:`TransferClock`'s deadline (a blocked read or write then returns at once), so the
-    deadline covers the whole request, its answer's head included. A watch is any object with
-    ``deadline``, ``done`` and ``fire()``; ``fire`` must itself ignore a watch done meanwhile."""
+    deadline covers the whole request, its answer's head included. Watches are
+    :class:`TransferWatch` objects, armed by :meth:`watching`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._cv = threading.Condition()
-        self._heap: list[tuple[float, int, object]] = []
+        self._heap: list[tuple[float, int, TransferWatch]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def arm(self, w) -> None:
+    def arm(self, w: TransferWatch) -> None:
         """Watch ``w`` until it is done (again, after its deadline moved)."""
         with self._cv:
             heapq.heappush(self._heap, (w.deadline, next(self._seq), w))
@@ -142,7 +143,7 @@ class DeadlineWatchdog:
                 while not self._heap:
                     self._cv.wait()
                 at, _, w = self._heap[0]
-                if w.done or w.deadline > at:  # type: ignore[attr-defined]  # finished, or re-armed later
+                if w.done or w.deadline > at:  # finished, or re-armed later
                     heapq.heappop(self._heap)
                     continue
                 wait = at - time.monotonic()
@@ -150,7 +151,53 @@ class DeadlineWatchdog:
                     self._cv.wait(wait)
                     continue
                 heapq.heappop(self._heap)
-            w.fire()  # type: ignore[attr-defined]
+            w.fire()
+
+    @contextmanager
+    def watching(self, w: TransferWatch, tls: threading.local) -> Iterator[TransferWatch]:
+        """Arm ``w`` for the block and make it ``tls.watch`` (the calling thread's watch, where the
+        backend's connections look it up); on leaving, ``w`` is done (a late :meth:`TransferWatch.fire`
+        does nothing) and the thread's outer watch, if any, is back."""
+        outer = getattr(tls, "watch", None)
+        tls.watch = w
+        self.arm(w)
+        try:
+            yield w
+        finally:
+            with w.mu:
+                w.done = True
+            tls.watch = outer
+
+
+class TransferWatch:
+    """One request (or body read) under ``clock``'s deadline, watched by a :class:`DeadlineWatchdog`:
+    ``fired`` says whether the deadline shut its connection down. Subclasses know the connection and
+    say how in :meth:`shut_down`."""
+
+    def __init__(self, clock: TransferClock):
+        self.clock = clock
+        self.fired = False
+        self.done = False
+        self.mu = threading.Lock()
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic seconds at which the watchdog fires."""
+        return self.clock.t0 + self.clock.limit
+
+    def fire(self) -> None:
+        """Mark the watch fired and shut down the connection its request waits on (a blocked read
+        or write returns at once); under :attr:`mu`, so a request that finished meanwhile (its
+        connection perhaps back in the pool, another request's now) is left alone."""
+        with self.mu:
+            if self.done:
+                return
+            self.fired = True
+            self.shut_down()
+
+    def shut_down(self) -> None:
+        """Shut down the socket of the request in flight; called under :attr:`mu`."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,13 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from urllib.parse import urlparse
 
 
 from warmctl.base.errors import HostError
 from warmctl.store.backend import (Backend, BackendProperties, DeadlineWatchdog, ObjectInfo, ObjectNotFound, RemoteTooSlow, TransferBound,
-                                   TransferClock, TransientBackendError, too_large)
+                                   TransferClock, TransferWatch, TransientBackendError, too_large)
 
 #: Bytes asked of the socket per read of a body (a read returns what has arrived, up to this).
 READ_PIECE = 1 << 20
@@ -152,30 +152,17 @@ def _watched_pool(pool: type) -> type:
     return type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": Conn})
 
 
-class _Watch:
+class _Watch(TransferWatch):
     """One transfer under its :class:`TransferClock`: the connection its current request uses
-    (set by the connection), and whether the watchdog fired."""
+    (set by the connection)."""
 
     def __init__(self, clock: TransferClock):
-        self.clock = clock
+        super().__init__(clock)
         self.conn = None
-        self.fired = False
-        self.done = False
-        self.mu = threading.Lock()
 
-    @property
-    def deadline(self) -> float:
-        return self.clock.t0 + self.clock.limit
-
-    def fire(self) -> None:
-        """Shut down the socket of the request in flight (the blocked read or write returns at once)."""
-        with self.mu:
-            if self.done:
-                return
-            self.fired = True
-            conn = self.conn
-        sock = getattr(conn, "sock", None)
-        if sock is not None and getattr(conn, "_warmctl_watch", None) is self:
+    def shut_down(self) -> None:
+        sock = getattr(self.conn, "sock", None)
+        if sock is not None and getattr(self.conn, "_warmctl_watch", None) is self:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -185,18 +172,9 @@ class _Watch:
 _WATCHDOG = DeadlineWatchdog("warmctl-s3-deadlines")
 
 
-@contextmanager
-def _watched(clock: TransferClock) -> Iterator[_Watch]:
+def _watched(clock: TransferClock) -> AbstractContextManager[TransferWatch]:
     """Run the requests made in this block (this thread) under ``clock``'s deadline."""
-    w = _Watch(clock)
-    _tls.watch = w
-    _WATCHDOG.arm(w)
-    try:
-        yield w
-    finally:
-        with w.mu:
-            w.done = True
-        _tls.watch = None
+    return _WATCHDOG.watching(_Watch(clock), _tls)
 
 
 class S3Backend(Backend):

@@ -22,7 +22,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from urllib.parse import quote, urljoin, urlparse
 
@@ -30,7 +30,8 @@ import httpcore
 import httpx
 
 from warmctl.base.errors import HostError, IntegrityError
-from warmctl.store.backend import DeadlineWatchdog, ObjectNotFound, TransferBound, TransferClock, TransientBackendError
+from warmctl.store.backend import (DeadlineWatchdog, ObjectNotFound, TransferBound, TransferClock, TransferWatch,
+                                   TransientBackendError)
 
 from .auth import CERTS_D, Login, RegistryAuth, credentials, is_insecure, ssl_context
 from .pack import OCI_INDEX, OCI_MANIFEST, _sha
@@ -77,49 +78,25 @@ def _ssl_error(e: BaseException) -> ssl.SSLError | None:
 _tls = threading.local()  # .watch: the _Watch of the request this thread is making, or None
 
 
-class _Watch:
+class _Watch(TransferWatch):
     """One request (or body read) under ``clock``'s deadline: the stream it last read or wrote
-    (set by :class:`_WatchedStream`), and whether the watchdog fired."""
+    (set by :class:`_WatchedStream`)."""
 
     def __init__(self, clock: TransferClock):
-        self.clock = clock
+        super().__init__(clock)
         self.stream: _WatchedStream | None = None
-        self.fired = False
-        self.done = False
-        self.mu = threading.Lock()
 
-    @property
-    def deadline(self) -> float:
-        return self.clock.t0 + self.clock.limit
-
-    def fire(self) -> None:
-        """Shut down the socket the request waits on (its blocked read or write returns at
-        once); under :attr:`mu`, so that a request that finished meanwhile (its connection
-        perhaps back in the pool, another request's now) is left alone."""
-        with self.mu:
-            if self.done:
-                return
-            self.fired = True
-            if self.stream is not None:
-                self.stream.shutdown()
+    def shut_down(self) -> None:
+        if self.stream is not None:
+            self.stream.shutdown()
 
 
 _WATCHDOG = DeadlineWatchdog("warmctl-oci-deadlines")
 
 
-@contextmanager
-def _watched(clock: TransferClock) -> Iterator[_Watch]:
+def _watched(clock: TransferClock) -> AbstractContextManager[TransferWatch]:
     """Run the reads and writes this thread makes in the block under ``clock``'s deadline."""
-    w = _Watch(clock)
-    outer = getattr(_tls, "watch", None)
-    _tls.watch = w
-    _WATCHDOG.arm(w)
-    try:
-        yield w
-    finally:
-        with w.mu:
-            w.done = True
-        _tls.watch = outer
+    return _WATCHDOG.watching(_Watch(clock), _tls)
 
 
 class _WatchedStream(httpcore.NetworkStream):
