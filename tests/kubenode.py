@@ -8,6 +8,8 @@ by a loopback registry (Debian's ``docker-registry``).
         with KubeNode(cluster, tmp / "node", images) as node:    # ~10 s: containerd, kubelet, node Ready
             node.name                                            # "127.0.0.1" (also its InternalIP)
             node.wait_pod("default", "p", lambda pod: ...)
+            with KubeNode(cluster, tmp / "node2", images, name=NODE2_NAME) as node2:  # a second kubelet
+                ...                                              # pods with nodeName "127.0.0.2"
 
 What is real: containerd with every root, state and socket directory under the node's working
 directory (its CRI plugin with ``restrict_oom_score_adj``: root here lacks CAP_SYS_RESOURCE, and
@@ -29,6 +31,11 @@ shims wrote to the host paths they use whatever their flags say (:data:`HOST_PAT
 under /var/log/pods, /var/lib/kubelet/device-plugins, shim sockets under /run/containerd), and
 removes the working directory; :meth:`KubeNode.leftovers` lists what of that remains (the pod tests assert it is
 empty).
+
+A second node on the same host (any name but :data:`NODE_NAME`, e.g. :data:`NODE2_NAME`) has all
+of that of its own, plus a mount namespace in which those host paths are its own directories and
+a cgroup root of its own (:class:`KubeNode` says why: a kubelet's container GC removes the log
+directories of pods it does not know, i.e. the other node's).
 
 Binaries: ``containerd``, ``containerd-shim-runc-v2``, ``runc``, ``ctr``, the CNI ``loopback``
 plugin (/usr/lib/cni), ``docker-registry``, ``skopeo``, ``umoci`` and ``busybox`` (Debian
