@@ -739,3 +739,17 @@ def kube_node(kube_controllers, kube_images, tmp_path_factory):
 
     with KubeNode(kube_controllers, session_tmp(tmp_path_factory, "kube-node"), kube_images) as node:
         yield node
+
+
+@pytest.fixture(scope="session")
+def kube_node2(kube_node, kube_images, tmp_path_factory):
+    """A second real node of the same cluster (tests/kubenode.py :class:`KubeNode` named and
+    addressed ``127.0.0.2``): its own containerd, kubelet, ports, cgroup root and node
+    credentials, and a mount namespace in which the host paths a kubelet writes whatever its
+    flags say are its own; it pulls its images from the same registry. Started after, and
+    stopped before, :func:`kube_node`; Ready, one for the session."""
+    from kubenode import NODE2_NAME, KubeNode
+
+    with KubeNode(kube_node.cluster, session_tmp(tmp_path_factory, "kube-node2"), kube_images,
+                  name=NODE2_NAME) as node:
+        yield node

@@ -61,6 +61,8 @@ SNAPSHOT = "system:serviceaccount:warmctl:warmctl-snapshot"
 DEFAULT_SA = "system:serviceaccount:default:default"
 #: The test node's kubelet (tests/kubenode.py): node ``127.0.0.1``, group ``system:nodes``.
 KUBELET = "system:node:127.0.0.1"
+#: The second test node's kubelet (tests/kubenode.py, ``KubeNode(..., name="127.0.0.2")``).
+KUBELET2 = "system:node:127.0.0.2"
 
 
 def _sa_groups(user: str) -> list[str]:
@@ -73,6 +75,7 @@ USERS: dict[str, list[str]] = {
     ADMIN: ["system:masters"],
     **{u: _sa_groups(u) for u in (NODE, ENGINE, SNAPSHOT, DEFAULT_SA)},
     KUBELET: ["system:nodes", "system:authenticated"],
+    KUBELET2: ["system:nodes", "system:authenticated"],
 }
 
 

@@ -8,6 +8,8 @@ by a loopback registry (Debian's ``docker-registry``).
         with KubeNode(cluster, tmp / "node", images) as node:    # ~10 s: containerd, kubelet, node Ready
             node.name                                            # "127.0.0.1" (also its InternalIP)
             node.wait_pod("default", "p", lambda pod: ...)
+            with KubeNode(cluster, tmp / "node2", images, name=NODE2_NAME) as node2:  # a second kubelet
+                ...                                              # pods with nodeName "127.0.0.2"
 
 What is real: containerd with every root, state and socket directory under the node's working
 directory (its CRI plugin with ``restrict_oom_score_adj``: root here lacks CAP_SYS_RESOURCE, and
@@ -29,6 +31,11 @@ shims wrote to the host paths they use whatever their flags say (:data:`HOST_PAT
 under /var/log/pods, /var/lib/kubelet/device-plugins, shim sockets under /run/containerd), and
 removes the working directory; :meth:`KubeNode.leftovers` lists what of that remains (the pod tests assert it is
 empty).
+
+A second node on the same host (any name but :data:`NODE_NAME`, e.g. :data:`NODE2_NAME`) has all
+of that of its own, plus a mount namespace in which those host paths are its own directories and
+a cgroup root of its own (:class:`KubeNode` says why: a kubelet's container GC removes the log
+directories of pods it does not know, i.e. the other node's).
 
 Binaries: ``containerd``, ``containerd-shim-runc-v2``, ``runc``, ``ctr``, the CNI ``loopback``
 plugin (/usr/lib/cni), ``docker-registry``, ``skopeo``, ``umoci`` and ``busybox`` (Debian
@@ -54,12 +61,15 @@ import pytest
 from kubecluster import ADMIN, KubeCluster, KubeStartError, Processes, free_port
 from registry_server import Registry
 
-#: The node's name, host name and InternalIP.
+#: The first node's name, host name and InternalIP.
 NODE_NAME = "127.0.0.1"
-#: The kubelet's user (``system:node:<name>``, group ``system:nodes``), one of the cluster's
-#: static tokens (kubecluster.USERS).
+#: The second node's (the loopback interface answers every address of 127.0.0.0/8).
+NODE2_NAME = "127.0.0.2"
+#: The first kubelet's user (``system:node:<name>``, group ``system:nodes``), one of the
+#: cluster's static tokens (kubecluster.USERS).
 KUBELET_USER = kubecluster.KUBELET
 assert KUBELET_USER == f"system:node:{NODE_NAME}"
+assert kubecluster.KUBELET2 == f"system:node:{NODE2_NAME}"
 
 #: What a pod test module sets as its ``pytestmark``: marker ``kubelet``, and skipped unless
 #: ``WARMCTL_TEST_KUBERNETES=1`` (``bash scripts/test.sh --kubernetes``): pod tests are opt-in.
@@ -76,6 +86,20 @@ CNI_BIN = Path("/usr/lib/cni")
 HOST_PATHS = (Path("/var/log/pods"), Path("/var/log/containers"), Path("/var/lib/kubelet"), Path("/run/containerd"))
 IMAGE_CACHE = Path(os.environ.get("WARMCTL_IMAGE_CACHE") or "/var/cache/warmctl/image")
 BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "docker-registry", "skopeo", "umoci", "busybox")
+
+
+def kubelet_user(name: str) -> str:
+    """The user a node's kubelet authenticates as: ``system:node:<name>``."""
+    return f"system:node:{name}"
+
+
+def _free_port(host: str) -> int:
+    """A TCP port on ``host`` that was free a moment ago (the kernel's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def missing() -> str | None:
@@ -174,19 +198,52 @@ class ImageStore:
 
 
 class KubeNode(Processes):
-    """containerd + kubelet registered as node :data:`NODE_NAME` with ``cluster`` (which must
-    serve :data:`KUBELET_USER`'s token, as every KubeCluster does), pulling
-    from ``images``. Attributes once started: ``name``, ``workdir``, ``sock`` (containerd's CRI
-    socket), ``start_s`` (seconds from spawning containerd to the node being Ready)."""
+    """containerd + kubelet registered as node ``name`` (an address of 127.0.0.0/8: also its
+    InternalIP and where its kubelet listens) with ``cluster`` (which must serve the token of
+    ``system:node:<name>``: :data:`NODE_NAME` and :data:`NODE2_NAME` are in every KubeCluster's
+    static tokens), pulling from ``images``.
 
-    def __init__(self, cluster: KubeCluster, workdir: Path, images: ImageStore, timeout: float = 120):
+    The first node (:data:`NODE_NAME`) uses the host's file system as it is and puts its pods'
+    cgroups under ``/kubepods``. Any other node is a second node on the same host: its own
+    containerd (root, state, sockets) and kubelet (root directory, ports on its own address) as
+    for the first, plus what a real second machine would have of its own and a second kubelet
+    here would otherwise share with the first:
+
+    - a **mount namespace** (held by a ``sleep`` process, child ``mntns``; containerd, the
+      kubelet and the shims run in it) in which :data:`HOST_PATHS` are directories of the node's
+      own (under ``workdir/host``), bind-mounted over the host's. Kubelet 1.20 writes those
+      paths whatever its flags say, and two kubelets sharing them break each other: every
+      minute a kubelet's container GC removes each ``/var/log/pods/<namespace>_<pod>_<uid>``
+      whose pod it does not run (``evictPodLogsDirectories``: ``IsPodDeleted`` is true for a pod
+      unknown to it), so the other node's running pods lose their logs (``kubectl logs`` fails);
+      its device manager deletes everything in ``/var/lib/kubelet/device-plugins`` at start (the
+      other kubelet's registration socket ``kubelet.sock`` and its allocation checkpoint) and
+      listens on the same socket path. Propagation is ``slave``: the host's mounts are seen in
+      the namespace, the node's mounts (volumes, overlays) never on the host, and they go with
+      the namespace when the node stops.
+    - a **cgroup root** of its own, ``/warmctl-node-<name>`` in every v1 hierarchy (the kubelet's
+      ``cgroupRoot``), made before the kubelet starts (it refuses a root that does not exist):
+      its pods under ``/warmctl-node-<name>/kubepods``, never in the first node's ``/kubepods``
+      (with the cgroupfs driver two kubelets on one root would each manage, size and clean the
+      other's QoS and pod cgroups).
+
+    Attributes once started: ``name``, ``workdir``, ``sock`` (containerd's CRI socket),
+    ``cgroup_root`` (``/`` or ``/warmctl-node-<name>``), ``own_host_paths`` (whether it has the
+    mount namespace), ``start_s`` (seconds from spawning containerd to the node being Ready)."""
+
+    def __init__(self, cluster: KubeCluster, workdir: Path, images: ImageStore, timeout: float = 120,
+                 name: str = NODE_NAME):
         self.cluster, self.images, self.timeout = cluster, images, timeout
         self.workdir = Path(workdir)
-        self.name = NODE_NAME
+        self.name = name
+        self.own_host_paths = name != NODE_NAME
+        self.cgroup_root = f"/warmctl-node-{name}" if self.own_host_paths else "/"
         self.procs: dict[str, subprocess.Popen] = {}
         self.sock = self.workdir / "containerd" / "containerd.sock"
         self.start_s = 0.0
         self._host_dirs: dict[Path, set[str] | None] = {}
+        self._made_mountpoints: list[Path] = []
+        self._made_cgroups: list[Path] = []
 
     # -- helpers -------------------------------------------------------------------------------
     def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -225,7 +282,45 @@ class KubeNode(Processes):
         return super().tails(lines)
 
     def _spawn(self, name: str, argv: list[str], **popen: object) -> None:
+        if self.own_host_paths and name != "mntns":
+            argv = ["nsenter", f"--mount=/proc/{self.procs['mntns'].pid}/ns/mnt", "--", *argv]  # execs: same pid
         super()._spawn(name, argv, start_new_session=True, **popen)
+
+    def _in_ns(self, *argv: str) -> list[str]:
+        """``argv`` run in the node's mount namespace (as it is on the host for the first node)."""
+        ns = self.procs.get("mntns")
+        if not self.own_host_paths or ns is None or ns.poll() is not None:
+            return list(argv)
+        return ["nsenter", f"--mount=/proc/{ns.pid}/ns/mnt", "--", *argv]
+
+    def _cgroup_dirs(self) -> list[Path]:
+        """The node's cgroup root in every cgroup hierarchy mounted under /sys/fs/cgroup."""
+        rel = self.cgroup_root.strip("/")
+        return [ctrl / rel if rel else ctrl for ctrl in sorted(Path("/sys/fs/cgroup").iterdir())
+                if (ctrl / "cgroup.procs").is_file()]
+
+    def _own_filesystem(self, deadline: float) -> None:
+        """A second node's mount namespace (its own :data:`HOST_PATHS`) and cgroup root."""
+        binds = []
+        for d in HOST_PATHS:
+            mine = self.workdir / "host" / str(d).strip("/").replace("/", "-")
+            mine.mkdir(parents=True, exist_ok=True)
+            if not d.exists():  # a mount point on the host, removed again at stop when empty
+                d.mkdir(parents=True)
+                self._made_mountpoints.append(d)
+            binds.append(f"mount --bind {mine} {d}")
+        self._spawn("mntns", ["unshare", "--mount", "--propagation", "slave", "--", "/bin/sh", "-c",
+                              "set -e; " + "; ".join(binds) + "; echo bound; exec sleep 2147483647"])
+        self._wait("the node's mount namespace",
+                   lambda: "bound" in (self.workdir / "log" / "mntns.log").read_text(), deadline, 0.05)
+        for d in self._cgroup_dirs():
+            if not d.is_dir():
+                d.mkdir()
+                self._made_cgroups.append(d)
+                # a new cpuset cgroup has no CPUs nor memory nodes: give it its parent's
+                for f in ("cpuset.cpus", "cpuset.mems"):
+                    if (d / f).is_file() and not (d / f).read_text().strip():
+                        (d / f).write_text((d.parent / f).read_text())
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> KubeNode:
@@ -238,10 +333,16 @@ class KubeNode(Processes):
         w = self.workdir
         for d in ("log", "containerd", "cni", "kubelet", "runc"):
             (w / d).mkdir(parents=True, exist_ok=True)
-        # the host paths kubelet 1.20 and containerd's shims use whatever their flags say: what
-        # is in them now, so that stop() removes only what this node added
-        for d in HOST_PATHS:
-            self._host_dirs[d] = set(os.listdir(d)) if d.is_dir() else None
+        user = kubelet_user(self.name)
+        if user not in kubecluster.USERS:
+            raise KubeStartError(f"node {self.name}: the cluster has no token for {user} (kubecluster.USERS)")
+        if self.own_host_paths:
+            self._own_filesystem(deadline)
+        else:
+            # the host paths kubelet 1.20 and containerd's shims use whatever their flags say:
+            # what is in them now, so that stop() removes only what this node added
+            for d in HOST_PATHS:
+                self._host_dirs[d] = set(os.listdir(d)) if d.is_dir() else None
         sandbox = self.images.busybox()
         (w / "cni" / "10-loopback.conflist").write_text(json.dumps(
             {"cniVersion": "0.4.0", "name": "warmctl-loopback", "plugins": [{"type": "loopback"}]}))
@@ -261,7 +362,7 @@ state = "{w}/containerd/state"
   path = "{w}/containerd/opt"
 [{cri}]
   disable_tcp_service = true
-  stream_server_address = "127.0.0.1"
+  stream_server_address = "{self.name}"
   stream_server_port = "0"
   restrict_oom_score_adj = true
   sandbox_image = "{sandbox}"
@@ -282,12 +383,13 @@ state = "{w}/containerd/state"
         self._spawn("containerd", ["containerd", "--config", str(w / "containerd" / "config.toml"), "--log-level", "warn"])
         self._wait("containerd", lambda: self.ctr("version", check=False, timeout=5).returncode == 0, deadline, 0.2)
 
-        port, healthz = free_port(), free_port()
-        kubeconfig = self.cluster.kubeconfig(w / "kubelet.kubeconfig", KUBELET_USER)
+        port, healthz = _free_port(self.name), _free_port(self.name)
+        kubeconfig = self.cluster.kubeconfig(w / "kubelet.kubeconfig", user)
         (w / "kubelet.yaml").write_text(json.dumps({
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            "address": "127.0.0.1", "port": port, "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1", "healthzPort": healthz,
+            "address": self.name, "port": port, "readOnlyPort": 0,
+            "healthzBindAddress": self.name, "healthzPort": healthz,
+            **({"cgroupRoot": self.cgroup_root} if self.own_host_paths else {}),
             "cgroupDriver": "cgroupfs", "makeIPTablesUtilChains": False, "failSwapOn": False,
             "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},
@@ -312,8 +414,9 @@ state = "{w}/containerd/state"
         self._wait(f"node {self.name} Ready", ready, deadline, 0.2)
         st, node = self.cluster.request("GET", f"/api/v1/nodes/{self.name}")
         addrs = {a["type"]: a["address"] for a in node["status"].get("addresses", [])}
-        if addrs.get("InternalIP") != "127.0.0.1":
-            raise KubeStartError(f"node {self.name}: InternalIP is {addrs.get('InternalIP')!r}, not 127.0.0.1{self.tails()}")
+        if addrs.get("InternalIP") != self.name:
+            raise KubeStartError(f"node {self.name}: InternalIP is {addrs.get('InternalIP')!r}, not {self.name}"
+                                 f"{self.tails()}")
         # the node lifecycle controller's part (the test cluster runs none: its API-only nodes have
         # no kubelet): a Ready node loses the not-ready taint it registered with, so that the
         # scheduler binds pods to it
@@ -328,7 +431,9 @@ state = "{w}/containerd/state"
 
     def leftovers(self) -> list[str]:
         """What of this node's pods remains: containerd tasks and sandboxes (while containerd
-        runs), mounts under the working directory, and processes whose cgroup is a pod's."""
+        runs), mounts under the working directory (in the node's mount namespace, for a second
+        node), and processes in this node's pod cgroups (under ``<cgroup_root>/kubepods``: the
+        other node's pods are not this node's leftovers)."""
         out = []
         if "containerd" in self.procs and self.procs["containerd"].poll() is None:
             r = self.ctr("tasks", "ls", "-q", check=False)
@@ -336,19 +441,29 @@ state = "{w}/containerd/state"
         # the kubelet bind-mounts its root directory onto itself (a shared mount): the node's, not a pod's
         own = str((self.workdir / "kubelet").resolve())
         out += [f"mount {m}" for m in self._mounts() if m != own]
+        pods = self.cgroup_root.rstrip("/") + "/kubepods"
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 try:
-                    if "/kubepods" in Path(f"/proc/{pid}/cgroup").read_text():
-                        out.append(f"process {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()}) in a pod cgroup")
-                except OSError:
+                    paths = [ln.split(":", 2)[2] for ln in Path(f"/proc/{pid}/cgroup").read_text().splitlines()]
+                    if any(p == pods or p.startswith(pods + "/") for p in paths):
+                        out.append(f"process {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()}) in a pod "
+                                   f"cgroup of node {self.name}")
+                except (OSError, IndexError):
                     pass
         return out
 
     def _mounts(self) -> list[str]:
+        """Mount points under the working directory, as the node's processes see them."""
         w = str(self.workdir.resolve())
+        ns = self.procs.get("mntns")
+        info = Path(f"/proc/{ns.pid}/mountinfo") if ns is not None and ns.poll() is None else Path("/proc/self/mountinfo")
         mounts = []
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        try:
+            text = info.read_text()
+        except OSError:
+            return []
+        for line in text.splitlines():
             mp = line.split()[4].replace("\\040", " ")
             if mp == w or mp.startswith(w + "/"):
                 mounts.append(mp)
@@ -405,9 +520,11 @@ state = "{w}/containerd/state"
                     except ProcessLookupError:
                         pass
         for mp in reversed(self._mounts()):
-            subprocess.run(["umount", "--lazy", mp], capture_output=True)
-        for ctrl in Path("/sys/fs/cgroup").iterdir():
-            base = ctrl / "kubepods"
+            subprocess.run(self._in_ns("umount", "--lazy", mp), capture_output=True)
+        # a second node's namespace goes with its holder (its bind mounts with it)
+        self._terminate("mntns", 5)
+        for root in self._cgroup_dirs():
+            base = root / "kubepods"
             if base.is_dir():
                 for d in sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                     try:
@@ -418,9 +535,20 @@ state = "{w}/containerd/state"
                     base.rmdir()
                 except OSError:
                     pass
+        for d in reversed(self._made_cgroups):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        for d in reversed(self._made_mountpoints):
+            try:
+                d.rmdir()  # only when empty: the first node may have written there since
+            except OSError:
+                pass
         self._remove_host_paths()
         if os.environ.get("WARMCTL_TEST_KEEP_TMP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-__all__ = ["ADMIN", "ImageStore", "KubeNode", "KUBELET_USER", "NODE_NAME", "OPT_IN", "missing"]
+__all__ = ["ADMIN", "ImageStore", "KubeNode", "KUBELET_USER", "NODE2_NAME", "NODE_NAME", "OPT_IN", "kubelet_user",
+           "missing"]

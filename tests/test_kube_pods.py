@@ -164,7 +164,8 @@ def other_engine_image(kube_images, engine_image, tmp_path_factory) -> tuple[str
 
 
 def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, args: list[str],
-                grace: int = 30, namespace: str = "default", api_port: int = 0) -> dict:
+                grace: int = 30, namespace: str = "default", api_port: int = 0,
+                node: str | None = "127.0.0.1") -> dict:
     """An engine pod as deploy/kubernetes/engine-deployment.yaml has it, on loopback: privileged,
     hostNetwork, the image's tini as PID 1 running ``warmctl ARGS`` with the node directory
     ``share`` (config, profiles, data dir) mounted at the same path, ``WARMCTL_IMAGE_DIGEST`` the
@@ -173,7 +174,8 @@ def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, 
     deploy/kubernetes's ``warmctl-engine`` service account (namespace ``warmctl``, its token
     mounted) with the downward-API variables the Deployment sets, so ``up --foreground`` keeps
     the pod's ``warmctl.io/Restored`` condition; the in-cluster address is the apiserver's on
-    loopback (no kube-proxy here)."""
+    loopback (no kube-proxy here). ``node``: the pod's ``spec.nodeName`` (None: none, the
+    scheduler binds it)."""
     kube = [] if not api_port else [
         {"name": "WARMCTL_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "WARMCTL_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -184,7 +186,7 @@ def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, 
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "nodeName": "127.0.0.1", "hostNetwork": True, "automountServiceAccountToken": bool(api_port),
+            **({"nodeName": node} if node else {}), "hostNetwork": True, "automountServiceAccountToken": bool(api_port),
             **({"serviceAccountName": "warmctl-engine"} if api_port else {}),
             "terminationGracePeriodSeconds": grace, "restartPolicy": "Never",
             "containers": [{

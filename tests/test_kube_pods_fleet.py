@@ -1,28 +1,36 @@
-"""A snapshot made in a pod, pushed to a remote, then restored by pods on a cold and on a
-pre-warmed node store, on the real kubelet of tests/kubenode.py, with the figures side by side
-(``-s`` prints them; docs/benchmarks.md, "Engine pods: warm node, cold node, host").
+"""A snapshot made in a pod on one node, pushed to a remote, then restored by pods on a second
+node, cold and pre-warmed, on two real kubelets (tests/kubenode.py: node ``127.0.0.1`` and node
+``127.0.0.2``, each with its own containerd, kubelet, cgroup root and mount namespace for the
+host paths a kubelet writes), with the figures side by side (``-s`` prints them;
+docs/benchmarks.md, "Engine pods: warm node, cold node, host").
 
-One kubelet runs here (named ``127.0.0.1``): a second kubelet on the same host would need its
-own name, address, ports and containerd. The "second node" is therefore a second **node store**:
-a pod on the same kubelet whose ``WARMCTL_HOME`` is a fresh, empty directory, exactly what a
-node that never saw the snapshot has. The remote is a directory on a hostPath every pod mounts
-(what a shared volume or an S3 bucket is to a fleet).
+A node's store is a directory of that node's (under its working directory): a pod mounts the
+store of the node it runs on, at ``/var/lib/warmctl`` in every pod as the shipped workloads do
+(CRIU restores at the paths of the dump: the engine's working and run directories are in the
+home, and a different path on the restoring node fails with ``Can't open cwd``), with the
+snapshot's model files copied in (what the image or a model volume gives a real node). The remote is a directory outside both nodes, on a hostPath every
+pod mounts (what a shared volume or an S3 bucket is to a fleet). A "fresh" node store is an
+empty directory on a node, exactly what a node that never saw the snapshot has.
 
-- ``warmctl snapshot tiny --push`` in a pod (the snapshot Job's command,
+- ``warmctl snapshot tiny --push`` in a pod on node 1 (the snapshot Job's command,
   deploy/kubernetes/snapshot-job.yaml), signed with a key mounted as a file, pushed to the
   remote; its image digest recorded.
-- The cold node store: ``up tiny --foreground --cold-start never`` in a pod as the
+- Node 2 pulls the engine image from the loopback registry (a pod running ``warmctl version``,
+  timed apart from the restores).
+- Node 2, cold: ``up tiny --foreground --cold-start never`` in a pod bound to node 2 as the
   ``warmctl-engine`` service account, nothing in its store: Ready, "Paris.", its
   ``warmctl.io/Restored`` condition's final message says how much it read from the remote (> 0).
-- The pre-warmed node store: ``warmctl prewarm --once --json`` in a pod of the same image as
-  the ``warmctl-node`` service account (the DaemonSet's controller, one pass) for a
-  ``WarmSnapshot`` naming ``tiny`` on the remote: the node store holds it, the Node is labelled
-  with its digest; then the engine pod on that store restores with the remote still configured
-  and reads 0 bytes from it (the condition's final message), Ready, "Paris.".
-- A second round on two more fresh node stores in the other order (pre-warm, the pre-warmed
-  store's pod, then the cold store's pod): on this host a restore that follows another one has
-  been the slower one whichever store it read (docs/benchmarks.md), so each kind of store is
-  timed both first and second.
+- Node 2, pre-warmed: ``warmctl prewarm --once --json`` in a pod on node 2 as the
+  ``warmctl-node`` service account (the DaemonSet's controller, one pass; its node from the
+  downward API) for a ``WarmSnapshot`` naming ``tiny`` on the remote, into a fresh store of node
+  2: node 2 is labelled with the digest (node 1 is not), the object's status names node 2; then
+  an engine pod with **no node name** and a required node affinity on that label (as the engine
+  Deployment prefers warm nodes) is bound to node 2 by kube-scheduler, restores with the remote
+  still configured and reads 0 bytes from it, Ready, "Paris.".
+- A second round on node 1 in the other order (pre-warm a fresh store, its pod, then a cold
+  store's pod: on this host a restore that follows another one has been the slower one
+  whichever store it read, docs/benchmarks.md), and a plain ``warmctl pull`` pod beside the
+  pre-warm's pull; nothing left on either node.
 - The host's own ``warmctl up`` of the same profile's snapshot (made on the host: a snapshot
   made in the image restores only in a pod of that image), for the ratio.
 """
@@ -51,31 +59,41 @@ from test_kube_pods import (
     _finished,
     _ready,
     _restored,
-    _share,
     _terminated,
     _wait_no_leftovers,
     engine_image,  # noqa: F401 - the fixture
 )
 
 REPO = Path(__file__).resolve().parent.parent
+#: Where every pod mounts the node store it uses, whichever node it runs on and whichever host
+#: directory that store is (as deploy/kubernetes's workloads mount ``/var/lib/warmctl``): a
+#: snapshot's paths (the engine's working directory, its run directory, the model files it
+#: maps) are the same in every pod, which CRIU needs.
+STORE = Path("/var/lib/warmctl")
 
 pytestmark = OPT_IN
 
 
-def _fleet_pod(name: str, image: tuple[str, str], root: Path, store: Path, gate_port: int, args: list[str],
-               env: dict[str, str], namespace: str = "default", api_port: int = 0,
+def _fleet_pod(name: str, image: tuple[str, str], root: Path, store: Path, node: str | None, gate_port: int,
+               args: list[str], env: dict[str, str], namespace: str = "default", api_port: int = 0,
                service_account: str = "warmctl-engine") -> dict:
-    """:func:`test_kube_pods._engine_pod` with the whole fleet directory ``root`` mounted (the
-    remote and every node store under it), the node store ``store`` (its config.toml) chosen,
-    ``env`` added, and ``service_account`` when ``api_port`` is given."""
-    pod = _engine_pod(name, image, root, gate_port, args, namespace=namespace, api_port=api_port)
+    """:func:`test_kube_pods._engine_pod` on node store ``store`` (a host directory of node
+    ``node``: its config.toml, profiles, keys and home; None: no ``nodeName``, the scheduler
+    binds the pod), mounted at :data:`STORE`, with the fleet directory ``root`` also mounted (the
+    remote, the signing key), ``env`` added, and ``service_account`` when ``api_port`` is given."""
+    pod = _engine_pod(name, image, store, gate_port, args, namespace=namespace, api_port=api_port, node=node)
     spec = pod["spec"]
     if api_port:
         spec["serviceAccountName"] = service_account
     c = spec["containers"][0]
     c["env"] = [e for e in c["env"] if e["name"] != "WARMCTL_CONFIG"]
-    c["env"] += [{"name": "WARMCTL_CONFIG", "value": str(store / "config.toml")},
+    c["env"] += [{"name": "WARMCTL_CONFIG", "value": str(STORE / "config.toml")},
                  *({"name": k, "value": v} for k, v in env.items())]
+    for m in c["volumeMounts"]:
+        if m["name"] == "share":
+            m["mountPath"] = str(STORE)
+    spec["containers"][0]["volumeMounts"].append({"name": "fleet", "mountPath": str(root)})
+    spec["volumes"].append({"name": "fleet", "hostPath": {"path": str(root), "type": "Directory"}})
     return pod
 
 
@@ -86,15 +104,21 @@ def _wait_token(cluster, account: str) -> None:
         time.sleep(0.2)
 
 
-def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int, remote: Path) -> tuple[float, dict, str]:
+def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int, remote: Path,
+                 affinity: dict | None = None) -> tuple[float, dict, str, dict]:
     """An engine pod restoring ``tiny`` from node store ``store`` (the remote configured, no
-    cold start) as the ``warmctl-engine`` service account: (created -> Ready seconds, its final
-    ``warmctl.io/Restored`` condition, ``up``'s phase lines). Leaves the pod serving."""
+    cold start) as the ``warmctl-engine`` service account, bound to ``node`` (a KubeNode), or,
+    with ``affinity``, given that instead of a node name for the scheduler to place it:
+    (created -> Ready seconds, its final ``warmctl.io/Restored`` condition, where the seconds
+    went, the pod). Leaves the pod serving."""
     cluster = node.cluster
     t0, wall0 = time.monotonic(), time.time()
-    _create(node, _fleet_pod(name, image, root, store, gate_port,
-                             ["up", "tiny", "--foreground", "--cold-start", "never"],
-                             {"WARMCTL_REMOTE_STORE": str(remote)}, namespace="warmctl", api_port=cluster.port))
+    pod = _fleet_pod(name, image, root, store, None if affinity else node.name, gate_port,
+                     ["up", "tiny", "--foreground", "--cold-start", "never"],
+                     {"WARMCTL_REMOTE_STORE": str(remote)}, namespace="warmctl", api_port=cluster.port)
+    if affinity:
+        pod["spec"]["affinity"] = affinity
+    _create(node, pod)
     pod = node.wait_pod("warmctl", name, lambda p: _ready(p) is True or _finished(p), timeout=900, what="Ready")
     ready_s = time.monotonic() - t0
     logs = cluster.kubectl("logs", "-n", "warmctl", name).stdout
@@ -111,7 +135,7 @@ def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int
     up_s = float(total.group(1)) if total else float("nan")
     split = (f"created -> first log line {started_s:.1f} s, up's total {up_s:.2f} s, "
              f"the rest {ready_s - started_s - up_s:.1f} s; phases: {phases}")
-    return ready_s, _restored(pod), split
+    return ready_s, _restored(pod), split, pod
 
 
 def _json_tail(logs: str) -> list:
@@ -173,23 +197,50 @@ def _host_up(root: Path, engine_port: int, gate_port: int) -> tuple[float, str]:
                        timeout=300)
 
 
+
+def _label(cluster, node: str, key: str) -> str | None:
+    """Node ``node``'s label ``key`` (None when it has none)."""
+    obj = json.loads(cluster.kubectl("get", "node", node, "-o", "json", check=True).stdout)
+    return obj["metadata"].get("labels", {}).get(key)
+
+
 @pytest.mark.e2e
-def test_snapshot_pushed_from_a_pod_restored_on_a_cold_and_on_a_prewarmed_node_store(kube_node, engine_image,
-                                                                                    engine_ports):
+def test_snapshot_pushed_from_a_pod_on_one_node_restored_on_a_second_node_cold_and_prewarmed(
+        kube_node, kube_node2, engine_image, engine_ports, tmp_path):
     engine_port, gate_port = engine_ports[0] + 14, engine_ports[1] + 14
     cluster = kube_node.cluster
+    cluster.start_scheduler()  # binds the pod that names no node (the warm node's, by affinity)
+    node1, node2 = kube_node, kube_node2
     fleet = f"fleet-{uuid.uuid4().hex[:6]}"
-    root = kube_node.workdir / "share" / fleet
-    pub, cold, warm = (_share(kube_node, f"{fleet}/{n}", engine_port, gate_port) for n in ("pub", "cold", "warm"))
+    root = tmp_path / fleet  # outside both nodes: the remote and the publisher's key
     remote = root / "remote"
-    remote.mkdir()
+    remote.mkdir(parents=True)
     # the publisher's signing key (a Secret mounted as a file, in a cluster); every node trusts its .pub
     r = subprocess.run([sys.executable, "-m", "warmctl", "keygen", str(root / "signing")], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for store in (pub, cold, warm):
-        (store / "keys").mkdir()
-        shutil.copy(root / "signing" / "warmctl.pub", store / "keys" / "warmctl.pub")
+
+    models: list[Path] = []  # the model files the snapshot's engine maps, once it is made
+
+    def store(node, name: str) -> Path:
+        """A fresh node store on ``node`` (a directory of its own; :data:`STORE` in its pods):
+        the tiny profile, trusting the publisher, no snapshot; once the snapshot is made, its
+        model files at the same path (what the image or a model volume gives a real node:
+        ``up`` refuses a snapshot whose mapped files are missing)."""
+        from conftest import tiny_profile
+
+        s = node.workdir / "share" / fleet / name
+        (s / "profiles").mkdir(parents=True)
+        (s / "profiles" / "tiny.toml").write_text(tiny_profile(engine_port, gate_port))
+        (s / "config.toml").write_text(f'home = "{STORE / "home"}"\nprofile_dirs = ["{STORE / "profiles"}"]\n'
+                                       f'keys_dir = "{STORE / "keys"}"\n')
+        (s / "keys").mkdir()
+        shutil.copy(root / "signing" / "warmctl.pub", s / "keys" / "warmctl.pub")
+        for m in models:
+            shutil.copytree(m, s / "home" / "models")
+        return s
+
+    pub = store(node1, "pub")
     for f in ("namespace.yaml", "serviceaccounts.yaml", "rbac.yaml", "crd-warmsnapshot.yaml"):
         cluster.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / f), check=True)
     cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/warmsnapshots.warmctl.io",
@@ -197,55 +248,71 @@ def test_snapshot_pushed_from_a_pod_restored_on_a_cold_and_on_a_prewarmed_node_s
     for account in ("warmctl-engine", "warmctl-node"):
         _wait_token(cluster, account)
     figures: dict[str, float] = {}
+    splits: list[str] = []
 
-    # 1. the snapshot Job's command in a pod: snapshot, sign, push to the remote
+    # 1. the snapshot Job's command in a pod on node 1: snapshot, sign, push to the remote
     snap = f"snapjob-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
-    _create(kube_node, _fleet_pod(snap, engine_image, root, pub, gate_port, ["snapshot", "tiny", "--push"],
-                                  {"WARMCTL_REMOTE_STORE": str(remote),
-                                   "WARMCTL_SIGNING_KEY": str(root / "signing" / "warmctl.key")}))
-    pod = kube_node.wait_pod("default", snap, _finished, timeout=1500, what="finished")
-    figures["snapshot pod (cold start + dump + push)"] = time.monotonic() - t0
+    _create(node1, _fleet_pod(snap, engine_image, root, pub, node1.name, gate_port, ["snapshot", "tiny", "--push"],
+                              {"WARMCTL_REMOTE_STORE": str(remote),
+                               "WARMCTL_SIGNING_KEY": str(root / "signing" / "warmctl.key")}))
+    pod = node1.wait_pod("default", snap, _finished, timeout=1500, what="finished")
+    figures["snapshot pod, node 1 (cold start + dump + push)"] = time.monotonic() - t0
     logs = cluster.kubectl("logs", "-n", "default", snap).stdout
     assert pod["status"]["phase"] == "Succeeded", f"snapshot pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
-    _gone(kube_node, "default", snap)
+    _gone(node1, "default", snap)
     entries = [json.loads(p.read_text()) for p in (remote / "catalog" / "tiny" / "latest").glob("*.json")]
     assert [e["host"].get("image_digest") for e in entries] == [engine_image[1]], entries
     digest = entries[0]["manifest"]
+    models.append(pub / "home" / "models")
+    assert models[0].is_dir(), sorted(p.name for p in (pub / "home").iterdir())
+
+    # 2. node 2 pulls the engine's image from the registry (timed apart from the restores)
+    img = f"image-{uuid.uuid4().hex[:6]}"
+    ipod = _fleet_pod(img, engine_image, root, store(node2, "image"), node2.name, gate_port, ["version"], {})
+    del ipod["spec"]["containers"][0]["readinessProbe"]
+    t0 = time.monotonic()
+    _create(node2, ipod)
+    pod = node2.wait_pod("default", img, _finished, timeout=900, what="finished")
+    figures["image pull on node 2 (a pod running `warmctl version`)"] = time.monotonic() - t0
+    assert pod["status"]["phase"] == "Succeeded" and pod["spec"]["nodeName"] == node2.name, pod["status"]
+    assert pod["status"]["hostIP"] == node2.name and pod["status"]["podIP"] == node2.name, pod["status"]
+    assert pod["status"]["containerStatuses"][0]["imageID"].endswith("@" + engine_image[1])
+    _gone(node2, "default", img)
 
     ws = f"tiny-{uuid.uuid4().hex[:6]}"  # the WarmSnapshot (its name: the node label's key)
-    cold2, warm2, plain = (_share(kube_node, f"{fleet}/{n}", engine_port, gate_port) for n in ("cold2", "warm2", "plain"))
-    for store in (cold2, warm2, plain):
-        (store / "keys").mkdir()
-        shutil.copy(root / "signing" / "warmctl.pub", store / "keys" / "warmctl.pub")
-    splits: list[str] = []
+    key = f"snapshot.warmctl.io/{ws}"
+    want_label = "sha256-" + digest[7:47]
 
-    def restore(store: Path, what: str, remote_bytes: bool) -> None:
-        """One engine pod restoring on ``store``: Ready, its condition naming the digest and
-        what it read from the remote (> 0 for a cold store, 0 for a pre-warmed one), "Paris.";
-        deleted; its figures kept under ``what``."""
+    def restore(node, s: Path, what: str, remote_bytes: bool, affinity: dict | None = None) -> None:
+        """One engine pod restoring on node store ``s`` of ``node`` (bound there by name, or by
+        the scheduler through ``affinity``): on that node, Ready, its condition naming the
+        digest and what it read from the remote (> 0 for a cold store, 0 for a pre-warmed one),
+        "Paris."; deleted; its figures kept under ``what``."""
         up = f"up-{uuid.uuid4().hex[:6]}"
-        ready_s, cond, split = _restore_pod(kube_node, up, engine_image, root, store, gate_port, remote)
+        ready_s, cond, split, pod = _restore_pod(node, up, engine_image, root, s, gate_port, remote, affinity)
+        assert pod["spec"]["nodeName"] == node.name and pod["status"]["hostIP"] == node.name, pod["spec"]
         assert cond["status"] == "True" and digest in cond["message"], cond
         if remote_bytes:
             assert "read 0.0 MiB from the remote store" not in cond["message"] and "from the remote store" in cond["message"], cond
         else:
             assert "read 0.0 MiB from the remote store" in cond["message"], cond
         assert _chat(gate_port).strip() == "Paris."
-        _gone(kube_node, "warmctl", up)
+        _gone(node, "warmctl", up)
         figures[what] = ready_s
         splits.append(f"{what}: {split}")
 
-    def prewarm(store: Path, what: str) -> None:
-        """The node agent's controller, one pass, in a pod on ``store``: the store holds the
-        snapshot, the Node is labelled with its digest."""
+    def prewarm(node, s: Path, what: str) -> None:
+        """The node agent's controller, one pass, in a pod on ``node`` with node store ``s``:
+        the store holds the snapshot, that node (and only it, of those not pre-warmed before) is
+        labelled with its digest, the WarmSnapshot's status names it."""
         pw = f"prewarm-{uuid.uuid4().hex[:6]}"
         t0 = time.monotonic()
-        pwpod = _fleet_pod(pw, engine_image, root, store, gate_port, ["prewarm", "--once", "--json"], {},
+        pwpod = _fleet_pod(pw, engine_image, root, s, node.name, gate_port, ["prewarm", "--once", "--json"], {},
                            namespace="warmctl", api_port=cluster.port, service_account="warmctl-node")
         del pwpod["spec"]["containers"][0]["readinessProbe"]
-        _create(kube_node, pwpod)
-        pod = kube_node.wait_pod("warmctl", pw, _finished, timeout=600, what="finished")
+        _create(node, pwpod)
+        pod = node.wait_pod("warmctl", pw, _finished, timeout=600, what="finished")
         figures[what] = time.monotonic() - t0
         logs = cluster.kubectl("logs", "-n", "warmctl", pw).stdout
         assert pod["status"]["phase"] == "Succeeded", f"prewarm pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
@@ -253,52 +320,60 @@ def test_snapshot_pushed_from_a_pod_restored_on_a_cold_and_on_a_prewarmed_node_s
         assert [(o["action"], o.get("digest")) for o in out] == [("cached", digest)], json.dumps(out)
         splits.append(f"{what}: the pull {out[0]['seconds']:.2f} s (its copy {out[0]['copy_seconds']:.2f} s), "
                       f"{out[0]['chunks_copied']} chunks, {out[0]['bytes_copied'] / 2**20:.1f} MiB")
-        labels = json.loads(cluster.kubectl("get", "node", kube_node.name, "-o", "json", check=True).stdout)
-        assert labels["metadata"]["labels"].get(f"snapshot.warmctl.io/{ws}") == "sha256-" + digest[7:47], labels
-        _gone(kube_node, "warmctl", pw)
+        assert _label(cluster, node.name, key) == want_label
+        obj = json.loads(cluster.kubectl("get", "warmsnapshot", ws, "-o", "json", check=True).stdout)
+        assert node.name in [n["node"] for n in obj["status"]["nodes"] if n.get("digest") == digest], obj["status"]
+        _gone(node, "warmctl", pw)
         os.sync()  # a node is pre-warmed ahead of its pods: what the pull wrote is on disk first
 
     try:
         cluster.kubectl("apply", "-f", "-", check=True, input=json.dumps(
             {"apiVersion": "warmctl.io/v1alpha1", "kind": "WarmSnapshot", "metadata": {"name": ws},
              "spec": {"ref": "tiny:latest", "remote": str(remote)}}))
-        # round 1: a cold node store (everything from the remote), then a pre-warmed one (the
-        # remote still configured: nothing read from it); round 2 on fresh stores in the other
-        # order, so that neither kind of store is always the one restored second
-        restore(cold, "restore pod, cold node store (1st)", remote_bytes=True)
-        prewarm(warm, "pre-warm pod (prewarm --once: pull + verify + label)")
-        restore(warm, "restore pod, pre-warmed node store (2nd)", remote_bytes=False)
-        prewarm(warm2, "pre-warm pod, round 2")
-        restore(warm2, "restore pod, pre-warmed node store (1st, round 2)", remote_bytes=False)
-        restore(cold2, "restore pod, cold node store (2nd, round 2)", remote_bytes=True)
+        # round 1, node 2 (the second kubelet): a cold store (everything from the remote), then a
+        # pre-warmed one, whose pod names no node: the scheduler binds it to the labelled node
+        restore(node2, store(node2, "cold"), "restore pod, node 2, cold store (1st)", remote_bytes=True)
+        warm = store(node2, "warm")
+        prewarm(node2, warm, "pre-warm pod, node 2 (prewarm --once: pull + verify + label)")
+        assert _label(cluster, node1.name, key) is None, "node 1 labelled by node 2's pre-warm"
+        warm_node = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": key, "operator": "In", "values": [want_label]}]}]}}}
+        restore(node2, warm, "restore pod, node 2, pre-warmed store, placed by affinity (2nd)", remote_bytes=False,
+                affinity=warm_node)
+        # round 2, node 1, in the other order
+        warm2, cold2, plain = store(node1, "warm2"), store(node1, "cold2"), store(node1, "plain")
+        prewarm(node1, warm2, "pre-warm pod, node 1, round 2")
+        restore(node1, warm2, "restore pod, node 1, pre-warmed store (1st, round 2)", remote_bytes=False)
+        restore(node1, cold2, "restore pod, node 1, cold store (2nd, round 2)", remote_bytes=True)
 
         # the pre-warm's pull against a plain `warmctl pull` in a pod of the same image (a fresh store)
         pl = f"pull-{uuid.uuid4().hex[:6]}"
         t0 = time.monotonic()
-        plpod = _fleet_pod(pl, engine_image, root, plain, gate_port, ["pull", "tiny", "--json"],
+        plpod = _fleet_pod(pl, engine_image, root, plain, node1.name, gate_port, ["pull", "tiny", "--json"],
                            {"WARMCTL_REMOTE_STORE": str(remote)})
         del plpod["spec"]["containers"][0]["readinessProbe"]
-        _create(kube_node, plpod)
-        pod = kube_node.wait_pod("default", pl, _finished, timeout=600, what="finished")
-        figures["plain `warmctl pull` pod (fresh store)"] = time.monotonic() - t0
+        _create(node1, plpod)
+        pod = node1.wait_pod("default", pl, _finished, timeout=600, what="finished")
+        figures["plain `warmctl pull` pod, node 1 (fresh store)"] = time.monotonic() - t0
         logs = cluster.kubectl("logs", "-n", "default", pl).stdout
         assert pod["status"]["phase"] == "Succeeded", f"pull pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
         [out] = _json_tail(logs)
         assert out["digest"] == digest, out
         splits.append(f"plain pull pod: the pull {out['seconds']:.2f} s, {out['chunks_copied']} chunks, "
                       f"{out['bytes_copied'] / 2**20:.1f} MiB")
-        _gone(kube_node, "default", pl)
+        _gone(node1, "default", pl)
         assert _engine_pids() == []
-        assert _wait_no_leftovers(kube_node) == []
+        assert _wait_no_leftovers(node1) == [] and _wait_no_leftovers(node2) == []
     finally:
         cluster.kubectl("delete", "warmsnapshot", "--all", "--ignore-not-found")
-        cluster.kubectl("label", "node", kube_node.name, f"snapshot.warmctl.io/{ws}-")
+        for n in (node1, node2):
+            cluster.kubectl("label", "node", n.name, f"{key}-")
 
     # 5. the host's own up of the same profile's snapshot
     host_s, host_t = _host_up(root / "host", engine_port, gate_port)
     figures["warmctl up on the host (own store)"] = host_s
     width = max(map(len, figures))
-    print("\npod-ready-seconds, one run (created -> Ready for pods):")
+    print("\npod-ready-seconds, one run (created -> Ready for pods; finished for the others):")
     for k, v in figures.items():
         print(f"  {k:<{width}}  {v:6.1f} s")
     for k, v in figures.items():
