@@ -369,14 +369,18 @@ SESSION_SNAPSHOTS = {
     "moe_snapshot": lambda env, ports: snapshot_once(rank_env(env, "tiny-moe-tp2", *ports), "tiny-moe-tp2"),
 }
 _AHEAD = pytest.StashKey[dict[str, Future]]()
-_E2E_FILES = pytest.StashKey[set[Path]]()
+_AFTER_BUILDS = pytest.StashKey[set[Path]]()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Run the files without end-to-end tests first (each file's tests stay together and in
-    order): the session's engine snapshots are built meanwhile (:func:`_session_snapshots_ahead`)."""
-    e2e_files = config.stash[_E2E_FILES] = {item.path for item in items if item.get_closest_marker("e2e")}
-    items[:] = [i for i in items if i.path not in e2e_files] + [i for i in items if i.path in e2e_files]
+    order): the session's engine snapshots are built meanwhile (:func:`_session_snapshots_ahead`).
+    Files with a test marked ``e2e`` or ``host_wide`` (it checks what is left on the whole host:
+    an ahead build's engine, dumped and being stored, leaves ``/dev/shm`` files nobody uses for
+    tens of seconds) come after the builds."""
+    after = config.stash[_AFTER_BUILDS] = {item.path for item in items
+                                           if item.get_closest_marker("e2e") or item.get_closest_marker("host_wide")}
+    items[:] = [i for i in items if i.path not in after] + [i for i in items if i.path in after]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -398,10 +402,10 @@ def _session_snapshots_ahead(request):
 
 @pytest.fixture(scope="module", autouse=True)
 def _ahead_builds_done_before_e2e(request) -> None:
-    """A file with end-to-end tests starts (its module fixtures included) only once every build
-    ahead has ended: no engine of theirs runs beside it (its checks of what is left on the host,
-    its ports and its timings stay its own)."""
-    if request.node.path in request.config.stash.get(_E2E_FILES, set()):
+    """A file with end-to-end or ``host_wide`` tests starts (its module fixtures included) only once
+    every build ahead has ended: no engine of theirs runs beside it (its checks of what is left on
+    the host, its ports and its timings stay its own)."""
+    if request.node.path in request.config.stash.get(_AFTER_BUILDS, set()):
         for ahead in request.config.stash.get(_AHEAD, {}).values():
             ahead.exception()  # waits; a failed build is raised by its own fixture
 

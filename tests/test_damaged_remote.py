@@ -48,6 +48,9 @@ from warmctl.store.chunks import frame_bound
 from warmctl.store.sealed import load_key, seal_store
 from warmctl.naming.trust import generate_keypair
 
+#: every /dev/shm file of the host is checked (check_clean)
+pytestmark = pytest.mark.host_wide
+
 CH = 256 * 1024
 #: the bound on each failing command (seconds); a healthy run takes a few
 BOUND = 60
