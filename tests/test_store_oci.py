@@ -516,7 +516,9 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
     that expires mid-pull is fetched again and the pull completes; a wrong password is one line."""
     from registry_server import TokenServer
 
-    tok = TokenServer(tmp_path / "tok", free_port(), registry.ca, {USER: PASSWORD}, lifetime=1.0)
+    # 2 s tokens: a retry with a fresh token has that long to land, on a host loaded by the session's
+    # engine builds (tests/conftest.py) too (1 s tokens once expired again before the retried PUT)
+    tok = TokenServer(tmp_path / "tok", free_port(), registry.ca, {USER: PASSWORD}, lifetime=2.0)
     try:
         with Registry(tmp_path / "reg", free_port(), ca=registry.ca, token=tok) as reg:
             _use(monkeypatch, registry.ca.ca_cert)
@@ -529,7 +531,7 @@ def test_bearer_token_flow_and_a_token_expiring_mid_pull(registry, tmp_path, mon
             issued = tok.issued
             assert issued >= 1
             b = open_store(tmp_path / "b")
-            rep = pull(_store(url, workers=1), b, "tiny", progress=lambda n: time.sleep(0.4))  # ~2.4 s: tokens expire
+            rep = pull(_store(url, workers=1), b, "tiny", progress=lambda n: time.sleep(0.8))  # ~4.8 s: tokens expire
             assert rep.chunks_copied == 6 and tag_of(b, "tiny") == d
             assert tok.issued >= issued + 2, tok.issued  # the first token of the pull, and at least one more
             assert any(st == 401 for m, p, st in reg.access_log() if "/blobs/" in p)  # an expired token was refused
