@@ -52,6 +52,29 @@ def test_dump_then_restore_with_new_pids(tmp_path):
         kill_tree(ProcessId.of(new_root))
 
 
+def test_a_zombie_in_the_tree_dumps_without_error_and_is_found_dead_in_the_images(tmp_path):
+    """A child that has exited under a parent that never reaps it (``sleep`` exec'd over the
+    shell that started it): CRIU dumps it without error, and :func:`criu.dumped_dead` finds it
+    (namespace PID 2) dead in the images and its live parent (PID 1) not."""
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", "true & exec sleep 600"],
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            kids = psutil.Process(p.pid).children()
+            zombies = [c for k in kids for c in k.children() if c.status() == psutil.STATUS_ZOMBIE]
+            if zombies:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("no zombie appeared under the namespace's root")
+        criu.dump(kids[0].pid, tmp_path / "img")
+        assert criu.dumped_dead(tmp_path / "img", [1, 2]) == [2]
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 def test_dump_of_missing_pid_names_it_and_the_log(tmp_path):
     with pytest.raises(CheckpointError) as e:
         criu.dump(4_000_000, tmp_path / "img")

@@ -325,6 +325,17 @@ def dump_timeout(root_pid: int) -> float:
     return DUMP_FLOOR_S + rss / DUMP_MIN_RATE
 
 
+def dumped_dead(images_dir: Path, nspids: Sequence[int]) -> list[int]:
+    """Those of ``nspids`` (PIDs inside the dumped tree's PID namespace, as CRIU names its
+    images) that a successful dump in ``images_dir`` holds as dead processes. A process that
+    dies after CRIU has seized it but before CRIU has collected the whole tree stays a zombie
+    (its frozen parent cannot reap it), and CRIU dumps a zombie without error: a
+    ``core-PID.img`` and no memory. Every live process gets its memory map, ``mm-PID.img``
+    (``cr-dump.c``: ``dump_one_task`` for a live task, ``dump_zombies`` for a dead one)."""
+    return [n for n in nspids if (images_dir / f"core-{n}.img").exists()
+            and not (images_dir / f"mm-{n}.img").exists()]
+
+
 def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeout_s: float | None = None,
          binary: str | None = None, plugins: Sequence[str] = (), network_lock: str | None = "auto") -> float:
     """Dump the tree rooted at ``root_pid`` into ``images_dir`` (created if needed).

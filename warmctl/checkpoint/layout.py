@@ -371,12 +371,14 @@ def _gone(r: LiveRank) -> bool:
 
 
 def died(root_pid: int, describe: str, ranks: list[LiveRank], what: str,
-         log_path: Path | str | None = None) -> RankError | None:
+         log_path: Path | str | None = None, dead_nspids: Sequence[int] | None = None) -> RankError | None:
     """A :class:`RankError` naming each of ``ranks`` (found live before ``what``) whose process
     is gone now (a ``kill -9`` during ``what``, e.g. the CRIU dump), with its PID and its log
     lines (``log_path``: the engine log); None when every one is alive. ``describe``: the
-    layout in words (``TP2``), for the message."""
-    dead = [r for r in ranks if _gone(r)]
+    layout in words (``TP2``), for the message. ``dead_nspids``: instead of looking at the
+    processes now, the namespace PIDs known dead (a dump's images:
+    :func:`warmctl.checkpoint.criu.dumped_dead`)."""
+    dead = [r for r in ranks if (_gone(r) if dead_nspids is None else r.nspid in dead_nspids)]
     if not dead:
         return None
     return RankError(f"{describe} engine (pid {root_pid}): "

@@ -89,7 +89,11 @@ def kill_rank_during_dump(root_pid: int, poll_s: float = 0.002) -> Iterator[list
     process of it, as found on entry, has a ``criu`` process as its ``TracerPid`` in
     ``/proc/PID/status``: the tree is frozen and CRIU's dump of it under way, its images not
     yet complete), then sends the rank ``ROLE`` a real SIGKILL (a signal sent to a ptraced,
-    stopped process still kills it) and waits up to 10 s until it is dead. Why not a line of
+    stopped process still kills it) and waits up to 10 s until it is dead. CRIU dumps the tree's
+    processes one by one after the seize; a kill that lands after CRIU has written the rank's
+    images cannot fail the dump, so the thread runs at real-time priority (``SCHED_FIFO``,
+    where the host allows it: a loaded host cannot delay its next look) and holds CRIU with
+    ``SIGSTOP`` from the moment it sees the seize until the rank is dead. Why not a line of
     CRIU's ``dump.log``: warmctl runs CRIU at ``-v2`` (errors and warnings), which logs nothing
     when a dump begins; the tracer is what CRIU's seize itself sets. CRIU is not touched.
     ``poll_s``: seconds between two looks. Yields the list of PIDs killed (filled in by the
@@ -119,14 +123,24 @@ def kill_rank_during_dump(root_pid: int, poll_s: float = 0.002) -> Iterator[list
         return all(tracers) and all(_comm(t) == "criu" for t in set(tracers) if t)
 
     def body() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))  # 0: this thread
+        except (OSError, AttributeError):
+            pass  # no real-time priority here: the looks may come late on a loaded host
         while not done.is_set():
             if seized():
-                for pid, ident in targets:
-                    if signal_process(ident, signal.SIGKILL):
-                        killed.append(pid)
-                deadline = time.monotonic() + 10
-                while any(pid_alive(p) for p in killed) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                criu_ = ProcessId.of(_tracer(root_pid) or 0)
+                held = signal_process(criu_, signal.SIGSTOP)
+                try:
+                    for pid, ident in targets:
+                        if signal_process(ident, signal.SIGKILL):
+                            killed.append(pid)
+                    deadline = time.monotonic() + 10
+                    while any(pid_alive(p) for p in killed) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                finally:
+                    if held:
+                        signal_process(criu_, signal.SIGCONT)
                 return
             if not tree or _tracer(root_pid) is None:
                 return  # the tree is gone

@@ -265,7 +265,9 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     A dump that fails with a rank of ``lay`` (the layout :func:`_ranks` just checked) gone
     since (a ``kill -9`` of the rank while CRIU ran: CRIU then fails on the dead task) raises
     :class:`~warmctl.checkpoint.layout.RankError` naming the rank, its PID and its log lines,
-    CRIU's own error after them; any other failure CRIU's
+    CRIU's own error after them. A dump that succeeds with such a rank held as a dead process
+    (killed after CRIU seized it, before CRIU had collected the whole tree:
+    :func:`~warmctl.checkpoint.criu.dumped_dead`) raises the same. Any other failure: CRIU's
     :class:`~warmctl.base.errors.CheckpointError`. Nothing is stored either way (the caller's
     teardown removes the engine, its images and its ``/dev/shm`` files)."""
     files = _record_shm(run)  # again: what the tree holds now, right before CRIU runs
@@ -297,6 +299,12 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
                 run.shm_copies.mkdir(parents=True, exist_ok=True)
                 out.items.append((Path(shutil.copy2(p, run.shm_copies / p.name)), "shm", p.name))
             p.unlink()
+        # a rank killed while CRIU collected the tree is dumped as a zombie, and CRIU succeeds
+        zombies = criu.dumped_dead(run.images, [r.nspid for r in ranks_before])
+        if (lost := layout.died(run.root_pid, lay.sizes() if lay is not None else "the", ranks_before,
+                                "the CRIU dump", run.log_path, dead_nspids=zombies)) is not None:
+            raise layout.RankError(f"{lost}\n  criu dump of pid {run.root_pid} stored it as a dead process "
+                                   "(a zombie, no memory): such a snapshot could never serve", lost.ranks)
     for p in sorted(run.images.iterdir()):
         if p.is_file():
             out.items.append((p, "image", p.name))
