@@ -125,7 +125,7 @@ def test_no_doc_or_comment_cites_a_tracker_number():
         if not f.is_file() or f == Path(__file__):
             continue
         for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-            for m in re.finditer(r"\b[Ii]ssues? #?\d+\b", line):
+            for m in re.finditer(r"(?<![A-Za-z])[Ii]ssues?[ _]#?\d+(?!\d)", line):  # also in a name: issue_30
                 if not re.search(r"(https?://\S*|[\w.-]+/[\w.-]+)$", line[: m.start()].rstrip()):
                     bad.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
     assert not bad, "\n".join(bad)

@@ -291,8 +291,11 @@ def test_every_allowed_authorized_request_reaches_the_engine_as_sent(setup, conn
     assert [(x.method, x.path, x.body) for x in up.seen()] == [(r.method, r.path, r.body) for r in sent]
 
 
-def test_the_probes_of_issue_30_as_one_stream_each(setup):
-    """The issue's probes through the same property check (no hypothesis: always these)."""
+def test_the_known_smuggling_probes_as_one_stream_each(setup):
+    """The probes first found to reach the engine past the gate (a request smuggled after an
+    ``Upgrade``, a control route with an encoded newline, vLLM's own generate route, an
+    unparsable absolute URL, ``Content-Length`` beside ``Transfer-Encoding``) through the same
+    property check (no hypothesis: always these)."""
     up, port, log = setup
     auth = f"Authorization: Bearer {KEY}\r\n".encode()
     probes = [
