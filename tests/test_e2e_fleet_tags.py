@@ -12,6 +12,8 @@ test builds its own nodes and remote.
 from __future__ import annotations
 
 import json
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,27 @@ def test_snapshot_push_moves_the_tag_the_old_one_stays_by_digest_then_rm_and_gc_
             warmctl("down", "fake", env=n, check=False)
     for n in nodes:
         assert not _engine_procs(Path(n["WARMCTL_TEST_HOME"]))
+
+
+def test_a_node_that_never_had_the_publishers_home_restores_its_snapshot(tmp_path, engine_ports):
+    """The engine's working directory and log are recorded at the publisher's paths, its run
+    directory in its home (CRIU reopens them there, and checks the directory's mode). A node
+    that never had that home (another host; here A's home removed after its push) makes them
+    as the publisher's cold start had them, 0700, and restores from the remote."""
+    remote = tmp_path / "remote"
+    a = _node(tmp_path / "a", engine_ports, remote, trust=[])
+    r = warmctl("snapshot", "fake", env=a)
+    assert "ok push" in r.stderr, r.stderr
+    recorded = Path(a["WARMCTL_TEST_HOME"]) / "run" / "fake"  # the publisher's run directory: its cwd
+    assert recorded.is_relative_to(tmp_path / "a")
+    pub = shutil.copy(tmp_path / "a" / "signing" / "node.pub", tmp_path / "a.pub")
+    shutil.rmtree(tmp_path / "a")
+    b = _node(tmp_path / "b", engine_ports, remote, trust=[Path(pub)])
+    try:
+        r, res = _up(b, "--cold-start", "never")
+        assert res["path"] == "restore" and res["fetched"]["remote"] > 0, r.stderr
+        assert stat.S_IMODE(recorded.stat().st_mode) == 0o700
+        warmctl("down", "fake", env=b)
+    finally:
+        warmctl("down", "fake", env=b, check=False)
+    assert not _engine_procs(Path(b["WARMCTL_TEST_HOME"]))

@@ -145,11 +145,17 @@ class EngineRun:
 
     def prepare(self) -> "EngineRun":
         """Create the run directory (0700, as ``<home>/run``), the log's directory, the
-        working directory and the scratch directory (0700); returns self."""
+        working directory and the scratch directory (0700); returns self. The log's directory
+        and the working directory a restore passes are where the publisher's engine had them,
+        its run directory, which a snapshot's own cold start made 0700 and CRIU reopens with
+        that mode checked (``bad mode 040755 (expect 040700)`` otherwise). So one missing
+        here (a node that never had the publisher's home) is made 0700 too; one that exists
+        is left as it is."""
         private_dir(self.run_dir)
         private_dir(self.dir)
         for d in (self.log_path.parent, self.cwd):
-            d.mkdir(parents=True, exist_ok=True)
+            if not d.exists():
+                private_dir(d)
         if self.tmp is not None:
             private_dir(self.tmp)
         return self
