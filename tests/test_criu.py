@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -450,7 +451,8 @@ def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
         assert 1.0 <= took < 1.0 + 3, took
         msg = str(e.value)
         assert "criu_dump phase stalled" in msg and f"criu dump of pid {root}" in msg and "bound of 1 s" in msg, msg
-        assert "killed after 1." in msg and "dump_timeout_s" in msg, msg
+        killed = re.search(r"killed after (\d+\.\d) s", msg)  # 1.x s, later on a loaded host (2.1 s seen)
+        assert killed and 1.0 <= float(killed.group(1)) <= took + 0.05 and "dump_timeout_s" in msg, msg
         assert isinstance(e.value, CheckpointError) and e.value.exit_code == criu.DumpTimeout.exit_code > 12
         assert not img.exists()  # no partial image
         assert {x.name for x in criu.SHM.glob("link_remap.*")} == remaps
