@@ -95,7 +95,8 @@ def kill_rank_during_dump(root_pid: int, poll_s: float = 0.002) -> Iterator[list
     where the host allows it: a loaded host cannot delay its next look) and holds CRIU with
     ``SIGSTOP`` from the moment it sees the seize until the rank is dead. Why not a line of
     CRIU's ``dump.log``: warmctl runs CRIU at ``-v2`` (errors and warnings), which logs nothing
-    when a dump begins; the tracer is what CRIU's seize itself sets. CRIU is not touched.
+    when a dump begins; the tracer is what CRIU's seize itself sets. CRIU is only paused
+    (SIGSTOP, then SIGCONT) around the kill, never changed.
     ``poll_s``: seconds between two looks. Yields the list of PIDs killed (filled in by the
     thread; read it after the block); the thread is stopped and joined when the block ends,
     before the caller handles the dump's outcome, so a rank killed is dead by then. A dump
