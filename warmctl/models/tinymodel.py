@@ -60,6 +60,30 @@ def model_dir(models_root: Path, kind: str = "llama") -> Path:
     return Path(models_root) / f"tiny-{kind}-{recipe_id()}"
 
 
+def tokenizer():
+    """The tiny model's tokenizer (a ``transformers.PreTrainedTokenizerFast``): byte-level BPE,
+    :data:`VOCAB_SIZE` entries, trained on :data:`CORPUS` with :data:`SPECIAL_TOKENS` and
+    :data:`CHAT_TEMPLATE`; deterministic, well under a second. Shared by the tiny models and the
+    random-weight models (:mod:`warmctl.models.randmodel`), which need it without the tiny
+    model's training. Raises ImportError without ``tokenizers``/``transformers``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def build(dest: Path, kind: str = "llama") -> Path:
     """Build the tiny model into ``dest`` (atomically: a temp dir renamed into place).
 
@@ -72,29 +96,12 @@ def build(dest: Path, kind: str = "llama") -> Path:
     if (dest / "config.json").exists():
         return dest
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=VOCAB_SIZE,
-            special_tokens=SPECIAL_TOKENS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<|bos|>",
-            eos_token="<|eos|>",
-            pad_token="<|pad|>",
-        )
-        fast.chat_template = CHAT_TEMPLATE
+        fast = tokenizer()
         fast.save_pretrained(tmp)
 
         torch.manual_seed(SEED)
