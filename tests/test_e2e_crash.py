@@ -16,7 +16,10 @@ sockets, not yet behind the gate, left for the next ``up`` to clean.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -147,6 +150,59 @@ def test_snapshot_push_pull_gc_killed_at_their_phases(fake_snapshot, fk_env, fak
         assert len(before - chunks()) == (0 if phase == "gc_manifests" else 1), phase
     warmctl("gc", "--grace", "0", "--store", str(remote), env=wc_env)
     _verify(wc_env, "--store", str(remote))
+
+
+def test_a_full_disk_as_the_engine_is_recorded_serving_takes_it_down(fk_env, fake_snapshot, fake_ports, fake_clean):
+    """The last thing ``up`` does once the public port is open, recording the engine as serving,
+    meets a full disk: ``up`` is paused there (``serving_record:STOP``), with the port open,
+    while the file system of its run directory (a tmpfs mounted over it) is filled. Resumed,
+    ``up`` fails with one line naming the record and the reason (exit 10, HostError), and
+    tears down what it started: the port closed, no engine process, no record, no ``/dev/shm``
+    file. It once left the engine serving behind an ``up`` that had failed with a traceback.
+    With room again, the same ``up`` serves."""
+    run = Path(fk_env["WARMCTL_TEST_HOME"]) / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    shm0 = shm_names()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g,mode=0700", "tmpfs", str(run)], check=True)
+    p = None
+    try:
+        p = subprocess.Popen([*WARMCTL, "up", "fake"], env={**fk_env, KILL: "serving_record:STOP"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while psutil.Process(p.pid).status() != psutil.STATUS_STOPPED:
+            assert p.poll() is None and time.monotonic() < deadline, f"up did not reach serving_record: {p.communicate()}"
+            time.sleep(0.05)
+        assert listening(fake_ports[1])  # the port is open in this moment
+        filler = run / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # every page of the tmpfs
+            for block in (b"\0" * (1 << 20), b"\0" * 4096):
+                try:
+                    while os.write(fd, block):
+                        pass
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+        finally:
+            os.close(fd)
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 10, out + err
+        assert "could not record engine fake's state in" in err and "state.json: No space left on device" in err, err
+        assert "Traceback" not in err, err
+        assert not listening(fake_ports[1])
+        assert json.loads(warmctl("status", "--json", env=fk_env).stdout) == []
+        assert wait_until_gone(fk_env), [q.cmdline() for q in _ours(fk_env)]
+        assert not shm_leaked(shm0), shm_leaked(shm0)
+
+        filler.unlink()  # room again: the same command serves
+        res = json.loads(warmctl("up", "fake", "--json", env=fk_env).stdout)
+        assert res["state"]["phase"] == "serving" and listening(fake_ports[1]), res
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        warmctl("down", "fake", env=fk_env, check=False)
+        subprocess.run(["umount", "-l", str(run)], check=False)
 
 
 TIMENS = Path(__file__).resolve().parent / "timens.py"

@@ -8,8 +8,8 @@ it reaches the point ``NAME``: the start of every timed phase of ``snapshot`` an
 ``transfer_chunks``, ``transfer_manifest``, ``transfer_catalog`` (``push``/``pull``, after the
 chunks, manifest and signatures respectively are written: :func:`warmctl.naming.fleet.transfer`),
 ``gc_manifests`` and ``gc_chunks`` (``gc``, after its first removal of each kind), and
-``serving`` (``up``: the public port is open and the engine recorded as serving, before ``up``
-returns). Nothing runs after the signal: no ``finally``, no ``atexit``, as with ``kill -9`` or a
+``serving_record`` (``up``: the public port is open, the engine not yet recorded as serving) and
+``serving`` (``up``: the engine recorded as serving, before ``up`` returns). Nothing runs after the signal: no ``finally``, no ``atexit``, as with ``kill -9`` or a
 power loss of the process. ``NAME:SIG`` sends signal ``SIG`` instead (``serving:TERM``: a stop
 that lands in that moment, as a pod deleted as soon as it is Ready). Unset (always, outside
 tests), :func:`point` costs one dictionary lookup.

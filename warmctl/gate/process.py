@@ -63,6 +63,7 @@ class PendingGate:
     def __init__(self, proc: subprocess.Popen, ready_r: int, listen: str, log_path: Path, offset: int):
         self.proc, self.listen, self.log_path, self._offset = proc, listen, log_path, offset
         self._ready_r: int | None = ready_r
+        self.opened = False  # True once open() returned: it listens
 
     @property
     def pid(self) -> int:
@@ -96,6 +97,7 @@ class PendingGate:
         finally:
             self._close_pipe()
         if b"ready" in data:
+            self.opened = True
             return self.proc.pid
         kill_child(self.proc)
         if data.startswith(b"refused lazy-pages "):
@@ -108,7 +110,10 @@ class PendingGate:
         raise HostError(f"the gate could not open {self.listen}: {msg[0]}")
 
     def cancel(self) -> None:
-        """Stop the gate before it ever listened (``up`` failed)."""
+        """Stop the gate before it ever listened (``up`` failed). Once :meth:`open` returned it
+        listens in front of the engine and is the engine run's to stop: nothing is done."""
+        if self.opened:
+            return
         if self.proc.stdin and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()  # EOF: it exits on its own

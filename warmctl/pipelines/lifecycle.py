@@ -345,6 +345,8 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
                 lazy.check("during the canary")
             watch = None if lazy is None else LazyWatch(lazy.ident, lazy.log, run.root, run.lazy_failed)  # type: ignore[arg-type]
             run.set_gate(pending_gate.open(run.root_pid, lazy=watch))
+        timings = _timings(reporter)
+        _serving(run, timings)
         served = True
     except BaseException:
         pending_gate.cancel()
@@ -358,8 +360,6 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
             err = fill.settle()
             if err is not None:
                 reporter.warn(f"the fetched chunks were not kept in the local store: {err}")
-    timings = _timings(reporter)
-    _serving(run, timings)
     fetched = found.fetched.as_dict()
     if found.cache is not None:
         reporter.info(f"fetched {fetched['remote'] / 2**20:,.0f} MiB from {found.store.location}, "
@@ -518,9 +518,14 @@ def _timings(reporter: Reporter) -> dict[str, float]:
 
 
 def _serving(run: EngineRun, timings: dict[str, float]) -> None:
-    """Record ``run`` as serving, with its phase timings (seconds)."""
+    """Record ``run`` as serving, with its phase timings (seconds): the last step of ``up``
+    that can fail, so the callers run it before they count the engine as up (a record that
+    cannot be written, e.g. on a full disk, tears down the engine and its open port like any
+    failure of ``up``). Raises :class:`warmctl.base.errors.HostError` when the record cannot
+    be written."""
     assert run.state is not None
     run.state.timings = timings
+    faults.point("serving_record")  # a test's pause (serving_record:STOP) with the port open, before the record
     run.save(phase="serving")
     faults.point("serving")  # a test's stop signal (or kill -9) once the port is open, before up returns
 
@@ -566,11 +571,11 @@ def _cold_up(u: _Up, reason: str) -> UpResult:
                 run.state.snapshot_error = snapshot_error  # type: ignore[union-attr]  # shown by `up` and `status`
         run.shm_files, run.shm_inodes = [str(p) for p in capture.referenced_files(run.root_pid).shm], []
         _open_gate(run, profile, host_, port, reporter, gate)
+        timings = {**startup, **_timings(reporter)}
+        _serving(run, timings)
     except BaseException:
         run.teardown()
         raise
-    timings = {**startup, **_timings(reporter)}
-    _serving(run, timings)
     return UpResult(name=u.name, state=run.state, source="cold", timings=timings, reason=reason,
                     snapshot_digest=digest, snapshot_error=snapshot_error)
 

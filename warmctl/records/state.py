@@ -179,14 +179,19 @@ def unreadable_message(path: Path, err: BaseException) -> str:
 
 def save(run_dir: Path, st: EngineState) -> None:
     """Write ``st`` to ``<run_dir>/NAME/state.json`` atomically, mode 0600 in 0700 directories
-    (:mod:`warmctl.base.private`: the record says what may be killed and removed)."""
+    (:mod:`warmctl.base.private`: the record says what may be killed and removed). Raises
+    :class:`HostError` naming the file and the reason when it cannot be written (a full disk, a
+    read-only file system); the record before is then left as it was."""
     p = state_path(run_dir, st.name)
-    private_dir(run_dir)
-    private_dir(p.parent)
     if not st.started_at:
         now = Stamp.now()
         st.started_at, st.started_boot, st.boot_id = now.wall, now.boot, st.boot_id or now.boot_id
-    write_private(p, st.model_dump_json(indent=2))
+    try:
+        private_dir(run_dir)
+        private_dir(p.parent)
+        write_private(p, st.model_dump_json(indent=2))
+    except OSError as e:
+        raise HostError(f"could not record engine {st.name}'s state in {p}: {e.strerror or e}") from e
 
 
 def remove(run_dir: Path, name: str) -> None:
