@@ -9,8 +9,8 @@ it reaches the point ``NAME``: the start of every timed phase of ``snapshot`` an
 chunks, manifest and signatures respectively are written: :func:`warmctl.naming.fleet.transfer`),
 ``gc_manifests`` and ``gc_chunks`` (``gc``, after its first removal of each kind), and
 ``serving_record`` (``up``: the public port is open, the engine not yet recorded as serving) and
-``serving`` (``up``: the engine recorded as serving, before ``up`` returns). Nothing runs after the signal: no ``finally``, no ``atexit``, as with ``kill -9`` or a
-power loss of the process. ``NAME:SIG`` sends signal ``SIG`` instead (``serving:TERM``: a stop
+``serving`` (``up``: the engine recorded as serving, before ``up`` returns). Nothing runs after
+the signal: no ``finally``, no ``atexit``, as with ``kill -9`` or a power loss of the process. ``NAME:SIG`` sends signal ``SIG`` instead (``serving:TERM``: a stop
 that lands in that moment, as a pod deleted as soon as it is Ready). Unset (always, outside
 tests), :func:`point` costs one dictionary lookup.
 Processes warmctl starts (the engine, the gate) inherit the variable and never read it.
