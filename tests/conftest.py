@@ -24,6 +24,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -729,6 +730,27 @@ def kube_images():
     need_service(missing(), "WARMCTL_REQUIRE_KUBERNETES")
     with ImageStore() as images:
         yield images
+
+
+#: the OCI layout and tag deploy/image/build.sh wrote each pushed engine image from (by reference)
+ENGINE_IMAGE_LAYOUT: dict[str, tuple[Path, str]] = {}
+
+
+@pytest.fixture(scope="session")
+def engine_image(kube_images) -> tuple[str, str]:
+    """The project's image (deploy/image/build.sh: the base cached per install recipe, the
+    checkout's source on top), pushed to the session's registry once for every kubelet test
+    file: (reference, manifest digest)."""
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "deploy" / "image" / "build.sh")], capture_output=True, text=True,
+                       timeout=3600)
+    assert r.returncode == 0, f"deploy/image/build.sh exited {r.returncode}:\n{r.stderr[-4000:]}"
+    layout, tag = r.stdout.split()[-2:]
+    ref = kube_images.push(Path(layout), tag, "warmctl/engine")
+    digest = kube_images.digest(ref)
+    print(f"\nengine image {ref}@{digest}: built/cached and pushed in {time.monotonic() - t0:.1f} s")
+    ENGINE_IMAGE_LAYOUT[ref] = (Path(layout), tag)
+    return ref, digest
 
 
 @pytest.fixture(scope="session")

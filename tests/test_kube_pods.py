@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+from conftest import ENGINE_IMAGE_LAYOUT
 from kubenode import OPT_IN
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,31 +128,12 @@ def _wait_no_leftovers(node, timeout: float = 30) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def engine_image(kube_images) -> tuple[str, str]:
-    """The project's image (deploy/image/build.sh: the base cached per install recipe, the
-    checkout's source on top), pushed to the session's registry: (reference, manifest digest)."""
-    t0 = time.monotonic()
-    r = subprocess.run(["bash", str(REPO / "deploy" / "image" / "build.sh")], capture_output=True, text=True,
-                       timeout=3600)
-    assert r.returncode == 0, f"deploy/image/build.sh exited {r.returncode}:\n{r.stderr[-4000:]}"
-    layout, tag = r.stdout.split()[-2:]
-    ref = kube_images.push(Path(layout), tag, "warmctl/engine")
-    digest = kube_images.digest(ref)
-    print(f"\nengine image {ref}@{digest}: built/cached and pushed in {time.monotonic() - t0:.1f} s")
-    _LAYOUT[ref] = (Path(layout), tag)
-    return ref, digest
-
-
-_LAYOUT: dict[str, tuple[Path, str]] = {}
-
-
-@pytest.fixture(scope="session")
 def other_engine_image(kube_images, engine_image, tmp_path_factory) -> tuple[str, str]:
     """:func:`engine_image` plus one small layer (a file ``/etc/warmctl-test-variant``): the same
     software under another digest. (reference, digest)."""
     import subprocess as sp
 
-    layout, tag = _LAYOUT[engine_image[0]]
+    layout, tag = ENGINE_IMAGE_LAYOUT[engine_image[0]]
     marker = tmp_path_factory.mktemp("variant") / "variant"
     marker.write_text("another image\n")
     other = f"{tag}-variant"

@@ -61,7 +61,6 @@ from test_kube_pods import (
     _restored,
     _terminated,
     _wait_no_leftovers,
-    engine_image,  # noqa: F401 - the fixture
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 from kubenode import NODE2_NAME, OPT_IN
-from test_kube_pods import _chat, _engine_pids, _restored, _share, _wait_no_leftovers, engine_image  # noqa: F401
+from test_kube_pods import _chat, _engine_pids, _restored, _share, _wait_no_leftovers
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy" / "kubernetes"
