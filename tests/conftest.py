@@ -6,7 +6,8 @@ Environment knobs (for running several suites side by side on one host):
 module's temporary directories after it (by default removed: :func:`_module_tmp_freed`).
 At the session's end the terminal summary lists the slowest test files (wall seconds of their
 tests' setup, call and teardown, module fixtures included); ``WARMCTL_TEST_TIMES=FILE`` also
-writes every file's seconds to FILE (``SECONDS PATH`` lines, slowest first).
+writes every file's seconds to FILE (``SECONDS PATH`` lines, slowest first), then every test's
+(``SECONDS NODEID`` lines, setup and teardown included, slowest first).
 
 The session's engine snapshots (``tiny``, ``tiny-tp2``, ``tiny-moe-tp2``: two minutes of cold start,
 warm-up and checkpoint each on 2 cores) are built ahead, one after another in a background
@@ -37,17 +38,21 @@ WARMCTL = [sys.executable, "-m", "warmctl"]
 
 #: Wall seconds per test file (setup + call + teardown of its tests), filled as reports arrive.
 FILE_SECONDS: dict[str, float] = {}
+#: The same per test (node id).
+TEST_SECONDS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report) -> None:
     path = report.nodeid.split("::", 1)[0]
     FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+    TEST_SECONDS[report.nodeid] = TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     rows = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])
     if out := os.environ.get("WARMCTL_TEST_TIMES"):
-        Path(out).write_text("".join(f"{s:9.1f} {p}\n" for p, s in rows))
+        tests = sorted(TEST_SECONDS.items(), key=lambda kv: -kv[1])
+        Path(out).write_text("".join(f"{s:9.1f} {p}\n" for p, s in [*rows, *tests]))
     if len(rows) > 1:
         terminalreporter.write_sep("=", f"slowest test files (of {len(rows)}, {sum(FILE_SECONDS.values()):.0f} s in all)")
         for p, s in rows[:20]:
