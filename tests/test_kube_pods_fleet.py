@@ -32,7 +32,9 @@ empty directory on a node, exactly what a node that never saw the snapshot has.
   whichever store it read, docs/benchmarks.md), and a plain ``warmctl pull`` pod beside the
   pre-warm's pull; nothing left on either node.
 - The host's own ``warmctl up`` of the same profile's snapshot (made on the host: a snapshot
-  made in the image restores only in a pod of that image), for the ratio.
+  made in the image restores only in a pod of that image), twice, its image cache emptied
+  before each as a restore pod's is: the faster is the ratios' reference (one host ``up`` has
+  been both 7.7 and 15.6 s on this host; CRIU's restore phase alone 3.6 and 9.1 s).
 """
 
 from __future__ import annotations
@@ -164,9 +166,11 @@ def _gone(node, namespace: str, name: str) -> None:
     node.wait_pod(namespace, name, lambda p: p is None, timeout=90, what="deleted")
 
 
-def _host_up(root: Path, engine_port: int, gate_port: int) -> tuple[float, str]:
+def _host_up(root: Path, engine_port: int, gate_port: int) -> list[tuple[float, str]]:
     """``warmctl snapshot tiny`` then ``warmctl up tiny --json`` on the host (its own home under
-    ``root``): (seconds of the up, its timings). Stops the engine after."""
+    ``root``), twice: the first right after the snapshot, the second after ``down`` and with the
+    home's image cache removed, so that it writes the image from the store again as every restore
+    pod does. [(seconds of each up, its timings)]. Stops the engine after."""
     from conftest import tiny_profile
 
     (root / "profiles").mkdir(parents=True)
@@ -181,20 +185,25 @@ def _host_up(root: Path, engine_port: int, gate_port: int) -> tuple[float, str]:
                            text=True, timeout=1500)
         assert r.returncode == 0, f"warmctl {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"
         return r
+
+    def down() -> None:
+        subprocess.run([sys.executable, "-m", "warmctl", "down", "tiny"], env=env, cwd=REPO, capture_output=True,
+                       timeout=300)
+    ups = []
     try:
         run("snapshot", "tiny")
-        subprocess.run([sys.executable, "-m", "warmctl", "down", "tiny"], env=env, cwd=REPO, capture_output=True,
-                       timeout=300)
-        t0 = time.monotonic()
-        res = json.loads(run("up", "tiny", "--json", "--cold-start", "never").stdout)
-        up_s = time.monotonic() - t0
-        assert res["path"] == "restore", res
-        t = res.get("timings", {})
-        return up_s, ", ".join(f"{k} {v:.2f}" for k, v in t.items() if isinstance(v, (int, float)))
+        for _ in range(2):
+            down()
+            shutil.rmtree(root / "home" / "cache" / "images", ignore_errors=True)
+            t0 = time.monotonic()
+            res = json.loads(run("up", "tiny", "--json", "--cold-start", "never").stdout)
+            up_s = time.monotonic() - t0
+            assert res["path"] == "restore", res
+            t = res.get("timings", {})
+            ups.append((up_s, ", ".join(f"{k} {v:.2f}" for k, v in t.items() if isinstance(v, (int, float)))))
+        return ups
     finally:
-        subprocess.run([sys.executable, "-m", "warmctl", "down", "tiny"], env=env, cwd=REPO, capture_output=True,
-                       timeout=300)
-
+        down()
 
 
 def _label(cluster, node: str, key: str) -> str | None:
@@ -368,14 +377,16 @@ def test_snapshot_pushed_from_a_pod_on_one_node_restored_on_a_second_node_cold_a
         for n in (node1, node2):
             cluster.kubectl("label", "node", n.name, f"{key}-")
 
-    # 5. the host's own up of the same profile's snapshot
-    host_s, host_t = _host_up(root / "host", engine_port, gate_port)
-    figures["warmctl up on the host (own store)"] = host_s
+    # 5. the host's own up of the same profile's snapshot, twice; the faster is the reference
+    ups = _host_up(root / "host", engine_port, gate_port)
+    for i, (up_s, _) in enumerate(ups, 1):
+        figures[f"warmctl up on the host (own store, {i}{'st' if i == 1 else 'nd'})"] = up_s
+    host_s = min(s for s, _ in ups)
     width = max(map(len, figures))
     print("\npod-ready-seconds, one run (created -> Ready for pods; finished for the others):")
     for k, v in figures.items():
         print(f"  {k:<{width}}  {v:6.1f} s")
     for k, v in figures.items():
         if k.startswith("restore pod"):
-            print(f"  {k} / host up: {v / host_s:.2f}x")
-    print("  " + "\n  ".join(splits) + f"\n  host up's timings: {host_t}")
+            print(f"  {k} / host up (the faster): {v / host_s:.2f}x")
+    print("  " + "\n  ".join(splits) + "".join(f"\n  host up {i}'s timings: {t}" for i, (_, t) in enumerate(ups, 1)))
