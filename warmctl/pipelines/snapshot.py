@@ -44,7 +44,7 @@ from warmctl import host
 from warmctl.naming import fleet, trust
 from warmctl.records import credentials, enginelock
 from warmctl.naming.catalog import Catalog, Ref
-from warmctl.checkpoint import affinity, capture, criu, filedigest, layout, rankfaults
+from warmctl.checkpoint import affinity, capture, criu, filedigest, layout, rankfaults, zeropages
 from warmctl.records.config import Settings
 from warmctl.engine import cold
 from warmctl.engine.plan import CheckpointPlan
@@ -305,6 +305,10 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
                                 "the CRIU dump", run.log_path, dead_nspids=zombies)) is not None:
             raise layout.RankError(f"{lost}\n  criu dump of pid {run.root_pid} stored it as a dead process "
                                    "(a zombie, no memory): such a snapshot could never serve", lost.ranks)
+    with reporter.phase("zero_pages", "all-zero pages of anonymous memory out of the image"):
+        zero = zeropages.compact(run.images)  # a restore neither reads nor writes them (zeropages)
+    reporter.info(f"image: {zero.dropped} of {zero.pages} pages were all zero ({zero.bytes_dropped / 2**20:.1f} MiB), "
+                  "left out: the restored engine finds them zero")
     for p in sorted(run.images.iterdir()):
         if p.is_file():
             out.items.append((p, "image", p.name))
