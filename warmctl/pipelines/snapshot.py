@@ -176,7 +176,7 @@ def snapshot_engine(run: EngineRun, profile: Profile, settings: Settings, record
         weights = plan.before_dump(run, reporter)
         ranks_ = _ranks(run, profile, settings)
         dumped = _dump(run, plan, leave_running, settings.criu, reporter, ranks_, settings.criu_lock,
-                       settings.dump_timeout_s)
+                       settings.dump_timeout_s, settings.zero_pages)
         dumped.layout = ranks_
         if leave_running:
             plan.after_dump(run, reporter)
@@ -251,7 +251,7 @@ def _ranks(run: EngineRun, profile: Profile, settings: Settings) -> ParallelLayo
 
 def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: str | None,
           reporter: Reporter, lay: ParallelLayout | None = None, criu_lock: Path | None = None,
-          timeout_s: float | None = None) -> _Dumped:
+          timeout_s: float | None = None, zero_pages: str = "drop") -> _Dumped:
     """The ``criu_dump`` phase: the plan's dump of ``run`` into ``run.images`` under the host's
     CRIU lock, with the ``/dev/shm`` files of the tree recorded on the run (so a teardown finds
     them by inode) and CRIU's ``link_remap.N`` files taken out of ``/dev/shm`` before the lock is
@@ -261,6 +261,9 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
     ``timeout_s``: the dump's bound (the ``dump_timeout_s`` setting; None: derived from the
     tree's memory, :func:`warmctl.checkpoint.criu.dump_timeout`); past it
     :class:`~warmctl.checkpoint.criu.DumpTimeout`, CRIU killed and its partial image removed.
+    Then, after the lock is released, ``zero_pages`` (the setting: ``drop`` or ``keep``) says
+    whether the image's all-zero anonymous pages leave it (the ``zero_pages`` phase,
+    :func:`warmctl.checkpoint.zeropages.compact`).
 
     A dump that fails with a rank of ``lay`` (the layout :func:`_ranks` just checked) gone
     since (a ``kill -9`` of the rank while CRIU ran: CRIU then fails on the dead task) raises
@@ -305,10 +308,11 @@ def _dump(run: EngineRun, plan: CheckpointPlan, leave_running: bool, criu_bin: s
                                 "the CRIU dump", run.log_path, dead_nspids=zombies)) is not None:
             raise layout.RankError(f"{lost}\n  criu dump of pid {run.root_pid} stored it as a dead process "
                                    "(a zombie, no memory): such a snapshot could never serve", lost.ranks)
-    with reporter.phase("zero_pages", "all-zero pages of anonymous memory out of the image"):
-        zero = zeropages.compact(run.images)  # a restore neither reads nor writes them (zeropages)
-    reporter.info(f"image: {zero.dropped} of {zero.pages} pages were all zero ({zero.bytes_dropped / 2**20:.1f} MiB), "
-                  "left out: the restored engine finds them zero")
+    if zero_pages == "drop":
+        with reporter.phase("zero_pages", "all-zero pages of anonymous memory out of the image"):
+            zero = zeropages.compact(run.images)  # a restore neither reads nor writes them (zeropages)
+        reporter.info(f"image: {zero.dropped} of {zero.pages} pages were all zero "
+                      f"({zero.bytes_dropped / 2**20:.1f} MiB), left out: the restored engine finds them zero")
     for p in sorted(run.images.iterdir()):
         if p.is_file():
             out.items.append((p, "image", p.name))
