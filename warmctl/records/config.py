@@ -254,8 +254,9 @@ class Settings(BaseModel):
       anonymous memory: ``drop`` (default: left out of the image, :mod:`warmctl.checkpoint.zeropages`;
       a restore neither reads nor writes them, and the engine finds them zero) or ``keep``
       (the image as CRIU wrote it). On the 2-vCPU development VM, ``drop`` left out 1.0 of
-      ``tiny``'s 2.3 GiB and a raw restore of the image took 0.7 s against 1.2-10 s
-      (``benchmarks/zero_pages.py``, docs/benchmarks.md). Snapshots made either way restore alike.
+      ``tiny``'s 2.3 GiB, and a raw restore to the first token took 0.88 s against 4.44 s for a
+      freshly written copy and 0.87 s against 1.76 s for a repeat (medians,
+      ``benchmarks/zero_pages.py``, docs/benchmarks.md). Snapshots made either way restore alike.
     - ``oci_ca_bundle``: PEM CA bundle a registry's certificate is verified against; unset:
       ``<oci_certs_d>/HOST[:PORT]/ca.crt`` when that file exists, else the system's.
     - ``oci_certs_d``: Docker's per-registry certificate directory (default ``/etc/docker/certs.d``).
