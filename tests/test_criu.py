@@ -53,6 +53,70 @@ def test_dump_then_restore_with_new_pids(tmp_path):
         kill_tree(ProcessId.of(new_root))
 
 
+#: prints "<getpid()> <the PID /proc/self names> <counter>" every 0.1 s; TERM ends it
+_PIDS = ("import os, signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+         "i = 0\n"
+         "while True:\n"
+         "    i += 1; print(os.getpid(), os.readlink('/proc/self'), i, flush=True); time.sleep(0.1)\n")
+
+
+def _lines(log: Path) -> list[list[int]]:
+    return [[int(x) for x in ln.split()] for ln in log.read_text().splitlines() if re.fullmatch(r"\d+ \d+ \d+", ln)]
+
+
+def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_restore(tmp_path):
+    """How warmctl starts engines (warmctl.engine.launch.command): with a PID namespace alone,
+    /proc is the host's and names another PID than getpid() (CUDA then fails with error 304 on
+    an H200, docs/gpu.md); in its own mount namespace the two agree, CRIU dumps the namespace
+    (every other mount external) and restores it, and they still agree."""
+    import sys
+
+    from warmctl.engine import launch
+
+    bare = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c",
+                           "import os; print(os.getpid(), os.readlink('/proc/self'))"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert bare[0] == "1" and bare[1] != "1"  # the host's /proc: the mismatch CUDA refuses
+
+    log = tmp_path / "engine.log"
+    launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not (log.exists() and _lines(log)):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the tree did not start"
+        time.sleep(0.05)
+    root = min(k.pid for k in psutil.Process(launcher.pid).children())
+    assert criu.own_mount_ns(root)
+    assert {(a, b) for a, b, _ in _lines(log)} == {(1, 1)}
+    assert os.readlink(f"/proc/{root}/fd/1") == str(log)  # opened inside, by the launcher
+    criu.dump(root, tmp_path / "img")
+    launcher.wait(10)
+    assert list((tmp_path / "img").glob("mountpoints-*.img"))  # the namespace is in the image
+    before = _lines(log)[-1][2]
+    new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+    try:
+        assert criu.own_mount_ns(new_root)
+        deadline = time.monotonic() + 10
+        while _lines(log)[-1][2] < before + 3:
+            assert time.monotonic() < deadline, "the restored tree does not run"
+            time.sleep(0.05)
+        after = [x for x in _lines(log) if x[2] > before]
+        assert after[0][2] == before + 1 and {(a, b) for a, b, _ in after} == {(1, 1)}
+    finally:
+        kill_tree(ProcessId.of(new_root))
+
+
+def test_mount_flags_name_every_mount_but_root_and_proc():
+    flags = criu.mount_flags()
+    keys = flags[1::2]
+    assert flags[::2] == ["--external"] * len(keys) and keys
+    points = criu.mount_points()
+    assert {k[4:k.index("]")] for k in keys} == set(points) - {"/", "/proc"}
+    assert all(k == f"mnt[{p}]:{p}" for k, p in zip(keys, [p for p in points if p not in ("/", "/proc")]))
+    assert criu._unescape(r"/a\040b\134c") == "/a b\\c"
+
+
 def test_a_zombie_in_the_tree_dumps_without_error_and_is_found_dead_in_the_images(tmp_path):
     """A child that has exited under a parent that never reaps it (``sleep`` exec'd over the
     shell that started it): CRIU dumps it without error, and :func:`criu.dumped_dead` finds it

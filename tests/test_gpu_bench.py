@@ -268,7 +268,7 @@ def test_sigterm_during_the_cuda_checkpoint_unlocks_kills_and_removes(tmp_path):
         end = time.monotonic() + 90
         holder = None
         while time.monotonic() < end and p.poll() is None:
-            procs = [int(f.name) for f in (drv.root / "procs").iterdir() if pid_alive(int(f.name))]
+            procs = [int(f.name) for f in (drv.root / "procs").iterdir() if f.name.isdigit() and pid_alive(int(f.name))]
             holder = next((q for q in procs if drv.state(q) == "LOCKED"), None)
             if holder is not None:
                 break

@@ -32,3 +32,17 @@ def test_filter_inherited_by_grandchildren():
     out = subprocess.run([sys.executable, "-m", "warmctl.engine.launch", "--", sys.executable, "-c", inner],
                          capture_output=True, text=True).stdout.split()
     assert out[:2] == ["-1", "38"]
+
+
+def test_stdio_is_opened_by_the_launcher_itself(tmp_path):
+    """``--stdio LOG``: stdin /dev/null, stdout and stderr appended to LOG, whatever the caller
+    gave; usage errors name the form."""
+    log = tmp_path / "engine.log"
+    log.write_text("before\n")
+    inner = "import os, sys; print('out', os.readlink('/proc/self/fd/0')); print('err', file=sys.stderr)"
+    r = subprocess.run([sys.executable, "-m", "warmctl.engine.launch", "--stdio", str(log), "--", sys.executable, "-c", inner],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == r.stderr == ""
+    assert log.read_text().splitlines() == ["before", "out /dev/null", "err"]
+    bad = subprocess.run([sys.executable, "-m", "warmctl.engine.launch", "--stdio"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "usage:" in bad.stderr and "--stdio LOG" in bad.stderr

@@ -117,7 +117,9 @@ def test_profile_command_is_seed_003_flag_by_flag(home):
     assert (p.gate.host, str(p.gate.port)) == (seed["--host"], seed["--port"])
     assert launch["env"]["NCCL_P2P_DISABLE"] == "1" and launch["env"]["VLLM_SERVER_DEV_MODE"] == "1"
     assert launch["argv"][-len(launch["engine_argv"]):] == launch["engine_argv"]
-    assert launch["argv"][1:8] == ["-m", "warmctl.engine.launch", "--", "unshare", "--pid", "--fork", "setsid"]
+    assert launch["argv"][:5] == ["unshare", "--pid", "--fork", "--mount-proc", "setsid"]
+    assert launch["argv"][6:9] == ["-m", "warmctl.engine.launch", "--stdio"]
+    assert launch["argv"][9].endswith("/ling30-flash-fp4-h200x2/engine.log")  # the run's engine log
     # The human form: the environment lines, then the whole command on one line (never wrapped).
     text = wc("profile", "command", "ling30-flash-fp4-h200x2", env={**env, "COLUMNS": "40"}).stdout.splitlines()
     assert "NCCL_P2P_DISABLE=1" in text and shlex.split(text[-1]) == launch["argv"]

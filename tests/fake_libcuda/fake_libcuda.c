@@ -14,6 +14,11 @@
  * CUDA_ERROR_NOT_INITIALIZED without it).
  *   gpus          one line per GPU: "GPU-<uuid> <total_bytes>"; index = line number from 0
  *   procs/<pid>   a CUDA process: "<state> <gpu_index> <bytes> <poisoned>" (state 0..3)
+ *   procs/ns-<ino>-<nspid>  the same, written by a process that cannot see its host PID (its
+ *                 own PID namespace with its own /proc): <ino> its PID namespace's inode,
+ *                 <nspid> its PID there. Renamed to procs/<host pid> at the next lookup, the
+ *                 host PID found in this process's /proc, as the real driver knows every
+ *                 process by its host PID
  *   control       optional injected behaviour, re-read on every call, one rule a line:
  *                   fail <op> <pid|*> <cuda_error> [<state_after>]
  *                   busy <pid|*> <ms>      lock waits <ms> for outstanding work
@@ -130,11 +135,70 @@ static int read_gpus(struct gpu *g)
     return n;
 }
 
+/* The host PID of the process whose PID namespace has inode <ino> and which has PID <nspid>
+ * there (the last field of NSpid), or -1. */
+static int host_pid_of(unsigned long long ino, int nspid)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    int found = -1;
+    while (found < 0 && d && (e = readdir(d))) {
+        int pid = atoi(e->d_name);
+        char path[4096], line[512];
+        struct stat st;
+        if (pid <= 0)
+            continue;
+        snprintf(path, sizeof path, "/proc/%d/ns/pid", pid);
+        if (stat(path, &st) != 0 || (unsigned long long)st.st_ino != ino)
+            continue;
+        snprintf(path, sizeof path, "/proc/%d/status", pid);
+        FILE *f = fopen(path, "r");
+        while (f && fgets(line, sizeof line, f)) {
+            if (strncmp(line, "NSpid:", 6) != 0)
+                continue;
+            char *last = strrchr(line, '\t');
+            if (last && atoi(last + 1) == nspid)
+                found = pid;
+            break;
+        }
+        if (f)
+            fclose(f);
+    }
+    if (d)
+        closedir(d);
+    return found;
+}
+
+/* Rename every procs/ns-<ino>-<nspid> to procs/<host pid> (see the header). */
+static void adopt_namespaced(void)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/procs", dir());
+    DIR *d = opendir(path);
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        unsigned long long ino;
+        int nspid, pid;
+        if (sscanf(e->d_name, "ns-%llu-%d", &ino, &nspid) != 2 || (pid = host_pid_of(ino, nspid)) < 0)
+            continue;
+        char from[4096], to[4096];
+        snprintf(from, sizeof from, "%s/procs/%s", dir(), e->d_name);
+        snprintf(to, sizeof to, "%s/procs/%d", dir(), pid);
+        rename(from, to);
+    }
+    if (d)
+        closedir(d);
+}
+
 static int read_proc(int pid, struct proc *p)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/procs/%d", dir(), pid);
     FILE *f = fopen(path, "r");
+    if (!f) {
+        adopt_namespaced();
+        f = fopen(path, "r");
+    }
     if (!f)
         return -1;
     int ok = fscanf(f, "%d %d %llu %d", &p->state, &p->gpu, &p->bytes, &p->poisoned) == 4;
@@ -161,6 +225,7 @@ static unsigned long long used_on(int gpu)
     char path[4096];
     snprintf(path, sizeof path, "%s/procs", dir());
     unsigned long long used = 0;
+    adopt_namespaced();
     DIR *d = opendir(path);
     struct dirent *e;
     while (d && (e = readdir(d))) {
@@ -523,6 +588,7 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *handle, unsigned int 
     snprintf(path, sizeof path, "%s/procs", dir());
     unsigned n = 0, cap = *count;
     int lk = lock_dir();
+    adopt_namespaced();
     DIR *d = opendir(path);
     struct dirent *e;
     while (d && (e = readdir(d))) {

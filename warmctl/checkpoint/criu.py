@@ -77,6 +77,44 @@ RESTORE_FLAGS = ["--tcp-established", "--ext-unix-sk", "--file-locks", "--manage
 MIN_VERSION = (4, 2)
 
 
+def _unescape(field: str) -> str:
+    """A ``/proc/PID/mountinfo`` path field decoded (the kernel writes space, tab, newline and
+    backslash as ``\\NNN`` octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_points(pid: int | str = "self") -> list[str]:
+    """The mount points of ``pid``'s mount namespace (``/proc/PID/mountinfo``, field 5), in
+    order, each once. Raises OSError if the process is gone."""
+    seen: dict[str, None] = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            seen.setdefault(_unescape(fields[4]), None)
+    return list(seen)
+
+
+def mount_flags(pid: int | str = "self") -> list[str]:
+    """CRIU's ``--external mnt[P]:P`` for every mount point ``P`` that ``pid`` sees but ``/``
+    and ``/proc``: how a tree in a mount namespace of its own (:mod:`warmctl.engine.launch`)
+    is dumped, and restored (``pid`` then this process, with ``--root /``). A mount keyed ``P``
+    at the dump is bind-mounted from this host's ``P`` at the restore (CRIU 4.2,
+    ``criu/mount.c``); keys the image lacks are ignored, and for an image of a tree that had no
+    mount namespace of its own the flags change nothing (both seen with CRIU 4.2.1). A key the
+    image has and the restorer's mount table lacks fails the restore, CRIU's log naming it.
+    The tree's own ``/proc`` is dumped and mounted anew for its PID namespace. Mount points
+    whose path holds ``]`` or ``:`` cannot be named in this syntax and are left out (CRIU then
+    names them if the dump needs them)."""
+    return [f for p in mount_points(pid) if p not in ("/", "/proc") and not set(p) & set("]:")
+            for f in ("--external", f"mnt[{p}]:{p}")]
+
+
+def own_mount_ns(pid: int) -> bool:
+    """True if ``pid`` lives in another mount namespace than this process. Raises OSError if
+    it is gone."""
+    return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+
+
 def criu_binary(configured: str | None = None) -> str:
     """Path of the CRIU binary: ``configured`` (the ``criu`` setting, ``$WARMCTL_CRIU``: a
     path, or a name looked up in ``PATH``), else ``criu`` on ``PATH``, else
@@ -361,8 +399,12 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     bin_ = _usable(binary)  # the restore library is the restore's concern (and the pipelines' pre-flight)
     if timeout_s is None:
         timeout_s = dump_timeout(root_pid)
+    try:
+        mounts = mount_flags(root_pid) if own_mount_ns(root_pid) else []
+    except OSError:  # gone: CRIU says so, with its log
+        mounts = []
     cmd = [bin_, "dump", "-t", str(root_pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
-           *DUMP_FLAGS, *_network_lock_flags(bin_, network_lock)]
+           *DUMP_FLAGS, *mounts, *_network_lock_flags(bin_, network_lock)]
     what = f"criu dump of pid {root_pid}"
     remaps_before = {p.name for p in SHM.glob("link_remap.*")}
     script = images_dir.parent / f".warmctl-post-dump-{os.getpid()}.sh"
@@ -419,7 +461,8 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     pidfile.unlink(missing_ok=True)
     bin_ = check(binary, xtile_lib)
     cmd = [bin_, "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
-           "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS, *_network_lock_flags(bin_, network_lock)]
+           "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS,
+           "--root", "/", *mount_flags(), *_network_lock_flags(bin_, network_lock)]
     if work_dir is not None:
         cmd += ["-W", str(work_dir)]
     if lazy_pages:

@@ -38,13 +38,15 @@ def _load(name: str) -> tuple[Path, Profile]:
     return path, load_profile_file(path)
 
 
-def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | None = None) -> dict:
+def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | None = None,
+                  log_path: Path | None = None) -> dict:
     """What ``snapshot`` (and the cold path of ``up``) would launch for ``profile``, without
     launching or building anything: ``{"model": path, "env": {var: value} warmctl and the
     profile set, "from_environment": {var: "base" | "passthrough"} taken from this
     environment by name (:func:`warmctl.engine.vllm.engine_environment`; values not shown: a
     passed-through one may be a credential), "engine_argv": the vllm serve argv, "argv": the
-    same wrapped for checkpointing (launcher, PID namespace, session)}``. Nothing else of
+    same wrapped for checkpointing (PID and mount namespaces, session, launcher; its output to
+    ``log_path``, default the engine log of a run under ``run_dir``)}``. Nothing else of
     this environment reaches the engine. ``passthrough``: the config's
     ``engine_env_passthrough``. ``env`` includes :func:`warmctl.engine.cold.launch_env` (the
     ranks' default CPU binding, the CPU build's PYTHONPATH); raises
@@ -60,7 +62,7 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     ours = {**engine_env(profile), **launch_env(profile)}
     inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
     return {"model": model, "env": ours, "from_environment": inherited, "engine_argv": inner,
-            "argv": wrapped_command(inner)}
+            "argv": wrapped_command(inner, log_path or Path("RUN_DIR") / profile.name / "engine.log")}
 
 
 def stored_profile_problems(url: str) -> list[dict]:
@@ -271,7 +273,8 @@ def register(app: typer.Typer) -> None:
 
         _, prof = _load(name)
         settings = load_settings()
-        launch = engine_launch(prof, settings.models_dir, settings.engine_env_passthrough)
+        launch = engine_launch(prof, settings.models_dir, settings.engine_env_passthrough,
+                               settings.run_dir / prof.name / "engine.log")
         if json_out:
             _json(launch)
             return

@@ -1,6 +1,24 @@
 """Exec a command so that CRIU can later checkpoint its whole process tree.
 
-Run as ``python -m warmctl.engine.launch -- COMMAND...``. Before ``exec`` it installs a
+:func:`command` is how warmctl starts an engine::
+
+    unshare --pid --fork --mount-proc setsid python -m warmctl.engine.launch --stdio LOG -- COMMAND...
+
+- ``unshare --pid --fork``: the tree lives in its own PID namespace, so a restore does not need
+  the original host PIDs to be free. The namespace's PID 1 (this module, then ``COMMAND``) is
+  the dump root.
+- ``--mount-proc``: the tree has its own mount namespace with a ``/proc`` of its own PID
+  namespace, so ``getpid()`` and ``/proc/self`` agree inside it. CUDA needs that: under
+  ``unshare --pid`` alone, with the host's ``/proc``, the first CUDA call fails with error 304
+  ("OS call failed or operation not supported on this OS"; driver 580.159.04, H200, torch 2.11,
+  measured 2026-12-04; ``nvidia-smi`` still works). CRIU then dumps the mount namespace, every
+  mount in it but ``/`` and ``/proc`` as external (:func:`warmctl.checkpoint.criu.mount_flags`).
+- ``setsid``: the tree has its own session, so CRIU finds no outside session or terminal.
+- ``--stdio LOG``: stdin ``/dev/null`` and stdout and stderr appended to ``LOG``, opened inside
+  the mount namespace (CRIU cannot place a descriptor opened through a mount outside it:
+  ``Can't lookup mount=N for fd=0``). The file must exist at restore.
+
+Then, before ``exec``, this module installs a
 seccomp filter under which ``io_uring_setup(2)`` fails with ``ENOSYS``. The filter is inherited
 by every child and survives a CRIU dump/restore. Why: uvloop's libuv always creates an
 io_uring, and CRIU cannot dump io_uring instances; when the syscall is missing, libuv falls back
@@ -17,6 +35,7 @@ import ctypes
 import os
 import struct
 import sys
+from pathlib import Path
 
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
@@ -74,12 +93,44 @@ def block_io_uring() -> None:
         raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
 
 
+#: the programs between the caller and this module in :func:`command`, in order
+WRAPPERS = ("unshare", "setsid")
+
+
+def command(inner: list[str], log_path: str | os.PathLike[str], python: str | None = None) -> list[str]:
+    """The argv that starts ``inner`` checkpointable (see the module docstring), its stdin
+    ``/dev/null`` and its output appended to ``log_path``. ``python``: the interpreter that runs
+    this module (default: this one). Needs util-linux's ``unshare`` and ``setsid`` on ``PATH``."""
+    return ["unshare", "--pid", "--fork", "--mount-proc", "setsid",
+            python or sys.executable, "-m", "warmctl.engine.launch", "--stdio", str(log_path), "--", *inner]
+
+
+def redirect_stdio(log_path: str | os.PathLike[str]) -> None:
+    """Make fd 0 ``/dev/null`` and fds 1 and 2 ``log_path`` (created, appended), opened here."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(Path(log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for src, fd in ((null, 0), (log, 1), (log, 2)):
+        os.dup2(src, fd)
+    for fd in {null, log} - {0, 1, 2}:
+        os.close(fd)
+
+
+USAGE = "usage: python -m warmctl.engine.launch [--stdio LOG] -- COMMAND [ARGS...]"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    log = None
+    if argv[:1] == ["--stdio"]:
+        if len(argv) < 2:
+            sys.exit(USAGE)
+        log, argv = argv[1], argv[2:]
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m warmctl.engine.launch -- COMMAND [ARGS...]")
+        sys.exit(USAGE)
+    if log is not None:
+        redirect_stdio(log)
     block_io_uring()
     os.execvp(argv[0], argv)
 

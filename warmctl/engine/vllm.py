@@ -2,15 +2,11 @@
 
 The engine is started as::
 
-    python -m warmctl.engine.launch -- unshare --pid --fork setsid vllm serve MODEL ...
+    unshare --pid --fork --mount-proc setsid python -m warmctl.engine.launch --stdio LOG -- vllm serve MODEL ...
 
-- ``warmctl.engine.launch`` blocks ``io_uring_setup`` (CRIU cannot dump io_uring; libuv falls
-  back to epoll).
-- ``unshare --pid --fork``: the tree lives in its own PID namespace, so a restore does not need
-  the original host PIDs to be free. The namespace's PID 1 is the dump root.
-- ``setsid``: the tree has its own session, so CRIU finds no outside session or terminal.
-- stdin is ``/dev/null``; stdout and stderr go to one log file opened in append mode (CRIU
-  restores the descriptor; the file must exist at restore).
+:mod:`warmctl.engine.launch` says why each part is there: its own PID and mount namespaces
+(the namespace's PID 1 is the dump root), its own session, stdio opened inside, and
+``io_uring_setup`` blocked (CRIU cannot dump io_uring; libuv falls back to epoll).
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from typing import Mapping, Sequence
 
 import psutil
 
+from warmctl.engine import launch
 from warmctl.engine.loopback import Connection, LoopbackError
 from warmctl.base.errors import EngineError
 from warmctl.base.proc import kill_child, pid_alive
@@ -131,16 +128,16 @@ def engine_env(profile: Profile) -> dict[str, str]:
     return env
 
 
-def wrapped_command(inner: list[str], python: str | None = None) -> list[str]:
-    """``inner`` wrapped so the tree is checkpointable (see module docstring).
+def wrapped_command(inner: list[str], log_path: Path, python: str | None = None) -> list[str]:
+    """``inner`` wrapped so the tree is checkpointable, its output appended to ``log_path``
+    (:func:`warmctl.engine.launch.command`).
 
     Raises :class:`EngineError` if ``unshare`` or ``setsid`` (util-linux) is missing.
     """
-    for tool in ("unshare", "setsid"):
+    for tool in launch.WRAPPERS:
         if not shutil.which(tool):
             raise EngineError(f"'{tool}' not found on PATH (install util-linux)")
-    return [python or sys.executable, "-m", "warmctl.engine.launch", "--",
-            "unshare", "--pid", "--fork", "setsid", *inner]
+    return launch.command(inner, log_path, python)
 
 
 @dataclass
@@ -180,7 +177,8 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     declared = engine_environment(profile, passthrough)
     full_env = {**declared.values, **(env or {})}
-    cmd = wrapped_command(vllm_command(profile, model_path))
+    cmd = wrapped_command(vllm_command(profile, model_path), log_path)
+    # the launcher's own stdio (unshare's and setsid's complaints); the engine opens its own
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=log, stderr=log, env=full_env,
                                 cwd=cwd or log_path.parent, start_new_session=True)
@@ -197,16 +195,12 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     raise EngineError("engine launcher did not create its PID namespace within 30 s")
 
 
-#: the programs between the launcher and the engine (see the module doc): the namespace root
-#: execs through them, so its executable is final (and recordable) only after them
-_WRAPPERS = ("unshare", "setsid")
-
-
 def _exec_done(p: psutil.Process) -> bool:
-    """True once the namespace root ``p`` runs the engine's executable, not a wrapper: its
-    identity (:class:`warmctl.base.proc.ProcessId`, executable included) is recorded right after."""
+    """True once the namespace root ``p`` runs the engine's executable, not a wrapper (util-linux's
+    or :mod:`warmctl.engine.launch`): its identity (:class:`warmctl.base.proc.ProcessId`,
+    executable included) is recorded right after."""
     try:
-        return Path(p.exe()).name not in _WRAPPERS
+        return Path(p.exe()).name not in launch.WRAPPERS and "warmctl.engine.launch" not in p.cmdline()
     except (psutil.Error, OSError):
         return False
 
