@@ -37,6 +37,12 @@ D=\$(cd "\$(dirname "\$0")" && pwd)
 exec "\$D/lib/$LOADER" --library-path "\$D/lib" "\$D/bin/criu" "\$@"
 WRAP
 chmod +x "$OUT/criu"
+# The AMX permission library (warmctl/checkpoint/xtile_perm.c, built by scripts/install.sh):
+# restores on a CPU with AMX need it preloaded into CRIU; gpu-check.sh points
+# WARMCTL_XTILE_PERM_LIB at the bundle's copy.
+XTILE=${WARMCTL_XTILE_PERM_LIB:-/usr/local/lib/warmctl/criu-xtile-perm.so}
+if [ -f "$XTILE" ]; then cp -L "$XTILE" "$OUT/lib/criu-xtile-perm.so"
+else echo "note: no $XTILE (scripts/install.sh builds it): the bundle cannot restore on a CPU with AMX" >&2; fi
 {
   echo "source: $SRC"
   echo "version: $("$OUT/criu" --version | tr '\n' ' ')"

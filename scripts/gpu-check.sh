@@ -39,6 +39,10 @@ if [ -z "${WARMCTL_CRIU:-}" ]; then
   done
 fi
 CRIU=${WARMCTL_CRIU:-$(command -v criu || true)}
+# a bundle's AMX permission library (criu-bundle.sh), needed to restore on a CPU with AMX
+if [ -z "${WARMCTL_XTILE_PERM_LIB:-}" ] && [ -f "$(dirname "$CRIU")/lib/criu-xtile-perm.so" ]; then
+  export WARMCTL_XTILE_PERM_LIB="$(dirname "$CRIU")/lib/criu-xtile-perm.so"
+fi
 [ -n "$CRIU" ] || fail "no CRIU: build the bundle with scripts/criu-bundle.sh and copy it here"
 say "criu: $CRIU ($("$CRIU" --version | head -1))"
 "$CRIU" check >/dev/null 2>&1 || { "$CRIU" check || true; fail "criu check failed"; }

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from warmctl.checkpoint import criu, cuda, nvml, ranks  # noqa: E402
 from warmctl.base.proc import pid_alive, tree_pids  # noqa: E402
+from warmctl.engine import launch  # noqa: E402
 
 
 class _Knobs:
@@ -165,10 +166,11 @@ class Cleanup:
 
 def start_in_pid_namespace(inner: list[str], log, env: dict[str, str], budget: Budget,
                            clean: Cleanup) -> tuple[subprocess.Popen, int]:
-    """Start ``inner`` the way warmctl starts an engine (its launcher, then ``unshare --pid
-    --fork setsid``), registering launcher and namespace root with ``clean`` as soon as each
-    exists. Returns (launcher, host PID of the namespace's first process: the dump root)."""
-    cmd = [sys.executable, "-m", "warmctl.engine.launch", "--", "unshare", "--pid", "--fork", "setsid", *inner]
+    """Start ``inner`` the way warmctl starts an engine (:func:`warmctl.engine.launch.command`:
+    its own PID and mount namespaces, its output appended to ``log``'s file), registering
+    launcher and namespace root with ``clean`` as soon as each exists. Returns (launcher, host
+    PID of the namespace's first process: the dump root)."""
+    cmd = launch.command(inner, log.name)
     launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
     clean.launchers.append(launcher)
     root = child_of(launcher.pid, budget.left(10, "the namespace's first process"))
