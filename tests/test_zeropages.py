@@ -29,7 +29,7 @@ import pytest
 
 from warmctl.base.errors import CheckpointError
 from warmctl.base.proc import ProcessId, kill_tree
-from warmctl.checkpoint import criu, zeropages
+from warmctl.checkpoint import criu, criuimage, zeropages
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 
@@ -138,7 +138,7 @@ def test_a_damaged_image_is_named(tmp_path):
     img.mkdir()
     magic = b"\x19\x43\x56\x54\x25\x40\x08\x56"
     (img / "pagemap-7.img").write_bytes(zeropages._pagemap_bytes(magic, 3, [(0x10000, 4, zeropages.PE_PRESENT)]))
-    (img / "mm-7.img").write_bytes(magic + zeropages._record(b""))
+    (img / "mm-7.img").write_bytes(magic + criuimage.record(b""))
     (img / "pages-3.img").write_bytes(bytes(2 * PAGE))  # two pages where the pagemap lists four
     with pytest.raises(CheckpointError, match=r"pages-3\.img: 8192 bytes, but its pagemap lists 16384"):
         zeropages.compact(img)

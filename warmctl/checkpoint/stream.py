@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from warmctl.checkpoint import criuimage
+
 log = logging.getLogger(__name__)
 
 #: The socket CRIU connects to in its ``-D`` directory on restore (``IMG_STREAMER_SERVE_SOCKET_NAME``).
@@ -358,22 +360,11 @@ def _next_data(fd: int, off: int, end: int) -> tuple[int, int]:
 def _request_filename(body: bytes) -> str:
     """The ``filename`` (field 1, a string) of an ``img_streamer_request_entry``. Raises
     ValueError for anything else."""
-    if not body or body[0] != 0x0A:
+    f = criuimage.fields(body)
+    names = f.get(1, [])
+    if set(f) != {1} or len(names) != 1 or not isinstance(names[0], bytes) or body[0] != 0x0A:
         raise ValueError(f"not a file request: {body[:16]!r}")
-    n = shift = 0
-    i = 1
-    while True:
-        if i >= len(body) or shift > 28:
-            raise ValueError("a file request with a bad length")
-        b = body[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            break
-    if i + n != len(body):
-        raise ValueError(f"a file request of {len(body)} bytes naming {n}")
-    name = body[i:].decode()
+    name = names[0].decode()
     if "/" in name or name in ("", ".", ".."):
         raise ValueError(f"a file request for {name!r}, not a file of the image directory")
     return name

@@ -32,19 +32,19 @@ protobuf messages, each after its 32-bit little-endian length; a pagemap holds o
 ``pagemap_head`` (``pages_id``) and then ``pagemap_entry`` messages (``vaddr``,
 ``compat_nr_pages``, ``in_parent``, ``flags``, ``nr_pages``: 4.x writes the count in
 ``nr_pages`` and 0 in ``compat_nr_pages``); the pages file is the entries' pages back to back,
-in entry order. The few fields needed are read and written here with the protobuf wire format
-directly (varints), so the module needs no CRIU Python package.
+in entry order. The few fields needed are read and written with the protobuf wire format
+directly (:mod:`warmctl.checkpoint.criuimage`), so the module needs no CRIU Python package.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmctl.base.errors import CheckpointError
+from warmctl.checkpoint import criuimage
 
 #: Bytes of a page in the images (x86-64 and arm64 with 4 KiB pages: what CRIU dumps there).
 PAGE = 4096
@@ -193,70 +193,17 @@ def _move(fd: int, buf: bytes, lo: int, hi: int, at: int, pos: int) -> int:
     return pos + hi - lo
 
 
-# --- the few protobuf records read and written here ---------------------------------------
-
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    v = shift = 0
-    while True:
-        if i >= len(b):
-            raise ValueError("varint runs past the record")
-        c = b[i]
-        i += 1
-        v |= (c & 0x7F) << shift
-        shift += 7
-        if not c & 0x80:
-            return v, i
-
-
-def _fields(m: bytes) -> dict[int, list]:
-    """A protobuf message's fields by number: varints as ints, length-delimited as bytes."""
-    out: dict[int, list] = {}
-    i = 0
-    while i < len(m):
-        key, i = _varint(m, i)
-        num, wire = key >> 3, key & 7
-        v: int | bytes
-        if wire == 0:
-            v, i = _varint(m, i)
-        elif wire == 2:
-            n, i = _varint(m, i)
-            v, i = m[i:i + n], i + n
-        elif wire == 1:
-            v, i = m[i:i + 8], i + 8
-        elif wire == 5:
-            v, i = m[i:i + 4], i + 4
-        else:
-            raise ValueError(f"wire type {wire}")
-        out.setdefault(num, []).append(v)
-    return out
-
-
-def _records(path: Path) -> tuple[bytes, list[bytes]]:
-    """An image's two magics and its length-prefixed records."""
-    b = path.read_bytes()
-    if len(b) < 8:
-        raise CheckpointError(f"{path}: {len(b)} bytes, too short for a CRIU image")
-    recs, i = [], 8
-    while i < len(b):
-        if i + 4 > len(b):
-            raise CheckpointError(f"{path}: a record's length cut short at byte {i}")
-        (n,) = struct.unpack_from("<I", b, i)
-        if i + 4 + n > len(b):
-            raise CheckpointError(f"{path}: a {n}-byte record at byte {i} runs past the end")
-        recs.append(b[i + 4:i + 4 + n])
-        i += 4 + n
-    return b[:8], recs
-
+# --- CRIU's image files: length-prefixed protobuf records ----------------------------------
 
 def _read_pagemap(path: Path) -> tuple[bytes, int, list[tuple[int, int, int]]]:
     """A pagemap's magics, its ``pages_id`` and its entries (vaddr, pages, flags; flags -1 for
     an ``in_parent`` entry)."""
-    magic, recs = _records(path)
+    magic, recs = criuimage.records(path)
     try:
-        head = _fields(recs[0])[1][0]
+        head = criuimage.fields(recs[0])[1][0]
         entries = []
         for r in recs[1:]:
-            f = _fields(r)
+            f = criuimage.fields(r)
             n = f[5][0] if 5 in f else f[2][0]
             flags = f.get(4, [PE_PRESENT])[0]
             if f.get(3, [0])[0]:
@@ -269,42 +216,20 @@ def _read_pagemap(path: Path) -> tuple[bytes, int, list[tuple[int, int, int]]]:
 
 def _pagemap_bytes(magic: bytes, head: int, entries: list[tuple[int, int, int]]) -> bytes:
     """A pagemap image as CRIU 4.x writes it (``compat_nr_pages`` 0, the count in ``nr_pages``)."""
-    out = [magic, _record(_enc(1, head))]
+    out = [magic, criuimage.record(criuimage.varint_field(1, head))]
     for vaddr, n, flags in entries:
-        out.append(_record(_enc(1, vaddr) + _enc(2, 0) + _enc(4, flags) + _enc(5, n)))
+        fields = ((1, vaddr), (2, 0), (4, flags), (5, n))
+        out.append(criuimage.record(b"".join(criuimage.varint_field(num, v) for num, v in fields)))
     return b"".join(out)
-
-
-def _enc(num: int, v: int) -> bytes:
-    """One varint field."""
-    out = bytearray(_uvarint(num << 3))
-    out += _uvarint(v)
-    return bytes(out)
-
-
-def _uvarint(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _record(m: bytes) -> bytes:
-    return struct.pack("<I", len(m)) + m
 
 
 def _read_vmas(path: Path) -> list[tuple[int, int]]:
     """(start, end) of the plain private anonymous mappings in ``mm-PID.img``, sorted."""
-    _, recs = _records(path)
+    _, recs = criuimage.records(path)
     try:
         out = []
-        for v in _fields(recs[0]).get(14, []):
-            f = _fields(v)
+        for v in criuimage.fields(recs[0]).get(14, []):
+            f = criuimage.fields(v)
             status = f[7][0]
             if status & VMA_AREA_REGULAR and status & VMA_ANON_PRIVATE and not status & _SPECIAL:
                 out.append((f[1][0], f[2][0]))
