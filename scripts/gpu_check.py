@@ -166,11 +166,11 @@ class Cleanup:
 
 def start_in_pid_namespace(inner: list[str], log, env: dict[str, str], budget: Budget,
                            clean: Cleanup) -> tuple[subprocess.Popen, int]:
-    """Start ``inner`` the way warmctl starts an engine (:func:`warmctl.engine.launch.command`:
+    """Start ``inner`` the way warmctl starts a CUDA engine (:func:`warmctl.engine.launch.command`:
     its own PID and mount namespaces, its output appended to ``log``'s file), registering
     launcher and namespace root with ``clean`` as soon as each exists. Returns (launcher, host
     PID of the namespace's first process: the dump root)."""
-    cmd = launch.command(inner, log.name)
+    cmd = launch.command(inner, log.name, mount_proc=True)
     launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
     clean.launchers.append(launcher)
     root = child_of(launcher.pid, budget.left(10, "the namespace's first process"))

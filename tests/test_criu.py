@@ -80,7 +80,7 @@ def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_r
     assert bare[0] == "1" and bare[1] != "1"  # the host's /proc: the mismatch CUDA refuses
 
     log = tmp_path / "engine.log"
-    launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log), stdin=subprocess.DEVNULL,
+    launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log, mount_proc=True), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 20
     while not (log.exists() and _lines(log)):
@@ -103,6 +103,53 @@ def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_r
             time.sleep(0.05)
         after = [x for x in _lines(log) if x[2] > before]
         assert after[0][2] == before + 1 and {(a, b) for a, b, _ in after} == {(1, 1)}
+    finally:
+        kill_tree(ProcessId.of(new_root))
+
+
+def test_a_mount_gone_before_the_restore_is_made_again_and_the_tree_restores(tmp_path):
+    """The image names every mount the dump host had (here a tmpfs mounted for the test); a host
+    that lacks one (another node, a login ended, a pod with other secrets) still restores the
+    tree: the mount point is made, an empty directory, and bound (criu.restore_mount_flags).
+    The restore reads the mounts from the image itself, also when it is streamed
+    (criuimage.mount_keys)."""
+    import sys
+
+    from warmctl.checkpoint import criuimage
+    from warmctl.engine import launch
+
+    extra = tmp_path / "extra" / "mnt"
+    extra.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "warmctl-test", str(extra)], check=True)
+    try:
+        log = tmp_path / "engine.log"
+        launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log, mount_proc=True), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not (log.exists() and _lines(log)):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the tree did not start"
+            time.sleep(0.05)
+        root = min(k.pid for k in psutil.Process(launcher.pid).children())
+        criu.dump(root, tmp_path / "img")
+        launcher.wait(10)
+    finally:
+        subprocess.run(["umount", str(extra)], check=True)
+    keys = criuimage.external_mounts(tmp_path / "img")
+    assert str(extra) in keys and "/dev/shm" in keys and "/" not in keys and "/proc" not in keys
+    assert criuimage.mount_keys(sorted((tmp_path / "img").glob("mountpoints-*.img"))) == keys
+    shutil.rmtree(tmp_path / "extra")
+    flags = criu.restore_mount_flags(keys)
+    assert extra.is_dir() and not any(extra.iterdir())  # made again, empty
+    assert f"mnt[{extra}]:{extra}" in flags
+    shutil.rmtree(tmp_path / "extra")
+    before = _lines(log)[-1][2]
+    new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
+    try:
+        deadline = time.monotonic() + 10
+        while _lines(log)[-1][2] < before + 3:
+            assert time.monotonic() < deadline, "the restored tree does not run"
+            time.sleep(0.05)
+        assert extra.is_dir()
     finally:
         kill_tree(ProcessId.of(new_root))
 

@@ -126,6 +126,8 @@ def test_profile_command_is_seed_003_flag_by_flag(home):
     tiny = json.loads(wc("profile", "command", "tiny", "--json", env=env).stdout)
     assert tiny["model"].startswith(str(Path(env["WARMCTL_HOME"]) / "models" / "tiny-llama-"))
     assert not Path(tiny["model"]).exists()  # shown, not built
+    # a CPU engine keeps the host's mount namespace; a CUDA one (above) has its own /proc
+    assert tiny["argv"][:4] == ["unshare", "--pid", "--fork", "setsid"]
 
 
 # ----------------------------------------------------------------------------- credentials

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import os
 import platform
 import re
@@ -55,6 +56,9 @@ from typing import Iterator, Sequence
 from warmctl.base.errors import CheckpointError, HostError
 from warmctl.base.flock import lock_exclusive
 from warmctl.base.proc import ProcessId, kill_child
+from warmctl.checkpoint import criuimage
+
+log = logging.getLogger(__name__)
 
 SHM = Path("/dev/shm")
 #: Prefix of the hard links the post-dump script makes to CRIU's link_remap files.
@@ -97,16 +101,36 @@ def mount_points(pid: int | str = "self") -> list[str]:
 def mount_flags(pid: int | str = "self") -> list[str]:
     """CRIU's ``--external mnt[P]:P`` for every mount point ``P`` that ``pid`` sees but ``/``
     and ``/proc``: how a tree in a mount namespace of its own (:mod:`warmctl.engine.launch`)
-    is dumped, and restored (``pid`` then this process, with ``--root /``). A mount keyed ``P``
-    at the dump is bind-mounted from this host's ``P`` at the restore (CRIU 4.2,
-    ``criu/mount.c``); keys the image lacks are ignored, and for an image of a tree that had no
-    mount namespace of its own the flags change nothing (both seen with CRIU 4.2.1). A key the
-    image has and the restorer's mount table lacks fails the restore, CRIU's log naming it.
-    The tree's own ``/proc`` is dumped and mounted anew for its PID namespace. Mount points
-    whose path holds ``]`` or ``:`` cannot be named in this syntax and are left out (CRIU then
-    names them if the dump needs them)."""
+    is dumped. A mount keyed ``P`` at the dump is bind-mounted from the path given for ``P`` at
+    the restore (CRIU 4.2, ``criu/mount.c``; :func:`restore_mount_flags`); keys the image
+    lacks are ignored, and for an image of a tree that had no mount namespace of its own the
+    flags change nothing (both seen with CRIU 4.2.1). The tree's own ``/proc`` is dumped and
+    mounted anew for its PID namespace. Mount points whose path holds ``]`` or ``:`` cannot be
+    named in this syntax and are left out (CRIU then names them if the dump needs them)."""
     return [f for p in mount_points(pid) if p not in ("/", "/proc") and not set(p) & set("]:")
             for f in ("--external", f"mnt[{p}]:{p}")]
+
+
+def restore_mount_flags(keys: Sequence[str] | None) -> list[str]:
+    """CRIU's ``--external mnt[K]:K`` for each external mount key ``K`` of an image
+    (:func:`warmctl.checkpoint.criuimage.external_mounts`; None: this host's mount points, what
+    :func:`mount_flags` gives): the tree's mount at ``K`` is bound from this host's path ``K``,
+    a mount point or not, so the tree sees what a fresh start here would. The keys are the dump
+    host's mount points, and another host (or the same one later) may lack some: a login's
+    ``/run/user/N``, a removed disk, another pod's secrets. CRIU needs the path under the root
+    and fails without it (``Can't stat mountpoint``), so a missing one is made here, an empty
+    directory (mode 0755, left in place): a mount the tree never used then costs nothing, and
+    one it holds a file open on fails the restore with CRIU naming the file. Raises OSError if
+    a missing path cannot be made."""
+    if keys is None:
+        return mount_flags()
+    flags = []
+    for k in keys:
+        if not os.path.lexists(k):
+            log.info("criu restore: the image's mount point %s is missing here; made as an empty directory", k)
+            os.makedirs(k, mode=0o755, exist_ok=True)
+        flags += ["--external", f"mnt[{k}]:{k}"]
+    return flags
 
 
 def own_mount_ns(pid: int) -> bool:
@@ -439,7 +463,7 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
             binary: str | None = None, work_dir: Path | None = None,
             plugins: Sequence[str] = (), lazy_pages: bool = False,
             network_lock: str | None = "auto", stream: bool = False,
-            xtile_lib: str | Path | None = None) -> tuple[int, float]:
+            xtile_lib: str | Path | None = None, mounts: Sequence[str] | None = None) -> tuple[int, float]:
     """Restore the tree in ``images_dir``, detached. Returns (host PID of its root, seconds).
 
     ``stream``: ``--stream``: ``images_dir`` holds only the socket of an image streamer
@@ -453,16 +477,20 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     ``lazy_pages``: ``--lazy-pages``, served by a ``criu lazy-pages`` daemon already listening
     in ``work_dir`` (use :func:`lazy_restore`, which starts it). ``network_lock``: as for
     :func:`dump` (the restored TCP connections are locked until the tree resumes).
-    ``xtile_lib``: the AMX permission library (:func:`restore_env`).
+    ``xtile_lib``: the AMX permission library (:func:`restore_env`). ``mounts``: the image's
+    external mount keys (:func:`restore_mount_flags`); default: read from ``images_dir``, or for
+    ``stream`` this host's mount points.
     """
     images_dir = Path(images_dir)
+    if mounts is None and not stream:
+        mounts = criuimage.external_mounts(images_dir)
     log_file = Path(log_file or images_dir / "restore.log")
     pidfile = Path(pidfile)
     pidfile.unlink(missing_ok=True)
     bin_ = check(binary, xtile_lib)
     cmd = [bin_, "restore", "-D", str(images_dir), "-o", str(log_file), "-v2",
            "--restore-detached", "--pidfile", str(pidfile), *RESTORE_FLAGS,
-           "--root", "/", *mount_flags(), *_network_lock_flags(bin_, network_lock)]
+           "--root", "/", *restore_mount_flags(mounts), *_network_lock_flags(bin_, network_lock)]
     if work_dir is not None:
         cmd += ["-W", str(work_dir)]
     if lazy_pages:

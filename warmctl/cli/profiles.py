@@ -45,7 +45,7 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     profile set, "from_environment": {var: "base" | "passthrough"} taken from this
     environment by name (:func:`warmctl.engine.vllm.engine_environment`; values not shown: a
     passed-through one may be a credential), "engine_argv": the vllm serve argv, "argv": the
-    same wrapped for checkpointing (PID and mount namespaces, session, launcher; its output to
+    same wrapped for checkpointing (PID namespace, for CUDA a mount namespace, session, launcher; its output to
     ``log_path``, default the engine log of a run under ``run_dir``)}``. Nothing else of
     this environment reaches the engine. ``passthrough``: the config's
     ``engine_env_passthrough``. ``env`` includes :func:`warmctl.engine.cold.launch_env` (the
@@ -62,7 +62,8 @@ def engine_launch(profile: Profile, models_dir: Path, passthrough: list[str] | N
     ours = {**engine_env(profile), **launch_env(profile)}
     inherited = {k: v for k, v in engine_environment(profile, passthrough or []).sources.items() if k not in ours}
     return {"model": model, "env": ours, "from_environment": inherited, "engine_argv": inner,
-            "argv": wrapped_command(inner, log_path or Path("RUN_DIR") / profile.name / "engine.log")}
+            "argv": wrapped_command(inner, log_path or Path("RUN_DIR") / profile.name / "engine.log",
+                                    mount_proc=profile.checkpoint.cuda)}
 
 
 def stored_profile_problems(url: str) -> list[dict]:

@@ -2,21 +2,27 @@
 
 :func:`command` is how warmctl starts an engine::
 
-    unshare --pid --fork --mount-proc setsid python -m warmctl.engine.launch --stdio LOG -- COMMAND...
+    unshare --pid --fork [--mount-proc] setsid python -m warmctl.engine.launch --stdio LOG -- COMMAND...
 
 - ``unshare --pid --fork``: the tree lives in its own PID namespace, so a restore does not need
   the original host PIDs to be free. The namespace's PID 1 (this module, then ``COMMAND``) is
   the dump root.
-- ``--mount-proc``: the tree has its own mount namespace with a ``/proc`` of its own PID
-  namespace, so ``getpid()`` and ``/proc/self`` agree inside it. CUDA needs that: under
-  ``unshare --pid`` alone, with the host's ``/proc``, the first CUDA call fails with error 304
-  ("OS call failed or operation not supported on this OS"; driver 580.159.04, H200, torch 2.11,
-  measured 2026-12-04; ``nvidia-smi`` still works). CRIU then dumps the mount namespace, every
-  mount in it but ``/`` and ``/proc`` as external (:func:`warmctl.checkpoint.criu.mount_flags`).
+- ``--mount-proc``, for CUDA engines only (``checkpoint.cuda`` profiles): the tree has its own
+  mount namespace with a ``/proc`` of its own PID namespace, so ``getpid()`` and ``/proc/self``
+  agree inside it. CUDA needs that: under ``unshare --pid`` alone, with the host's ``/proc``,
+  the first CUDA call fails with error 304 ("OS call failed or operation not supported on this
+  OS"; driver 580.159.04, H200, torch 2.11, measured 2026-12-04; ``nvidia-smi`` still works).
+  CRIU then dumps the mount namespace, every mount in it but ``/`` and ``/proc`` as external
+  (:func:`warmctl.checkpoint.criu.mount_flags`), and a restore recreates the dump host's mount
+  layout, each mount bound from the restoring host's path of that name
+  (:func:`warmctl.checkpoint.criu.restore_mount_flags`): a path that is on a mount of its own
+  only on the restoring host is seen as what lies under that mount there. CPU engines keep the
+  host's mount namespace, so their restore depends on no mount of the dump host.
 - ``setsid``: the tree has its own session, so CRIU finds no outside session or terminal.
-- ``--stdio LOG``: stdin ``/dev/null`` and stdout and stderr appended to ``LOG``, opened inside
-  the mount namespace (CRIU cannot place a descriptor opened through a mount outside it:
-  ``Can't lookup mount=N for fd=0``). The file must exist at restore.
+- ``--stdio LOG``: stdin ``/dev/null`` and stdout and stderr appended to ``LOG``, opened by the
+  tree itself, inside its mount namespace where it has one (CRIU cannot place a descriptor
+  opened through a mount outside it: ``Can't lookup mount=N for fd=0``). The file must exist
+  at restore.
 
 Then, before ``exec``, this module installs a
 seccomp filter under which ``io_uring_setup(2)`` fails with ``ENOSYS``. The filter is inherited
@@ -97,11 +103,13 @@ def block_io_uring() -> None:
 WRAPPERS = ("unshare", "setsid")
 
 
-def command(inner: list[str], log_path: str | os.PathLike[str], python: str | None = None) -> list[str]:
+def command(inner: list[str], log_path: str | os.PathLike[str], python: str | None = None, *,
+            mount_proc: bool = False) -> list[str]:
     """The argv that starts ``inner`` checkpointable (see the module docstring), its stdin
     ``/dev/null`` and its output appended to ``log_path``. ``python``: the interpreter that runs
-    this module (default: this one). Needs util-linux's ``unshare`` and ``setsid`` on ``PATH``."""
-    return ["unshare", "--pid", "--fork", "--mount-proc", "setsid",
+    this module (default: this one). ``mount_proc``: its own mount namespace and ``/proc``, which
+    CUDA needs. Needs util-linux's ``unshare`` and ``setsid`` on ``PATH``."""
+    return ["unshare", "--pid", "--fork", *(["--mount-proc"] if mount_proc else []), "setsid",
             python or sys.executable, "-m", "warmctl.engine.launch", "--stdio", str(log_path), "--", *inner]
 
 

@@ -2,10 +2,10 @@
 
 The engine is started as::
 
-    unshare --pid --fork --mount-proc setsid python -m warmctl.engine.launch --stdio LOG -- vllm serve MODEL ...
+    unshare --pid --fork [--mount-proc] setsid python -m warmctl.engine.launch --stdio LOG -- vllm serve MODEL ...
 
-:mod:`warmctl.engine.launch` says why each part is there: its own PID and mount namespaces
-(the namespace's PID 1 is the dump root), its own session, stdio opened inside, and
+:mod:`warmctl.engine.launch` says why each part is there: its own PID namespace (its PID 1 is
+the dump root) and, for CUDA engines, mount namespace, its own session, stdio opened inside, and
 ``io_uring_setup`` blocked (CRIU cannot dump io_uring; libuv falls back to epoll).
 """
 
@@ -128,8 +128,10 @@ def engine_env(profile: Profile) -> dict[str, str]:
     return env
 
 
-def wrapped_command(inner: list[str], log_path: Path, python: str | None = None) -> list[str]:
-    """``inner`` wrapped so the tree is checkpointable, its output appended to ``log_path``
+def wrapped_command(inner: list[str], log_path: Path, python: str | None = None, *,
+                    mount_proc: bool = False) -> list[str]:
+    """``inner`` wrapped so the tree is checkpointable, its output appended to ``log_path``,
+    in its own mount namespace and ``/proc`` with ``mount_proc`` (CUDA engines)
     (:func:`warmctl.engine.launch.command`).
 
     Raises :class:`EngineError` if ``unshare`` or ``setsid`` (util-linux) is missing.
@@ -137,7 +139,7 @@ def wrapped_command(inner: list[str], log_path: Path, python: str | None = None)
     for tool in launch.WRAPPERS:
         if not shutil.which(tool):
             raise EngineError(f"'{tool}' not found on PATH (install util-linux)")
-    return launch.command(inner, log_path, python)
+    return launch.command(inner, log_path, python, mount_proc=mount_proc)
 
 
 @dataclass
@@ -177,7 +179,7 @@ def start(profile: Profile, model_path: str, log_path: Path, env: dict[str, str]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     declared = engine_environment(profile, passthrough)
     full_env = {**declared.values, **(env or {})}
-    cmd = wrapped_command(vllm_command(profile, model_path), log_path)
+    cmd = wrapped_command(vllm_command(profile, model_path), log_path, mount_proc=profile.checkpoint.cuda)
     # the launcher's own stdio (unshare's and setsid's complaints); the engine opens its own
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=log, stderr=log, env=full_env,

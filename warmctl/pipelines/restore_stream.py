@@ -8,13 +8,14 @@ are verified and written. :func:`streams` says when a restore streams;
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmctl.checkpoint import criu
+from warmctl.checkpoint import criu, criuimage
 from warmctl.checkpoint.filedigest import DigestCache
 from warmctl.checkpoint.imagecache import CachedImage, ImageCache, entry_sizes
 from warmctl.records.config import Settings
@@ -89,6 +90,9 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
     total = m.total_size()
     progress = {"to": reporter.bytes_progress("materialize", total)}
     shm = [r for r in entry_sizes(m) if r.startswith("shm/")]
+    # the mount namespace's image (small, written with CRIU's metadata before the pages): the
+    # external mounts the restore must name (criu.restore_mount_flags)
+    mount_images = [r for r in entry_sizes(m) if re.fullmatch(r"images/mountpoints-\d+\.img", r)]
     sock_dir = Path(tempfile.mkdtemp(prefix="warmctl-stream-"))  # short: a socket path has 107 bytes
     writer = None
     try:
@@ -100,10 +104,11 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
                     also=lambda: other_writes(m, found.cache), scratch=run.unkept_image,
                     command=f"up {m.name} ({digest[:19]})", fill=fill, watch=streamer), streamer)
                 try:
-                    sources = streamer.wait(shm)
+                    sources = streamer.wait(shm + mount_images)
                 except StreamError:
                     writer.join()  # the write's own error
                     raise
+                mounts = criuimage.mount_keys(sources[r] for r in mount_images)
                 put_back(run, m, store, images, lambda rel: sources[rel], progress["to"], found.cache, found.fetched, fill)
                 run.prepare()
                 run.log_path.touch()
@@ -113,7 +118,7 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
                 try:
                     pid = criu.restore(sock_dir, run.criu_pidfile, log_file=run.restore_log, binary=settings.criu,
                                        work_dir=run.dir, plugins=plugins, network_lock=netlock, stream=True,
-                                       xtile_lib=settings.xtile_perm_lib)[0]
+                                       xtile_lib=settings.xtile_perm_lib, mounts=mounts)[0]
                 except CheckpointError:
                     writer.join()  # a bad chunk ended CRIU's pipes: that is the error to report
                     raise
