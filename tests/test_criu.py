@@ -65,6 +65,30 @@ def _lines(log: Path) -> list[list[int]]:
     return [[int(x) for x in ln.split()] for ln in log.read_text().splitlines() if re.fullmatch(r"\d+ \d+ \d+", ln)]
 
 
+def _start_like_a_cuda_engine(log: Path) -> tuple[subprocess.Popen, int]:
+    """_PIDS started as warmctl starts a CUDA engine (its own PID and mount namespaces, output to
+    ``log``), once it has printed; (launcher, host PID of the namespace's root)."""
+    import sys
+
+    from warmctl.engine import launch
+
+    launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log, mount_proc=True),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not (log.exists() and _lines(log)):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the tree did not start"
+        time.sleep(0.05)
+    return launcher, min(k.pid for k in psutil.Process(launcher.pid).children())
+
+
+def _wait_for_count(log: Path, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while _lines(log)[-1][2] < count:
+        assert time.monotonic() < deadline, "the restored tree does not run"
+        time.sleep(0.05)
+
+
 def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_restore(tmp_path):
     """How warmctl starts engines (warmctl.engine.launch.command): with a PID namespace alone,
     /proc is the host's and names another PID than getpid() (CUDA then fails with error 304 on
@@ -72,7 +96,6 @@ def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_r
     (every other mount external) and restores it, and they still agree."""
     import sys
 
-    from warmctl.engine import launch
 
     bare = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c",
                            "import os; print(os.getpid(), os.readlink('/proc/self'))"],
@@ -80,13 +103,7 @@ def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_r
     assert bare[0] == "1" and bare[1] != "1"  # the host's /proc: the mismatch CUDA refuses
 
     log = tmp_path / "engine.log"
-    launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log, mount_proc=True), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while not (log.exists() and _lines(log)):
-        assert time.monotonic() < deadline and launcher.poll() is None, "the tree did not start"
-        time.sleep(0.05)
-    root = min(k.pid for k in psutil.Process(launcher.pid).children())
+    launcher, root = _start_like_a_cuda_engine(log)
     assert criu.own_mount_ns(root)
     assert {(a, b) for a, b, _ in _lines(log)} == {(1, 1)}
     assert os.readlink(f"/proc/{root}/fd/1") == str(log)  # opened inside, by the launcher
@@ -97,10 +114,7 @@ def test_a_tree_in_its_own_mount_namespace_keeps_its_own_proc_through_dump_and_r
     new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
     try:
         assert criu.own_mount_ns(new_root)
-        deadline = time.monotonic() + 10
-        while _lines(log)[-1][2] < before + 3:
-            assert time.monotonic() < deadline, "the restored tree does not run"
-            time.sleep(0.05)
+        _wait_for_count(log, before + 3)
         after = [x for x in _lines(log) if x[2] > before]
         assert after[0][2] == before + 1 and {(a, b) for a, b, _ in after} == {(1, 1)}
     finally:
@@ -111,31 +125,23 @@ def test_a_mount_gone_before_the_restore_is_made_again_and_the_tree_restores(tmp
     """The image names every mount the dump host had (here a tmpfs mounted for the test); a host
     that lacks one (another node, a login ended, a pod with other secrets) still restores the
     tree: the mount point is made, an empty directory, and bound (criu.restore_mount_flags).
-    The restore reads the mounts from the image itself, also when it is streamed
-    (criuimage.mount_keys)."""
-    import sys
+    The restore reads the mounts from the image itself (a streamed one reads the same files
+    through the streamer, criuimage.mount_keys)."""
 
     from warmctl.checkpoint import criuimage
-    from warmctl.engine import launch
 
     extra = tmp_path / "extra" / "mnt"
     extra.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "warmctl-test", str(extra)], check=True)
     try:
         log = tmp_path / "engine.log"
-        launcher = subprocess.Popen(launch.command([sys.executable, "-c", _PIDS], log, mount_proc=True), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 20
-        while not (log.exists() and _lines(log)):
-            assert time.monotonic() < deadline and launcher.poll() is None, "the tree did not start"
-            time.sleep(0.05)
-        root = min(k.pid for k in psutil.Process(launcher.pid).children())
+        launcher, root = _start_like_a_cuda_engine(log)
         criu.dump(root, tmp_path / "img")
         launcher.wait(10)
     finally:
         subprocess.run(["umount", str(extra)], check=True)
     keys = criuimage.external_mounts(tmp_path / "img")
-    assert str(extra) in keys and "/dev/shm" in keys and "/" not in keys and "/proc" not in keys
+    assert str(extra) in keys and "/" not in keys and "/proc" not in keys
     assert criuimage.mount_keys(sorted((tmp_path / "img").glob("mountpoints-*.img"))) == keys
     shutil.rmtree(tmp_path / "extra")
     flags = criu.restore_mount_flags(keys)
@@ -145,10 +151,7 @@ def test_a_mount_gone_before_the_restore_is_made_again_and_the_tree_restores(tmp
     before = _lines(log)[-1][2]
     new_root, _ = criu.restore(tmp_path / "img", tmp_path / "pid")
     try:
-        deadline = time.monotonic() + 10
-        while _lines(log)[-1][2] < before + 3:
-            assert time.monotonic() < deadline, "the restored tree does not run"
-            time.sleep(0.05)
+        _wait_for_count(log, before + 3)
         assert extra.is_dir()
     finally:
         kill_tree(ProcessId.of(new_root))
