@@ -157,6 +157,13 @@ def test_a_mount_gone_before_the_restore_is_made_again_and_the_tree_restores(tmp
         kill_tree(ProcessId.of(new_root))
 
 
+def test_a_mount_point_that_cannot_be_made_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the mount point's parent would be
+    with pytest.raises(CheckpointError, match=f"mount at {blocker}/mnt, which this host lacks"):
+        criu.restore_mount_flags([str(blocker / "mnt")])
+
+
 def test_mount_flags_name_every_mount_but_root_and_proc():
     flags = criu.mount_flags()
     keys = flags[1::2]

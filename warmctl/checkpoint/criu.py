@@ -120,15 +120,19 @@ def restore_mount_flags(keys: Sequence[str] | None) -> list[str]:
     ``/run/user/N``, a removed disk, another pod's secrets. CRIU needs the path under the root
     and fails without it (``Can't stat mountpoint``), so a missing one is made here, an empty
     directory (mode 0755, left in place): a mount the tree never used then costs nothing, and
-    one it holds a file open on fails the restore with CRIU naming the file. Raises OSError if
-    a missing path cannot be made."""
+    one it holds a file open on fails the restore with CRIU naming the file. Raises
+    :class:`CheckpointError` naming the path if a missing one cannot be made."""
     if keys is None:
         return mount_flags()
     flags = []
     for k in keys:
         if not os.path.lexists(k):
             log.info("criu restore: the image's mount point %s is missing here; made as an empty directory", k)
-            os.makedirs(k, mode=0o755, exist_ok=True)
+            try:
+                os.makedirs(k, mode=0o755, exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(f"the snapshot's process tree had a mount at {k}, which this host lacks, "
+                                      f"and its mount point cannot be made: {e.strerror or e}") from e
         flags += ["--external", f"mnt[{k}]:{k}"]
     return flags
 
