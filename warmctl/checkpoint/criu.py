@@ -111,19 +111,16 @@ def mount_flags(pid: int | str = "self") -> list[str]:
             for f in ("--external", f"mnt[{p}]:{p}")]
 
 
-def restore_mount_flags(keys: Sequence[str] | None) -> list[str]:
+def restore_mount_flags(keys: Sequence[str]) -> list[str]:
     """CRIU's ``--external mnt[K]:K`` for each external mount key ``K`` of an image
-    (:func:`warmctl.checkpoint.criuimage.external_mounts`; None: this host's mount points, what
-    :func:`mount_flags` gives): the tree's mount at ``K`` is bound from this host's path ``K``,
-    a mount point or not, so the tree sees what a fresh start here would. The keys are the dump
-    host's mount points, and another host (or the same one later) may lack some: a login's
+    (:func:`warmctl.checkpoint.criuimage.external_mounts`): the tree's mount at ``K`` is bound
+    from this host's path ``K``, a mount point or not, so the tree sees what a fresh start here
+    would. The keys are the dump host's mount points, and another host (or the same one later) may lack some: a login's
     ``/run/user/N``, a removed disk, another pod's secrets. CRIU needs the path under the root
     and fails without it (``Can't stat mountpoint``), so a missing one is made here, an empty
     directory (mode 0755, left in place): a mount the tree never used then costs nothing, and
     one it holds a file open on fails the restore with CRIU naming the file. Raises
     :class:`CheckpointError` naming the path if a missing one cannot be made."""
-    if keys is None:
-        return mount_flags()
     flags = []
     for k in keys:
         if not os.path.lexists(k):
@@ -482,12 +479,12 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
     in ``work_dir`` (use :func:`lazy_restore`, which starts it). ``network_lock``: as for
     :func:`dump` (the restored TCP connections are locked until the tree resumes).
     ``xtile_lib``: the AMX permission library (:func:`restore_env`). ``mounts``: the image's
-    external mount keys (:func:`restore_mount_flags`); default: read from ``images_dir``, or for
-    ``stream`` this host's mount points.
+    external mount keys (:func:`restore_mount_flags`); default: read from ``images_dir``, none
+    for ``stream`` (the streamer's caller reads them: :func:`warmctl.checkpoint.criuimage.mount_keys`).
     """
     images_dir = Path(images_dir)
-    if mounts is None and not stream:
-        mounts = criuimage.external_mounts(images_dir)
+    if mounts is None:
+        mounts = [] if stream else criuimage.external_mounts(images_dir)
     log_file = Path(log_file or images_dir / "restore.log")
     pidfile = Path(pidfile)
     pidfile.unlink(missing_ok=True)

@@ -41,7 +41,6 @@ import ctypes
 import os
 import struct
 import sys
-from pathlib import Path
 
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
@@ -116,7 +115,7 @@ def command(inner: list[str], log_path: str | os.PathLike[str], python: str | No
 def redirect_stdio(log_path: str | os.PathLike[str]) -> None:
     """Make fd 0 ``/dev/null`` and fds 1 and 2 ``log_path`` (created, appended), opened here."""
     null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(Path(log_path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     for src, fd in ((null, 0), (log, 1), (log, 2)):
         os.dup2(src, fd)
     for fd in {null, log} - {0, 1, 2}:
