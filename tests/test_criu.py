@@ -25,9 +25,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")
 _LOOP = "trap 'exit 0' TERM; while :; do echo tick; sleep 0.1; done"
 
 
-def _tree(tmp_path):
+def _tree(tmp_path, before: str = ""):
+    """A PID namespace whose root runs ``before`` then :data:`_LOOP`. Returns (launcher, root PID)."""
     log = open(tmp_path / "out.log", "ab")
-    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", _LOOP],
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "setsid", "sh", "-c", before + _LOOP],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     for _ in range(100):
         kids = psutil.Process(p.pid).children()
@@ -552,19 +553,28 @@ def test_the_host_lock_is_the_file_it_is_given(tmp_path):
 
 def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
     """A dump that stalls for real: its ``pstree.img`` is a FIFO nobody reads, so CRIU, having
-    seized and frozen the tree, blocks opening it for ever. Bounded at 1 s, warmctl kills CRIU,
-    removes the partial image and any ``link_remap`` file it made, and raises DumpTimeout naming
+    seized and frozen the tree and linked its open-but-removed file as ``link_remap.N``, blocks
+    opening it for ever. Bounded at 1 s, warmctl kills CRIU, removes the partial image and that
+    ``link_remap`` file, and raises DumpTimeout naming
     the phase, the bound and the seconds waited; the tree, released, runs on. The default bound
     grows with the tree's memory."""
     from warmctl.checkpoint.rankfaults import _tracer
 
-    launcher, root = _tree(tmp_path)
+    # a file open under a removed name that another name links: CRIU links it as link_remap.N
+    held = criu.SHM / f"warmctl-test-{os.getpid()}"
+    held.with_suffix(".tmp").write_bytes(b"x")
+    os.link(held.with_suffix(".tmp"), held)
+    inode = _inode(str(held))
+    launcher, root = _tree(tmp_path, f"exec 3<{held}.tmp; rm {held}.tmp; ")
+    for _ in range(100):  # the tree has opened it and removed that name
+        if not held.with_suffix(".tmp").exists():
+            break
+        time.sleep(0.05)
     try:
         assert criu.DUMP_FLOOR_S <= criu.dump_timeout(root) < criu.DUMP_FLOOR_S + 1
         img = tmp_path / "img"
         img.mkdir()
         os.mkfifo(img / "pstree.img")
-        remaps = {x.name for x in criu.SHM.glob("link_remap.*")}
         t0 = time.monotonic()
         with pytest.raises(criu.DumpTimeout) as e:
             criu.dump(root, img, timeout_s=1.0)
@@ -576,7 +586,9 @@ def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
         assert killed and 1.0 <= float(killed.group(1)) <= took + 0.05 and "dump_timeout_s" in msg, msg
         assert isinstance(e.value, CheckpointError) and e.value.exit_code == criu.DumpTimeout.exit_code > 12
         assert not img.exists()  # no partial image
-        assert {x.name for x in criu.SHM.glob("link_remap.*")} == remaps
+        # none of its link_remap files: by inode, as the session's snapshots built ahead dump and
+        # store their own engines' link_remap files meanwhile
+        assert inode not in {_inode(str(x)) for x in criu.SHM.glob("link_remap.*")}
         assert not [c for c in psutil.Process().children(recursive=True) if "criu" in c.name()]  # CRIU reaped
         assert _tracer(root) == 0 and psutil.Process(root).status() != psutil.STATUS_STOPPED  # released
         size = (tmp_path / "out.log").stat().st_size
@@ -585,3 +597,4 @@ def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
     finally:
         os.kill(root, signal.SIGKILL)  # the namespace's init: SIGTERM it ignores
         launcher.wait(10)
+        held.unlink(missing_ok=True)
