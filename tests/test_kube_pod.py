@@ -41,6 +41,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.conftest import fake_env, listening, shm_names, snapshot_once, wait_until, warmctl
@@ -171,6 +172,9 @@ def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snaps
         assert "restored" in last and "from the remote store" in last and "canary" in last, last
         # the kubelet's own conditions would be kept: the patch merged by type
         assert [c["type"] for c in pod.conditions()].count(COND) == 1
+        # the patches come from a child process in a session of its own (lightkube is imported there)
+        senders = [c for c in psutil.Process(p.pid).children() if "warmctl.kube.conditions" in c.cmdline()]
+        assert len(senders) == 1 and os.getsid(senders[0].pid) != os.getsid(p.pid), senders
         print("\ncondition walk:\n" + "\n".join(f"  {c[0] - pod.changes[0][0]:.2f} s {c[1]} {c[2]}: {c[3]}" for c in pod.changes))
 
         # SIGTERM with a request in flight: the gate drains it and shuts the port for new ones
@@ -197,6 +201,7 @@ def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snaps
         stopped = pod.wait_reason("Stopped", 10)
         assert stopped[1] == "False" and "drained" in stopped[3], pod.changes
         assert pod.reasons()[-2:] == ["Draining", "Stopped"]
+        assert not senders[0].is_running()  # it ended with the supervisor, its last patch sent
         assert json.loads(warmctl("status", "--json", env=fk_env).stdout) == []
         assert not (tmp_path / "termination-log").exists()  # only a failure writes one
     finally:
@@ -349,6 +354,53 @@ def test_without_a_pod_name_nothing_of_kubernetes_is_imported(fk_env, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_the_sender_coalesces_one_reasons_updates_keeps_order_and_reports_one_failure():
+    """The sender's loop (:func:`warmctl.kube.conditions.send`) over a queue filled ahead, as when
+    the API server is slower than ``up``: updates of one reason and status in a row reach the
+    pod as the last of them, the others in order; the first failure is reported, later ones not."""
+    import queue
+
+    from warmctl.kube.conditions import send
+
+    def c(reason: str, msg: str, status: str = "False") -> dict:
+        return {"type": COND, "status": status, "reason": reason, "message": msg}
+
+    q: queue.Queue = queue.Queue()
+    for item in (c("Resolving", "a"), c("Pulling", "1%"), c("Pulling", "50%"), c("Pulling", "99%"),
+                 c("Restoring", "r"), c("Serving", "s", "True"), None):
+        q.put(item)
+    sent, failures = [], []
+    assert send(q, lambda cond: sent.append((cond["reason"], cond["message"])), failures.append) == 4
+    assert sent == [("Resolving", "a"), ("Pulling", "99%"), ("Restoring", "r"), ("Serving", "s")] and not failures
+
+    def refuse(cond: dict) -> None:
+        raise PermissionError(f"forbidden: {cond['reason']}")
+
+    for item in (c("Resolving", "a"), c("Pulling", "p"), None):
+        q.put(item)
+    assert send(q, refuse, failures.append) == 0
+    assert [str(e) for e in failures] == ["forbidden: Resolving"]
+
+
+def test_the_sender_patches_the_pod_and_ends_with_its_input(kube, tmp_path):
+    """``python -m warmctl.kube.conditions`` against the API server, as the engine's service
+    account: what it is given reaches the pod's status, and it exits 0 when its stdin ends (the
+    supervisor closed it, or died), having sent what it had."""
+    pod = Pod(kube, NS, "warmctl-engine", 0)
+    try:
+        target = {"pod": pod.name, "namespace": NS,
+                  "kube_config": str(kube.kubeconfig(tmp_path / "engine.kubeconfig", user=ENGINE))}
+        lines = [target, {"type": COND, "status": "False", "reason": "Pulling", "message": "m1"},
+                 {"type": COND, "status": "True", "reason": "Serving", "message": "m2"}]
+        r = subprocess.run([sys.executable, "-m", "warmctl.kube.conditions"], cwd=REPO, timeout=60,
+                           input="".join(json.dumps(x) + "\n" for x in lines), capture_output=True, text=True)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+        cond = next(c for c in pod.conditions() if c["type"] == COND)
+        assert (cond["status"], cond["reason"], cond["message"]) == ("True", "Serving", "m2"), cond
+    finally:
+        pod.delete()
 
 
 def test_failure_reasons_follow_the_error_class():

@@ -54,6 +54,13 @@ def _restored(pod: dict | None) -> dict:
     return {}
 
 
+def _served(pod: dict | None) -> bool:
+    """The pod's ``warmctl.io/Restored`` is ``up``'s last word: Serving with what it restored and
+    read (the Serving that the open port set a moment before says less)."""
+    c = _restored(pod)
+    return c.get("reason") == "Serving" and c.get("message", "").startswith("serving on ")
+
+
 def _create(node, pod: dict) -> None:
     st, body = node.cluster.request("POST", f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods", body=pod)
     assert st == 201, f"create pod: HTTP {st}: {body}"
@@ -339,7 +346,7 @@ def test_tiny_snapshot_in_a_pod_then_restored_in_another_pod(kube_node, engine_i
     assert _ready(pod), f"restore pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
     ready_s = time.monotonic() - t0
     # the condition says Serving (status True) once the pod is Ready, naming the snapshot
-    pod = kube_node.wait_pod("warmctl", up, lambda p: ready_or_done(p) and _restored(p).get("reason") == "Serving",
+    pod = kube_node.wait_pod("warmctl", up, lambda p: ready_or_done(p) and _served(p),
                              timeout=30, what="warmctl.io/Restored=Serving")
     cond = _restored(pod)
     assert cond["status"] == "True" and entries[0]["manifest"][:19] in cond["message"], cond

@@ -61,6 +61,7 @@ from test_kube_pods import (
     _finished,
     _ready,
     _restored,
+    _served,
     _terminated,
     _wait_no_leftovers,
 )
@@ -124,7 +125,7 @@ def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int
     ready_s = time.monotonic() - t0
     logs = cluster.kubectl("logs", "-n", "warmctl", name).stdout
     assert _ready(pod), f"restore pod {_terminated(pod)}\nlogs:\n{logs[-4000:]}"
-    pod = node.wait_pod("warmctl", name, lambda p: _restored(p).get("reason") == "Serving", timeout=30,
+    pod = node.wait_pod("warmctl", name, _served, timeout=30,
                         what="warmctl.io/Restored=Serving")
     phases = " ".join(ln.strip() for ln in logs.splitlines() if ln.startswith("ok "))
     # where the seconds went: created -> the container's first line (sandbox, container start,

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 from kubenode import NODE2_NAME, OPT_IN
-from test_kube_pods import _chat, _engine_pids, _restored, _share, _wait_no_leftovers
+from test_kube_pods import _chat, _engine_pids, _restored, _served, _share, _wait_no_leftovers
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy" / "kubernetes"
@@ -259,7 +259,8 @@ def test_shipped_workloads_on_two_nodes_prewarm_one_and_an_update_moves_the_engi
             return d if done else None
         _wait("the engine Deployment available", available, 600, tails)
         figures["Deployment scaled to 1 -> available (node 1, cold store)"] = time.monotonic() - t0
-        [old] = _pods(cluster, "app.kubernetes.io/name%3Dwarmctl-engine")
+        [old] = _wait("the engine pod's last Serving", lambda: [p for p in _pods(
+            cluster, "app.kubernetes.io/name%3Dwarmctl-engine") if _served(p)], 30, tails)
         assert _ready(old) and old["spec"]["nodeName"] == node1, old["spec"]
         cond = _restored(old)
         assert cond.get("reason") == "Serving" and digest in cond["message"], cond
@@ -301,7 +302,8 @@ def test_shipped_workloads_on_two_nodes_prewarm_one_and_an_update_moves_the_engi
                         check=True, timeout=630)
         _wait("the rolled-out Deployment available", available, 60, tails)
         figures["rollout restart -> available (node 1's pod drained, node 2's restored)"] = time.monotonic() - t0
-        [new] = _pods(cluster, "app.kubernetes.io/name%3Dwarmctl-engine")
+        [new] = _wait("the new engine pod's last Serving", lambda: [p for p in _pods(
+            cluster, "app.kubernetes.io/name%3Dwarmctl-engine") if _served(p)], 30, tails)
         assert new["metadata"]["name"] != old["metadata"]["name"]
         assert _ready(new) and new["spec"]["nodeName"] == node2, new["spec"]
         assert new["status"]["containerStatuses"][0]["restartCount"] == 0, new["status"]

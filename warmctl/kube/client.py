@@ -42,16 +42,22 @@ def in_cluster(sa_dir: Path = SERVICE_ACCOUNT_DIR) -> bool:
 
 
 def connect(settings: Settings, *, timeout_s: float = 10.0) -> lightkube.Client:
-    """A ``lightkube.Client`` for the cluster named by ``settings`` (see the module's list),
-    each request bounded by ``timeout_s`` seconds. Raises :class:`KubeError` when no
-    kubeconfig is set and this is not a pod, or the kubeconfig cannot be read."""
+    """:func:`client_for` the settings' ``kube_config``."""
+    return client_for(settings.kube_config, timeout_s=timeout_s)
+
+
+def client_for(kube_config: Path | None, *, timeout_s: float = 10.0) -> lightkube.Client:
+    """A ``lightkube.Client`` for the cluster of the kubeconfig file ``kube_config`` or, when
+    None, of the pod's service account (see the module's list), each request bounded by
+    ``timeout_s`` seconds. Raises :class:`KubeError` when there is no kubeconfig and this is not
+    a pod, or the kubeconfig cannot be read."""
     import httpx
     import lightkube
     from lightkube.config.kubeconfig import KubeConfig
 
     try:
-        if settings.kube_config is not None:
-            config = KubeConfig.from_file(str(settings.kube_config))
+        if kube_config is not None:
+            config = KubeConfig.from_file(str(kube_config))
         elif in_cluster():
             config = KubeConfig.from_service_account(str(SERVICE_ACCOUNT_DIR))
         else:
@@ -60,5 +66,5 @@ def connect(settings: Settings, *, timeout_s: float = 10.0) -> lightkube.Client:
     except KubeError:
         raise
     except Exception as e:  # noqa: BLE001 - lightkube raises several types for a bad file
-        raise KubeError(f"cannot read the kubeconfig {settings.kube_config}: {e}") from e
+        raise KubeError(f"cannot read the kubeconfig {kube_config}: {e}") from e
     return lightkube.Client(config, timeout=httpx.Timeout(timeout_s), field_manager="warmctl")

@@ -31,18 +31,28 @@ EngineDied      False   the supervised engine died or stayed unhealthy
 
 The condition is information for people and routers, never readiness (the readiness probe
 asks the gate's ``/health``). A patch never fails or slows ``up``: patches are sent in order
-by a background thread (consecutive updates of one reason coalesce), the first failure is
-reported once through ``warn`` and later ones are dropped silently, and :meth:`PodCondition.close`
-waits a bounded time for the last ones. ``lightkube`` is imported by that thread only.
+by a child process, ``python -m warmctl.kube.conditions`` (consecutive updates of one reason
+coalesce), the first failure is reported once on its standard error and later ones are dropped
+silently, and :meth:`PodCondition.close` waits a bounded time for the last ones. ``lightkube``
+is imported by that child only: a thread importing it (0.33 s of CPU) held the GIL while ``up``
+resolved the snapshot, and the ``catalog`` phase took 0.27-0.48 s instead of 0.05 s
+(docs/benchmarks.md); the child runs on another core, in a session of its own (a signal to the
+supervisor's process group does not cut the last patches short), and ends at the end of its
+standard input (the supervisor closed it or died).
 """
 
 from __future__ import annotations
 
+import json
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -121,16 +131,14 @@ class PodCondition:
     The ``up`` side calls :meth:`phase_started`, :meth:`phase_finished`, :meth:`chosen`,
     :meth:`progress`, then :meth:`serving` or :meth:`failed`; the supervisor :meth:`draining`,
     :meth:`stopped`, :meth:`died`; :meth:`close` last. None of them blocks on the API server or
-    raises for it. ``warn(line)`` reports the first failed patch (once). ``connect``: how the
-    thread gets a ``lightkube.Client`` (default :func:`warmctl.kube.client.connect`)."""
+    raises for it: each update is one JSON line to the sender (:func:`main`, a child process),
+    written by a thread of this process that does nothing else. A sender that cannot start is
+    reported through ``warn`` (once); the sender reports its own first failed patch on the
+    standard error it shares with this process."""
 
-    def __init__(self, settings: Settings, warn: Callable[[str], None],
-                 connect: Callable[[Settings], Any] | None = None) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, warn: Callable[[str], None]) -> None:
         self.pod = settings.pod_name
-        self.namespace = settings.pod_namespace
         self._warn = warn
-        self._connect = connect
         self._q: queue.Queue[dict | None] = queue.Queue()
         self._lock = threading.Lock()
         self._reason: str | None = None
@@ -143,9 +151,17 @@ class PodCondition:
         self._phase_t0 = self._t0
         self._last_phase: tuple[str, float] | None = None
         self._last_progress = 0.0
-        self._warned = False
-        self.sent: list[tuple[str, str, str]] = []  # (status, reason, message) patched, in order
-        self._thread = threading.Thread(target=self._run, name="warmctl-pod-condition", daemon=True)
+        target = {"pod": settings.pod_name, "namespace": settings.pod_namespace,
+                  "kube_config": str(settings.kube_config) if settings.kube_config else None}
+        self._sender: subprocess.Popen[bytes] | None = None
+        try:
+            self._sender = subprocess.Popen([sys.executable, "-m", "warmctl.kube.conditions"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            self._warn(f"warning: cannot start the sender of the pod condition {CONDITION_TYPE}: {e} "
+                       "(the engine is not affected)")
+        self._q.put(target)
+        self._thread = threading.Thread(target=self._write, name="warmctl-pod-condition", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ what up reports
@@ -249,53 +265,124 @@ class PodCondition:
                          "lastProbeTime": _now(), "lastTransitionTime": self._since})
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (waiting at most ``timeout_s`` seconds), then stop the thread."""
+        """Send what is queued and end the sender, waiting at most ``timeout_s`` seconds for
+        both (then the sender is killed)."""
+        t_end = time.monotonic() + timeout_s
         self._q.put(None)
         self._thread.join(timeout_s)
+        if self._sender is None:
+            return
+        try:
+            self._sender.wait(max(0.0, t_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._sender.kill()
+            self._sender.wait()
 
-    def _run(self) -> None:
-        client = None
-        pending: dict | None = None
+    def _write(self) -> None:
+        """This process's side: each queued update, one JSON line, to the sender's stdin (in
+        order; None closes it). A sender gone (its pipe broken) drops the rest."""
+        sender = self._sender
         while True:
-            item = pending if pending is not None else self._q.get()
-            pending = None
-            if item is None:
-                return
-            # coalesce: a newer update of the same reason replaces this one
-            while True:
-                try:
-                    nxt = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is not None and nxt["reason"] == item["reason"] and nxt["status"] == item["status"]:
-                    item = nxt
-                    continue
-                pending = nxt
-                break
+            item = self._q.get()
+            if sender is None:
+                if item is None:
+                    return
+                continue
             try:
-                if client is None:
-                    client = self._client()
-                self._patch(client, item)
-                self.sent.append((item["status"], item["reason"], item["message"]))
-            except Exception as e:  # noqa: BLE001 - never fails up: reported once, then dropped
-                if not self._warned:
-                    self._warned = True
-                    self._warn(f"warning: cannot set the pod condition {CONDITION_TYPE} on pod "
-                               f"{self.namespace or '?'}/{self.pod}: {one_line(str(e) or type(e).__name__, 300)} "
-                               "(the engine is not affected; later failures are not reported)")
+                if item is None:
+                    sender.stdin.close()  # type: ignore[union-attr]
+                    return
+                sender.stdin.write(json.dumps(item).encode() + b"\n")  # type: ignore[union-attr]
+                sender.stdin.flush()  # type: ignore[union-attr]
+            except (OSError, ValueError):  # the sender died: nothing more can be sent
+                sender = None
 
-    def _client(self) -> Any:
-        from warmctl.kube.client import connect
 
-        client = self._connect(self.settings) if self._connect else connect(self.settings, timeout_s=REQUEST_TIMEOUT_S)
-        if not self.namespace:
-            self.namespace = client.namespace
-        return client
+# ---------------------------------------------------------------------- the sender (a child process)
 
-    def _patch(self, client: Any, cond: dict) -> None:
+def _updates(stream) -> queue.Queue[dict | None]:
+    """The JSON lines of ``stream`` on a queue, read by a thread; None at its end (or a line
+    that is not JSON: the supervisor is not talking to this)."""
+    q: queue.Queue[dict | None] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in stream:
+                q.put(json.loads(line))
+        except ValueError:
+            pass
+        q.put(None)
+
+    threading.Thread(target=read, name="updates", daemon=True).start()
+    return q
+
+
+def send(updates: queue.Queue[dict | None], patch: Callable[[dict], None],
+         failed: Callable[[BaseException], None]) -> int:
+    """Send each condition from ``updates`` with ``patch`` until None, in order; a queued
+    newer update of the same reason and status replaces an older one. The first failure is
+    passed to ``failed``; later ones are dropped. Returns the number of patches that succeeded."""
+    held: list[dict | None] = []  # what the look-ahead took that is not this update's (the end included)
+    warned, sent = False, 0
+    while True:
+        item = held.pop() if held else updates.get()
+        if item is None:
+            return sent
+        while not held:
+            try:
+                nxt = updates.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is not None and nxt["reason"] == item["reason"] and nxt["status"] == item["status"]:
+                item = nxt
+            else:
+                held.append(nxt)
+        try:
+            patch(item)
+            sent += 1
+        except Exception as e:  # noqa: BLE001 - never fails up: reported once, then dropped
+            if not warned:
+                warned = True
+                failed(e)
+
+
+def main() -> int:
+    """``python -m warmctl.kube.conditions``: the sender. Its first stdin line is the target
+    (``{"pod", "namespace", "kube_config"}``), each later line a condition to patch onto the
+    pod's status; it exits 0 at the end of its stdin. Its first failure goes to its standard
+    error, one line. SIGINT and SIGTERM are ignored: a stop meant for the supervisor's group or
+    unit must not cut short the patches that say what the stop did (SIGKILL ends it)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    updates = _updates(sys.stdin.buffer)
+    target = updates.get()
+    if target is None:
+        return 0
+    pod, kc = target["pod"], target.get("kube_config")
+    namespace: str | None = target.get("namespace")
+    client: Any = None
+
+    def patch(cond: dict) -> None:
         from lightkube.resources.core_v1 import Pod
         from lightkube.types import PatchType
 
-        client.patch(Pod.Status, self.pod, {"status": {"conditions": [cond]}}, namespace=self.namespace,
+        from warmctl.kube.client import client_for
+
+        nonlocal client, namespace
+        if client is None:
+            client = client_for(Path(kc) if kc else None, timeout_s=REQUEST_TIMEOUT_S)
+            namespace = namespace or client.namespace
+        client.patch(Pod.Status, pod, {"status": {"conditions": [cond]}}, namespace=namespace,
                      patch_type=PatchType.STRATEGIC)
 
+    def failed(e: BaseException) -> None:
+        print(f"warning: cannot set the pod condition {CONDITION_TYPE} on pod {namespace or '?'}/{pod}: "
+              f"{one_line(str(e) or type(e).__name__, 300)} (the engine is not affected; later failures are not "
+              "reported)", file=sys.stderr, flush=True)
+
+    send(updates, patch, failed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
