@@ -281,21 +281,16 @@ class PodCondition:
     def _write(self) -> None:
         """This process's side: each queued update, one JSON line, to the sender's stdin (in
         order; None closes it). A sender gone (its pipe broken) drops the rest."""
-        sender = self._sender
-        while True:
-            item = self._q.get()
-            if sender is None:
-                if item is None:
-                    return
-                continue
-            try:
-                if item is None:
-                    sender.stdin.close()  # type: ignore[union-attr]
-                    return
-                sender.stdin.write(json.dumps(item).encode() + b"\n")  # type: ignore[union-attr]
-                sender.stdin.flush()  # type: ignore[union-attr]
-            except (OSError, ValueError):  # the sender died: nothing more can be sent
-                sender = None
+        if self._sender is None or self._sender.stdin is None:
+            return
+        pipe = self._sender.stdin
+        try:
+            while (item := self._q.get()) is not None:
+                pipe.write(json.dumps(item).encode() + b"\n")
+                pipe.flush()
+            pipe.close()
+        except (OSError, ValueError):  # the sender died (or was killed by close): nothing more can be sent
+            pass
 
 
 # ---------------------------------------------------------------------- the sender (a child process)
