@@ -565,12 +565,18 @@ def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
     held.with_suffix(".tmp").write_bytes(b"x")
     os.link(held.with_suffix(".tmp"), held)
     inode = _inode(str(held))
-    launcher, root = _tree(tmp_path, f"exec 3<{held}.tmp; rm {held}.tmp; ")
-    for _ in range(100):  # the tree has opened it and removed that name
-        if not held.with_suffix(".tmp").exists():
-            break
-        time.sleep(0.05)
     try:
+        launcher, root = _tree(tmp_path, f"exec 3<{held}.tmp; rm {held}.tmp; ")
+    except BaseException:
+        held.unlink()
+        held.with_suffix(".tmp").unlink(missing_ok=True)
+        raise
+    try:
+        for _ in range(100):  # the tree has opened it and removed that name
+            if not held.with_suffix(".tmp").exists():
+                break
+            time.sleep(0.05)
+        assert not held.with_suffix(".tmp").exists(), "the tree did not open and remove its file"
         assert criu.DUMP_FLOOR_S <= criu.dump_timeout(root) < criu.DUMP_FLOOR_S + 1
         img = tmp_path / "img"
         img.mkdir()

@@ -115,8 +115,8 @@ def restore_mount_flags(keys: Sequence[str]) -> list[str]:
     """CRIU's ``--external mnt[K]:K`` for each external mount key ``K`` of an image
     (:func:`warmctl.checkpoint.criuimage.external_mounts`): the tree's mount at ``K`` is bound
     from this host's path ``K``, a mount point or not, so the tree sees what a fresh start here
-    would. The keys are the dump host's mount points, and another host (or the same one later) may lack some: a login's
-    ``/run/user/N``, a removed disk, another pod's secrets. CRIU needs the path under the root
+    would. The keys are the dump host's mount points, and another host (or the same one later)
+    may lack some: a login's ``/run/user/N``, a removed disk, another pod's secrets. CRIU needs the path under the root
     and fails without it (``Can't stat mountpoint``), so a missing one is made here, an empty
     directory (mode 0755, left in place): a mount the tree never used then costs nothing, and
     one it holds a file open on fails the restore with CRIU naming the file. Raises
