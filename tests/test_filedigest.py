@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+
+import pytest
 
 from warmctl.checkpoint.capture import missing_or_changed
-from warmctl.checkpoint.filedigest import DigestCache, digests_of, hash_file
+from warmctl.checkpoint.filedigest import DigestCache, digests_of, file_key, hash_file, overlay_devices
 
 
 def _lib(tmp_path, name="libfake.so", size=3 * (1 << 20) + 17):
@@ -64,3 +67,46 @@ def test_a_manifest_without_digests_is_checked_by_size_and_a_damaged_cache_is_re
     assert c.entries == {} and c.digest(str(lib)) == hash_file(lib)
     c.save()
     assert DigestCache(cache_file).entries[str(lib)][5] == hash_file(lib)
+
+
+def _overlay(tmp_path, lower, n: int):
+    """A fresh overlay mount of ``lower`` at ``tmp_path/root`` (what a container's root is: a
+    new mount, with a new anonymous device number, at each start); its own upper and work dirs."""
+    upper, work, root = tmp_path / f"upper{n}", tmp_path / f"work{n}", tmp_path / "root"
+    for d in (upper, work, root):
+        d.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={lower},upperdir={upper},workdir={work}",
+                    str(root)], check=True, capture_output=True)
+    return root
+
+
+def test_the_same_image_file_under_a_new_overlay_mount_is_not_hashed_again_but_a_changed_one_is(tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("needs root to mount overlayfs (the test suite runs as root)")
+    lower = tmp_path / "layer"
+    lower.mkdir()
+    lib = _lib(lower)
+    cache_file = tmp_path / "file-digests.json"
+    root = _overlay(tmp_path, lower, 1)  # the first pod of an image on a node
+    path = str(root / lib.name)
+    try:
+        first = os.stat(path).st_dev
+        assert first in overlay_devices() and first != lib.stat().st_dev
+        digests = digests_of([path], DigestCache(cache_file))
+        # the next pod: the same layer under a new mount at the same path (mounted over the first,
+        # which keeps its device number taken: the kernel reuses a freed one)
+        _overlay(tmp_path, lower, 2)
+        assert os.stat(path).st_dev not in (first, 0)
+        again = DigestCache(cache_file)
+        assert missing_or_changed({path: lib.stat().st_size}, digests, again) == [] and again.hashed == []
+        with open(path, "r+b") as f:  # changed inside the container (copied up): its ctime moves
+            f.write(b"\xff" * 64)
+        later = DigestCache(cache_file)
+        problems = missing_or_changed({path: lib.stat().st_size}, digests, later)
+        assert later.hashed == [path] and len(problems) == 1 and "content differs" in problems[0]
+    finally:
+        for _ in range(2):
+            subprocess.run(["umount", str(root)], capture_output=True)
+    # on a plain filesystem the device stays in the key
+    st = lib.stat()
+    assert file_key(st, overlay_devices())[0] == st.st_dev != 0

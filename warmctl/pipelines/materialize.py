@@ -48,7 +48,7 @@ def materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCa
     Raises as :func:`check_restorable` before anything is written, :class:`IntegrityError`
     (from the store) on a bad chunk. On failure the ``/dev/shm`` files written so far are removed.
     """
-    check_restorable(m, digest, protected, file_digests)
+    check_restorable(m, digest, protected, file_digests, reporter)
     advance = reporter.bytes_progress("materialize", m.total_size())
     img = images.get(store, m, digest, progress=advance, cache=cache, fetched=fetched,
                      also=lambda: other_writes(m, cache), scratch=run.unkept_image, command=f"up {m.name} ({digest[:19]})",
@@ -63,14 +63,20 @@ def materialize(store, m: Manifest, digest: str, run: EngineRun, images: ImageCa
     return img
 
 
-def check_restorable(m: Manifest, digest: str, protected: list[Path], file_digests: DigestCache | None) -> None:
+def check_restorable(m: Manifest, digest: str, protected: list[Path], file_digests: DigestCache | None,
+                     reporter: Reporter | None = None) -> None:
     """Before anything of ``m`` is written: raises :class:`HostError` naming every required file
     that is missing or differs (size or content digest) or when a ``/dev/shm`` file of the
     snapshot already exists (another restore of it is running on this host);
     :class:`IntegrityError` for a bundled file whose destination is not one where bundled files
-    may live (:func:`capture.bundled_target_problems`, whatever the signature flags)."""
+    may live (:func:`capture.bundled_target_problems`, whatever the signature flags).
+    ``reporter``: told how many required files were hashed (their digests not in ``file_digests``)."""
     problems = capture.missing_or_changed(m.restore.required_files, m.restore.required_digests,
                                           file_digests)
+    if reporter is not None and file_digests is not None and file_digests.hashed:
+        hashed = sum(m.restore.required_files.get(p, 0) for p in file_digests.hashed)
+        reporter.info(f"required files: {len(file_digests.hashed)} of {len(m.restore.required_digests)} hashed "
+                      f"({hashed / 2**20:,.0f} MiB), their digests not yet cached on this host")
     if problems:
         raise HostError(f"{len(problems)} file(s) the snapshot's processes map are missing or differ on this host "
                         "(install the same engine environment at the same path):\n  " + "\n  ".join(problems))

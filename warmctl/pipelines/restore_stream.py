@@ -98,7 +98,7 @@ def materialize_and_restore_streamed(run: EngineRun, st: EngineState, found, ima
     try:
         with ImageStreamer(entry_sizes(m), sock_dir) as streamer:
             with reporter.phase("materialize", f"verifying and writing {total / 2**20:,.0f} MiB, streamed to CRIU"):
-                check_restorable(m, digest, protected_paths(settings), DigestCache.for_settings(settings))
+                check_restorable(m, digest, protected_paths(settings), DigestCache.for_settings(settings), reporter)
                 writer = ImageWriter(lambda: images.get(
                     store, m, digest, progress=lambda n: progress["to"](n), cache=found.cache, fetched=found.fetched,
                     also=lambda: other_writes(m, found.cache), scratch=run.unkept_image,
