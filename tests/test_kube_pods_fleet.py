@@ -106,18 +106,18 @@ def _wait_token(cluster, account: str) -> None:
         time.sleep(0.2)
 
 
-def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int, remote: Path,
-                 affinity: dict | None = None) -> tuple[float, dict, str, dict]:
-    """An engine pod restoring ``tiny`` from node store ``store`` (the remote configured, no
-    cold start) as the ``warmctl-engine`` service account, bound to ``node`` (a KubeNode), or,
+def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int, remote: Path | None,
+                 affinity: dict | None = None, profile: str = "tiny") -> tuple[float, dict, str, dict, str]:
+    """An engine pod restoring ``profile`` from node store ``store`` (``remote`` configured
+    unless None, no cold start) as the ``warmctl-engine`` service account, bound to ``node`` (a KubeNode), or,
     with ``affinity``, given that instead of a node name for the scheduler to place it:
     (created -> Ready seconds, its final ``warmctl.io/Restored`` condition, where the seconds
-    went, the pod). Leaves the pod serving."""
+    went, the pod, its log). Leaves the pod serving."""
     cluster = node.cluster
     t0, wall0 = time.monotonic(), time.time()
     pod = _fleet_pod(name, image, root, store, None if affinity else node.name, gate_port,
-                     ["up", "tiny", "--foreground", "--cold-start", "never"],
-                     {"WARMCTL_REMOTE_STORE": str(remote)}, namespace="warmctl", api_port=cluster.port)
+                     ["up", profile, "--foreground", "--cold-start", "never"],
+                     {"WARMCTL_REMOTE_STORE": str(remote)} if remote else {}, namespace="warmctl", api_port=cluster.port)
     if affinity:
         pod["spec"]["affinity"] = affinity
     _create(node, pod)
@@ -137,7 +137,7 @@ def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int
     up_s = float(total.group(1)) if total else float("nan")
     split = (f"created -> first log line {started_s:.1f} s, up's total {up_s:.2f} s, "
              f"the rest {ready_s - started_s - up_s:.1f} s; phases: {phases}")
-    return ready_s, _restored(pod), split, pod
+    return ready_s, _restored(pod), split, pod, logs
 
 
 def _json_tail(logs: str) -> list:
@@ -297,10 +297,14 @@ def test_snapshot_pushed_from_a_pod_on_one_node_restored_on_a_second_node_cold_a
         """One engine pod restoring on node store ``s`` of ``node`` (bound there by name, or by
         the scheduler through ``affinity``): on that node, Ready, its condition naming the
         digest and what it read from the remote (> 0 for a cold store, 0 for a pre-warmed one),
-        "Paris."; deleted; its figures kept under ``what``."""
+        "Paris."; the files the engine maps hashed by the pod on a cold store only (on a
+        pre-warmed one the pre-warm pod put their digests in the node's cache); deleted; its
+        figures kept under ``what``."""
         up = f"up-{uuid.uuid4().hex[:6]}"
-        ready_s, cond, split, pod = _restore_pod(node, up, engine_image, root, s, gate_port, remote, affinity)
+        ready_s, cond, split, pod, logs = _restore_pod(node, up, engine_image, root, s, gate_port, remote, affinity)
         assert pod["spec"]["nodeName"] == node.name and pod["status"]["hostIP"] == node.name, pod["spec"]
+        # the image's files the engine maps: hashed by a cold node's pod, by the pre-warm on a warm one
+        assert ("required files:" in logs) == remote_bytes, logs[-3000:]
         assert cond["status"] == "True" and digest in cond["message"], cond
         if remote_bytes:
             assert "read 0.0 MiB from the remote store" not in cond["message"] and "from the remote store" in cond["message"], cond
@@ -328,7 +332,9 @@ def test_snapshot_pushed_from_a_pod_on_one_node_restored_on_a_second_node_cold_a
         out = _json_tail(logs)
         assert [(o["action"], o.get("digest")) for o in out] == [("cached", digest)], json.dumps(out)
         splits.append(f"{what}: the pull {out[0]['seconds']:.2f} s (its copy {out[0]['copy_seconds']:.2f} s), "
-                      f"{out[0]['chunks_copied']} chunks, {out[0]['bytes_copied'] / 2**20:.1f} MiB")
+                      f"{out[0]['chunks_copied']} chunks, {out[0]['bytes_copied'] / 2**20:.1f} MiB; "
+                      f"{out[0]['files_hashed']} required files hashed in {out[0]['hash_seconds']:.2f} s")
+        assert out[0]["files_hashed"] > 0, out
         assert _label(cluster, node.name, key) == want_label
         obj = json.loads(cluster.kubectl("get", "warmsnapshot", ws, "-o", "json", check=True).stdout)
         assert node.name in [n["node"] for n in obj["status"]["nodes"] if n.get("digest") == digest], obj["status"]

@@ -111,6 +111,9 @@ def test_selected_node_pulls_labels_and_reports_then_restores_with_nothing_remot
     try:
         [o] = _prewarm(a)
         assert o["action"] == "cached" and o["digest"] == digest and o["chunks_copied"] > 0 and o["bytes_copied"] > 0, o
+        # the files the snapshot maps were hashed into the node's digest cache, for up to find
+        assert o["files_hashed"] > 0 and o["hash_seconds"] > 0, o
+        hashed = o["files_hashed"]
         assert _labels(kube, NODE_A) == {"snapshot.warmctl.io/fake-warm": _value(digest)}
         entries = _entries(kube, "fake-warm")
         assert set(entries) == {NODE_A} and entries[NODE_A]["digest"] == digest and "error" not in entries[NODE_A]
@@ -124,12 +127,18 @@ def test_selected_node_pulls_labels_and_reports_then_restores_with_nothing_remot
 
         [o] = _prewarm(a)  # a second pass: already whole, nothing moves, the entry is as it was
         assert o["action"] == "cached" and o["chunks_copied"] == 0 and o["bytes_copied"] == 0, o
+        assert o["files_hashed"] == 0, o
         assert _entries(kube, "fake-warm")[NODE_A]["cachedAt"] == cached_at
 
         r = warmctl("up", "fake", "--json", "--cold-start", "never", env=a)  # the remote is still configured
         res = json.loads(r.stdout)
         assert res["path"] == "restore" and res["snapshot"] == digest, r.stderr
         assert res["fetched"]["remote"] == 0 and res["fetched"]["local"] > 0, res["fetched"]
+        assert "required files:" not in r.stderr, r.stderr  # none hashed: the pre-warm did it
+        warmctl("down", "fake", env=a)
+        (Path(a["WARMCTL_TEST_HOME"]) / "cache" / "file-digests.json").unlink()
+        r = warmctl("up", "fake", "--cold-start", "never", env=a)  # without it, up hashes them itself
+        assert f"required files: {hashed} of {hashed} hashed" in r.stderr, r.stderr
     finally:
         warmctl("down", "fake", env=a, check=False)
         kube.kubectl("delete", "warmsnapshot", "fake-warm", "--ignore-not-found")

@@ -11,7 +11,9 @@ A ``WarmSnapshot`` (``warmsnapshots.warmctl.io``, cluster-scoped; deploy/kuberne
 2. for each one whose selector matches, pulls ``ref`` from ``remote`` into the node's store
    exactly as ``warmctl pull`` does (:func:`warmctl.naming.fleet.pull`: the entry this host would
    restore, signed by a trusted key, no rollback, every chunk verified on the way; a second
-   pass copies nothing). Success: the Node gets the label ``snapshot.warmctl.io/<NAME>`` =
+   pass copies nothing), then hashes the files the snapshot's processes map into the node's
+   digest cache (:func:`prehash`), so that an engine pod's ``up`` checks them with a ``stat``
+   each instead of reading them (``tiny`` in the project's image: 128 files, 0.4 s). Success: the Node gets the label ``snapshot.warmctl.io/<NAME>`` =
    ``sha256-<first 40 hex digits of the manifest digest>`` (:func:`label_key`,
    :func:`label_value`), then this node's entry in ``status.nodes`` says ``digest`` and
    ``cachedAt`` (RFC 3339, when this node first held that digest). Failure: the entry holds the
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     import lightkube
 
     from warmctl.records.config import Settings
+    from warmctl.records.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +137,9 @@ class Outcome:
     ``bytes_copied``: stored bytes fetched from the remote; ``seconds``: wall time of the whole
     pull (opening the stores, this host's fingerprint, resolving and checking the entry, the
     copy); ``copy_seconds``: the copy alone (what ``warmctl pull --json`` reports as
-    ``seconds``)."""
+    ``seconds``); ``files_hashed``: required files whose digests this pass put in the node's
+    digest cache (0 when they were there), ``hash_seconds``: that check (:func:`prehash`), not
+    counted in ``seconds``."""
 
     name: str
     ref: str
@@ -148,10 +153,37 @@ class Outcome:
     bytes_copied: int = 0
     seconds: float = 0.0
     copy_seconds: float = 0.0
+    files_hashed: int = 0
+    hash_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The outcome as ``warmctl prewarm --once --json`` prints it (docs/cli-json.md)."""
         return asdict(self)
+
+
+def prehash(name: str, m: Manifest, settings: Settings) -> tuple[int, float]:
+    """Put the digests of the files snapshot ``m``'s processes map (``restore.required_digests``:
+    the engine image's libraries) into this node's digest cache
+    (:class:`warmctl.checkpoint.filedigest.DigestCache`, in the store's home, shared by the
+    node's pods), hashing those not there yet, as ``up`` checks them before a restore. The
+    agent runs the engine's image (the pull above accepted the snapshot for this image), and
+    the cache's key holds across the containers' overlay mounts of it. Returns (files hashed,
+    seconds). A file missing or differing here is logged, not raised: ``up`` refuses the
+    snapshot with the same words. Raises what reading the cache's directory raises (OSError)."""
+    from warmctl.checkpoint.capture import missing_or_changed
+    from warmctl.checkpoint.filedigest import DigestCache
+
+    t0 = time.monotonic()
+    cache = DigestCache.for_settings(settings)
+    problems = missing_or_changed(m.restore.required_files, m.restore.required_digests, cache)
+    seconds = time.monotonic() - t0
+    if problems:
+        log.warning("prewarm %s: %d file(s) the snapshot's processes map are missing or differ in this image; an "
+                    "engine pod of it would refuse the snapshot: %s", name, len(problems), "; ".join(problems[:3]))
+    if cache.hashed:
+        log.info("prewarm %s: %d required file(s) hashed into the node's digest cache in %.1f s",
+                 name, len(cache.hashed), seconds)
+    return len(cache.hashed), seconds
 
 
 class Prewarmer:
@@ -248,6 +280,10 @@ class Prewarmer:
             log.info("prewarm %s: %s from %s cached on node %s as %s: %d/%d chunks copied, %d bytes, %.1f s",
                      name, ref, remote, self.node, rep.digest, rep.chunks_copied, rep.chunks_total,
                      rep.bytes_copied, o.seconds)
+            try:
+                o.files_hashed, o.hash_seconds = prehash(name, dst.get_manifest(rep.digest), self.settings)
+            except Exception as e:  # noqa: BLE001 - the snapshot is held: the pods hash for themselves
+                log.warning("prewarm %s: the snapshot's mapped files were not hashed ahead: %s", name, one_line(e))
         except Exception as e:  # noqa: BLE001 - any failure of one snapshot is its status entry, never the loop's end
             o.error, o.seconds = one_line(e), time.monotonic() - t0
             log.error("prewarm %s: %s from %s on node %s failed: %s", name, ref, remote, self.node, o.error)
