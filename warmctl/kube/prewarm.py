@@ -169,7 +169,8 @@ def prehash(name: str, m: Manifest, settings: Settings) -> tuple[int, float]:
     agent runs the engine's image (the pull above accepted the snapshot for this image), and
     the cache's key holds across the containers' overlay mounts of it. Returns (files hashed,
     seconds). A file missing or differing here is logged, not raised: ``up`` refuses the
-    snapshot with the same words. Raises what reading the cache's directory raises (OSError)."""
+    snapshot with the same words; an unreadable or unwritable cache costs a re-hash, never an
+    error."""
     from warmctl.checkpoint.capture import missing_or_changed
     from warmctl.checkpoint.filedigest import DigestCache
 
