@@ -138,6 +138,8 @@ class RecordingUpstream:
                     if req is not None:
                         req.body += bytes(ev.data)
                 elif isinstance(ev, h11.EndOfMessage):
+                    if query.get("delay"):  # a slow engine: answer after this many seconds
+                        time.sleep(float(query["delay"]))
                     if query.get("like_uvicorn"):
                         time.sleep(0.3)
                         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 from warmctl.gate.http import MAX_HEAD
 
@@ -144,8 +145,9 @@ class ResponseTracker:
     relayed (never held back): each response's head, then its body by ``Content-Length``,
     chunked framing, or until close. ``methods``: the methods of the requests forwarded and
     not yet answered in full (responses to HEAD, and 204/304, have no body). :attr:`idle`:
-    every forwarded request has had its whole response -- a draining gate may close then.
-    :attr:`closing`: a response so far carried ``Connection: close`` (the engine ends the
+    every forwarded request has had its whole response -- a draining gate may close then;
+    :attr:`idle_since`: when it last became so (``time.monotonic()`` seconds: the connection's
+    start, or the end of its last response). :attr:`closing`: a response so far carried ``Connection: close`` (the engine ends the
     connection after it)."""
 
     HEAD, LENGTH, CHUNK_LINE, CHUNK_DATA, CHUNK_CRLF, TRAILER, CLOSE = range(7)
@@ -156,6 +158,7 @@ class ResponseTracker:
         self.left = 0
         self.buf = b""
         self.closing = False
+        self.idle_since = time.monotonic()
         #: (n, future): the future is set (result None) once at most n forwarded requests are
         #: still unanswered (their responses not relayed whole); see :meth:`answered`
         self.waiter: tuple[int, asyncio.Future] | None = None
@@ -173,6 +176,7 @@ class ResponseTracker:
         if self.methods:
             self.methods.pop(0)
         self.state = self.HEAD
+        self.idle_since = time.monotonic()
         if self.waiter is not None and len(self.methods) <= self.waiter[0] and not self.waiter[1].done():
             self.waiter[1].set_result(None)
 

@@ -176,7 +176,9 @@ class ClientConnection:
                 left = r.started + lim.head_timeout_s - time.monotonic()
             elif r.phase == "body":
                 left = r.started + lim.body_timeout_s + r.body_bytes / lim.body_min_rate - time.monotonic()
-            else:
+            elif self.tracker.idle:  # the idle time counts from the end of the last response
+                left = self.tracker.idle_since + lim.keep_alive_s - time.monotonic()
+            else:  # a response is still streaming: look again after keep_alive_s at the latest
                 left = lim.keep_alive_s
             try:
                 data = await asyncio.wait_for(self.c_reader.read(BUF), max(left, 0.0))
@@ -185,9 +187,9 @@ class ClientConnection:
                     raise timeout(f"request head not received within {lim.head_timeout_s:g} s") from None
                 if r.phase == "body":
                     raise timeout(f"request body slower than {lim.body_min_rate:g} bytes/s") from None
-                if self.tracker.idle:
+                if self.tracker.idle and time.monotonic() >= self.tracker.idle_since + lim.keep_alive_s:
                     raise _Closed from None  # idle for keep_alive_s
-                continue  # a response is still streaming
+                continue  # a response still streaming, or one that ended less than keep_alive_s ago
             if not data:
                 return None
             if events := r.feed(data):
