@@ -19,9 +19,11 @@ project's image from deploy/image/build.sh pushed to a loopback registry):
    exist), each with its kept image removed first (so both write the image from the store, as the first restore on a
    pre-warmed node does) and ``sync`` run: a restore pod (``up NAME --foreground --cold-start
    never`` as the ``warmctl-engine`` service account, readiness on the gate's ``/health`` every
-   second, as deploy/kubernetes/engine-deployment.yaml), timed from its creation to Ready, then
+   second, as deploy/kubernetes/engine-deployment.yaml had it before ``--ready-port``), timed from its creation to Ready, then
    deleted; and ``warmctl up NAME --json --cold-start never`` on the host, timed from the
-   command's start to its exit (the port open, the canary passed), then ``down``.
+   command's start to its exit (the port open, the canary passed), then ``down``. With
+   ``--ready-probe``, a third side: the same restore pod probed as deploy/kubernetes ships it,
+   on the supervisor's ``/ready?wait=8`` (``--ready-port``: held until the port opens).
 
 Prints each round, the medians, the pod/host ratio of the medians, and where a pod's seconds
 went (to its first log line, ``up``'s own phases, the rest: the probe's period and the status
@@ -30,7 +32,7 @@ built model stays in ``--models`` when given (a later run reuses it).
 
 Usage::
 
-    python benchmarks/pod_vs_host.py [--profile tiny|8g] [--rounds 3] [--repeat 1] [--models DIR] [--work DIR] [--keep] [--json OUT]
+    python benchmarks/pod_vs_host.py [--profile tiny|8g] [--rounds 3] [--repeat 1] [--ready-probe] [--models DIR] [--work DIR] [--keep] [--json OUT]
 
 Needs root, ``WARMCTL_KUBE_WITH_KUBELET=1 scripts/install-kubernetes.sh`` and the engine image's
 base (``deploy/image/build.sh``, about 10 minutes the first time). Nothing else may use the
@@ -112,6 +114,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="working directory (default: a new one under /var/tmp)")
     ap.add_argument("--engine-port", type=int, default=18700)
     ap.add_argument("--gate-port", type=int, default=18780)
+    ap.add_argument("--ready-probe", action="store_true",
+                    help="a third side: the restore pod probed on the supervisor's held /ready (--ready-port, as "
+                         "deploy/kubernetes ships it) instead of the gate's /health")
     ap.add_argument("--keep", action="store_true", help="leave the working directory")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
@@ -193,12 +198,12 @@ def run(a, work: Path) -> dict:
             print(f"host snapshot: {time.monotonic() - t0:.1f} s", flush=True)
             warmctl("down", name, check=False)
 
-            def pod_side() -> dict:
+            def pod_side(ready_port: int | None = None) -> dict:
                 shutil.rmtree(store / "home" / "cache" / "images", ignore_errors=True)
                 subprocess.run(["sync"], check=True)
                 up = f"up-{uuid.uuid4().hex[:6]}"
                 ready_s, cond, split, _, logs = _restore_pod(node, up, image, work, store, a.gate_port, None,
-                                                             profile=name)
+                                                             profile=name, ready_port=ready_port)
                 _delete(node, "warmctl", up, grace=60)
                 node.wait_pod("warmctl", up, lambda p: p is None, timeout=120, what="deleted")
                 return {"seconds": ready_s, "split": split, "hashed": "required files:" in logs}
@@ -217,20 +222,26 @@ def run(a, work: Path) -> dict:
             try:
                 for i in range(a.rounds):
                     sides = [("pod", pod_side), ("host", host_side)]
+                    if a.ready_probe:
+                        sides.insert(1, ("pod-ready", lambda: pod_side(a.gate_port + 10)))
                     row: dict = {}
-                    for k, fn in (sides if i % 2 == 0 else sides[::-1]):
+                    k0 = i % len(sides)  # each side first in turn
+                    for k, fn in sides[k0:] + sides[:k0]:
                         runs = [fn() for _ in range(a.repeat)]
                         row[k] = runs[-1]
                         row[k]["after_switch_s"] = runs[0]["seconds"]
                     row["ratio"] = row["pod"]["seconds"] / row["host"]["seconds"]
+                    if a.ready_probe:
+                        row["ratio_ready"] = row["pod-ready"]["seconds"] / row["host"]["seconds"]
                     rounds.append(row)
-                    first = "" if a.repeat == 1 else (f" (the first of {a.repeat} in a row: pod "
-                                                      f"{row['pod']['after_switch_s']:.2f} s, host "
-                                                      f"{row['host']['after_switch_s']:.2f} s)")
-                    print(f"round {i}: pod {row['pod']['seconds']:.2f} s, host {row['host']['seconds']:.2f} s, "
-                          f"pod/host {row['ratio']:.2f}x{first}\n  pod: {row['pod']['split']}"
-                          f"{' (hashed required files)' if row['pod']['hashed'] else ''}\n  host: {row['host']['split']}",
-                          flush=True)
+                    pods = [k for k, _ in sides if k != "host"]
+                    first = "" if a.repeat == 1 else (f" (the first of {a.repeat} in a row: " + ", ".join(
+                        f"{k} {row[k]['after_switch_s']:.2f} s" for k, _ in sides) + ")")
+                    print(f"round {i}: " + ", ".join(f"{k} {row[k]['seconds']:.2f} s" for k, _ in sides)
+                          + ", " + ", ".join(f"{k}/host {row[k]['seconds'] / row['host']['seconds']:.2f}x" for k in pods)
+                          + first + "".join(f"\n  {k}: {row[k]['split']}"
+                                            f"{' (hashed required files)' if row[k]['hashed'] else ''}" for k in pods)
+                          + f"\n  host: {row['host']['split']}", flush=True)
             finally:
                 warmctl("down", name, check=False)  # the host's engine, if a round stopped half-way
             assert _engine_pids() == [], "an engine process left in a pod cgroup"
@@ -239,8 +250,14 @@ def run(a, work: Path) -> dict:
     print(f"\n{name}: restore pod on the warm node, created -> Ready, median {pod_m:.2f} s; host `up` median "
           f"{host_m:.2f} s; pod/host {pod_m / host_m:.2f}x (rounds: "
           + ", ".join(f"{r['ratio']:.2f}x" for r in rounds) + ")")
-    return {"profile": name, "snapshot_pod_s": snap_s, "rounds": rounds, "pod_median_s": pod_m,
-            "host_median_s": host_m, "ratio": pod_m / host_m}
+    out = {"profile": name, "snapshot_pod_s": snap_s, "rounds": rounds, "pod_median_s": pod_m,
+           "host_median_s": host_m, "ratio": pod_m / host_m}
+    if a.ready_probe:
+        ready_m = statistics.median(r["pod-ready"]["seconds"] for r in rounds)
+        print(f"{name}: the same pod probed on the supervisor's /ready (--ready-port), median {ready_m:.2f} s; "
+              f"pod/host {ready_m / host_m:.2f}x (rounds: " + ", ".join(f"{r['ratio_ready']:.2f}x" for r in rounds) + ")")
+        out.update(pod_ready_median_s=ready_m, ratio_ready=ready_m / host_m)
+    return out
 
 
 if __name__ == "__main__":

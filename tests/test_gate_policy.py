@@ -29,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tests.gate_upstream import read_response as _read_response
 from warmctl import gate
+from warmctl.engine import loopback
 from warmctl.gate.http import MAX_HEAD
 from warmctl.gate.relay import ResponseTracker
 from warmctl.base.errors import HostError
@@ -367,6 +368,8 @@ def test_tls_streams_token_by_token_and_reloads_its_certificate(start_gate, key_
         pass
     s.close()
     assert _peer_cn(g.port, ctx) == "gate-1"
+    # the supervisor's readiness check of a TLS gate (warmctl.engine.loopback.healthy, tls=True)
+    assert loopback.healthy(g.port, tls=True) and not loopback.healthy(g.port)
     reissue("gate-2")  # a renewed certificate: new handshakes get it within ~1 s
     deadline = time.monotonic() + 10
     while _peer_cn(g.port, ctx) != "gate-2" and time.monotonic() < deadline:

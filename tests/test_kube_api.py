@@ -200,7 +200,9 @@ def test_apply_k_stores_every_object(kube_api, deployed):
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["args"][:4] == ["warmctl", "up", "tiny", "--foreground"] and "command" not in c
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    assert c["args"][-2:] == ["--ready-port", "8001"] and {"name": "ready", "containerPort": 8001, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready?wait=8", "port": "ready", "scheme": "HTTP"}
+    assert c["readinessProbe"]["timeoutSeconds"] > 8  # longer than the probe is held
     assert c["terminationMessagePath"] == "/dev/termination-log"
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     pref = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]

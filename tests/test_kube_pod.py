@@ -12,8 +12,11 @@ what the readiness probe asks (the gate's ``/health``), not the engine.
 
 - a restore walks Resolving -> Pulling -> Restoring -> CanaryRunning -> Serving (True); the
   public port is shut (so ``/health`` does not answer) while the canary is held, and open when
-  Serving arrives; SIGTERM: Draining, during which the public port refuses new connections while
-  the engine still runs (a request in flight is drained), then Stopped, exit 0;
+  Serving arrives; the supervisor's readiness endpoint (``--ready-port``, warmctl.kube.readiness)
+  answers 503 while the canary is held and holds a probe with ``?wait=`` until the public port
+  opens, then answers 200 within 0.5 s of the opening; SIGTERM: Draining, during which the
+  public port refuses new connections while the engine still runs (a request in flight is
+  drained) and the readiness endpoint answers 503, then Stopped, exit 0;
 - SIGTERM while ``up`` runs: Stopped, exit 143, nothing left; the engine killed while served:
   EngineDied, the termination message, exit 7;
 - a corrupt chunk: Refused with the chunk named, the one-line error in the termination message
@@ -38,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -45,6 +49,7 @@ import psutil
 import pytest
 
 from tests.conftest import fake_env, listening, shm_names, snapshot_once, wait_until, warmctl
+from tests.test_agent_api import free_port
 from tests.test_agent_e2e import _engine_procs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,22 +151,55 @@ def _public_health(port: int) -> int | None:
         return None
 
 
+def _ready(port: int, wait_s: float) -> tuple[int, str]:
+    """(status, body) of the supervisor's ``GET /ready?wait=wait_s`` (``--ready-port``)."""
+    r = httpx.get(f"http://127.0.0.1:{port}/ready?wait={wait_s}", timeout=wait_s + 10)
+    return r.status_code, r.text.strip()
+
+
+def _watch_open(port: int) -> Future:
+    """A future of the moment (``time.monotonic()``) 127.0.0.1:``port`` first accepts a
+    connection, looked for every 10 ms."""
+    fut: Future = Future()
+
+    def look() -> None:
+        while not listening(port, 0.05):
+            time.sleep(0.01)
+        fut.set_result(time.monotonic())
+
+    threading.Thread(target=look, daemon=True).start()
+    return fut
+
+
 def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snapshot, fake_ports, fake_clean, tmp_path):
     gate = fake_ports[1]
     hold = Path(fk_env["WARMCTL_TEST_HOME"]).parent / "hold"  # fake_env's: holds the canary's answers
     pod = Pod(kube, NS, "warmctl-engine", gate)
     env = _pod_env(fk_env, kube, pod, tmp_path)
     log = tmp_path / "fg.log"
+    ready_port = free_port()
     hold.touch()
-    p = _foreground(env, log)
+    p = _foreground(env, log, "--ready-port", str(ready_port))
     req = None
     try:
         canary = pod.wait_reason("CanaryRunning", 120)
-        # the canary is held: the public port is not open, the readiness probe gets no answer
+        # the canary is held: the public port is not open, the readiness probe gets no answer,
+        # and the readiness endpoint answers 503 (at once without ?wait)
         time.sleep(0.5)
         assert not canary[4] and _public_health(gate) is None, (pod.changes, log.read_text())
         assert pod.changes[-1][2] == "CanaryRunning"
+        assert _ready(ready_port, 0) == (503, "not ready: up has not opened the public port yet")
+        # a probe held with ?wait=30 is answered 200 as the public port opens, not a period later
+        held: dict = {}
+        prober = threading.Thread(target=lambda: held.update(answer=_ready(ready_port, 30), t=time.monotonic()))
+        prober.start()
+        time.sleep(0.3)
+        assert prober.is_alive(), held  # held while the canary is
+        opened = _watch_open(gate)
         hold.unlink()
+        prober.join(60)
+        assert held["answer"] == (200, "serving"), held
+        assert abs(held["t"] - opened.result(60)) < 0.5, (held, opened.result())
         serving = pod.wait_reason("Serving", 60)
         assert serving[1] == "True" and serving[4], pod.changes  # the port was open when Serving came
         assert _public_health(gate) == 200
@@ -193,6 +231,7 @@ def test_restore_walks_the_condition_and_sigterm_drains(kube, fk_env, fake_snaps
         p.send_signal(signal.SIGTERM)
         pod.wait_reason("Draining", 30)
         assert wait_until(lambda: _public_health(gate) is None, 10)
+        assert _ready(ready_port, 0)[0] == 503  # what the gate's /health says: not ready while draining
         assert Path(f"/proc/{root}").exists(), "the engine went before the port shut"
         hold.unlink()
         req.join(60)

@@ -153,7 +153,7 @@ def other_engine_image(kube_images, engine_image, tmp_path_factory) -> tuple[str
 
 def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, args: list[str],
                 grace: int = 30, namespace: str = "default", api_port: int = 0,
-                node: str | None = "127.0.0.1") -> dict:
+                node: str | None = "127.0.0.1", ready_port: int | None = None) -> dict:
     """An engine pod as deploy/kubernetes/engine-deployment.yaml has it, on loopback: privileged,
     hostNetwork, the image's tini as PID 1 running ``warmctl ARGS`` with the node directory
     ``share`` (config, profiles, data dir) mounted at the same path, ``WARMCTL_IMAGE_DIGEST`` the
@@ -163,7 +163,9 @@ def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, 
     mounted) with the downward-API variables the Deployment sets, so ``up --foreground`` keeps
     the pod's ``warmctl.io/Restored`` condition; the in-cluster address is the apiserver's on
     loopback (no kube-proxy here). ``node``: the pod's ``spec.nodeName`` (None: none, the
-    scheduler binds it)."""
+    scheduler binds it). ``ready_port``: ``--ready-port`` added to ``up``'s arguments and the
+    probe on its ``/ready?wait=8`` (a 10 s timeout), as the Deployment has it, instead of the
+    gate's ``/health``."""
     kube = [] if not api_port else [
         {"name": "WARMCTL_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "WARMCTL_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -178,15 +180,15 @@ def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, 
             **({"serviceAccountName": "warmctl-engine"} if api_port else {}),
             "terminationGracePeriodSeconds": grace, "restartPolicy": "Never",
             "containers": [{
-                "name": "engine", "image": image[0], "args": ["warmctl", *args],
+                "name": "engine", "image": image[0],
+                "args": ["warmctl", *args, *(["--ready-port", str(ready_port)] if ready_port else [])],
                 "env": [{"name": "WARMCTL_CONFIG", "value": str(share / "config.toml")},
                         {"name": "WARMCTL_IMAGE_DIGEST", "value": image[1]},
                         {"name": "WARMCTL_TERMINATION_MESSAGE_PATH", "value": "/dev/termination-log"},
                         {"name": "PYTHONUNBUFFERED", "value": "1"}, *kube],
                 "securityContext": {"privileged": True},
                 "resources": {"requests": {"cpu": "1", "memory": "3Gi"}},
-                "readinessProbe": {"httpGet": {"host": "127.0.0.1", "port": gate_port, "path": "/health"},
-                                   "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1},
+                "readinessProbe": _probe(gate_port, ready_port),
                 "terminationMessagePolicy": "FallbackToLogsOnError",
                 "volumeMounts": [{"name": "share", "mountPath": str(share)},
                                  {"name": "shm", "mountPath": "/dev/shm"}],
@@ -195,6 +197,17 @@ def _engine_pod(name: str, image: tuple[str, str], share: Path, gate_port: int, 
                         {"name": "shm", "emptyDir": {"medium": "Memory"}}],
         },
     }
+
+
+def _probe(gate_port: int, ready_port: int | None) -> dict:
+    """The engine container's readiness probe: the supervisor's held ``/ready`` on
+    ``ready_port`` when given (deploy/kubernetes/engine-deployment.yaml's), else the gate's
+    ``/health``, both every second."""
+    if ready_port:
+        return {"httpGet": {"host": "127.0.0.1", "port": ready_port, "path": "/ready?wait=8"},
+                "periodSeconds": 1, "failureThreshold": 3, "timeoutSeconds": 10}
+    return {"httpGet": {"host": "127.0.0.1", "port": gate_port, "path": "/health"},
+            "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1}
 
 
 def _share(node, name: str, engine_port: int, gate_port: int, profile: str = "tiny") -> Path:
@@ -243,7 +256,9 @@ def test_tiny_engine_pod_ready_only_after_canary_answers_and_deletion_drains(kub
     name = f"tiny-{uuid.uuid4().hex[:6]}"
     share = _share(kube_node, name, engine_port, gate_port)
     t0 = time.monotonic()
-    _create(kube_node, _engine_pod(name, engine_image, share, gate_port, ["up", "tiny", "--foreground"]))
+    # the probe the Deployment ships: the supervisor's /ready, held 8 s at a time through the cold start
+    _create(kube_node, _engine_pod(name, engine_image, share, gate_port, ["up", "tiny", "--foreground"],
+                                   ready_port=engine_ports[1] + 21))
     # until Ready: sample the pod and the gate; the gate must never answer before the pod is
     # Running, and the pod must never be Ready while the gate does not answer
     running_at = ready_at = None

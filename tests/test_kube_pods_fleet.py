@@ -78,12 +78,13 @@ pytestmark = OPT_IN
 
 def _fleet_pod(name: str, image: tuple[str, str], root: Path, store: Path, node: str | None, gate_port: int,
                args: list[str], env: dict[str, str], namespace: str = "default", api_port: int = 0,
-               service_account: str = "warmctl-engine") -> dict:
+               service_account: str = "warmctl-engine", ready_port: int | None = None) -> dict:
     """:func:`test_kube_pods._engine_pod` on node store ``store`` (a host directory of node
     ``node``: its config.toml, profiles, keys and home; None: no ``nodeName``, the scheduler
     binds the pod), mounted at :data:`STORE`, with the fleet directory ``root`` also mounted (the
     remote, the signing key), ``env`` added, and ``service_account`` when ``api_port`` is given."""
-    pod = _engine_pod(name, image, store, gate_port, args, namespace=namespace, api_port=api_port, node=node)
+    pod = _engine_pod(name, image, store, gate_port, args, namespace=namespace, api_port=api_port, node=node,
+                      ready_port=ready_port)
     spec = pod["spec"]
     if api_port:
         spec["serviceAccountName"] = service_account
@@ -107,17 +108,20 @@ def _wait_token(cluster, account: str) -> None:
 
 
 def _restore_pod(node, name: str, image, root: Path, store: Path, gate_port: int, remote: Path | None,
-                 affinity: dict | None = None, profile: str = "tiny") -> tuple[float, dict, str, dict, str]:
+                 affinity: dict | None = None, profile: str = "tiny",
+                 ready_port: int | None = None) -> tuple[float, dict, str, dict, str]:
     """An engine pod restoring ``profile`` from node store ``store`` (``remote`` configured
     unless None, no cold start) as the ``warmctl-engine`` service account, bound to ``node`` (a KubeNode), or,
-    with ``affinity``, given that instead of a node name for the scheduler to place it:
+    with ``affinity``, given that instead of a node name for the scheduler to place it; its
+    readiness probe the gate's ``/health``, or with ``ready_port`` the supervisor's ``/ready``:
     (created -> Ready seconds, its final ``warmctl.io/Restored`` condition, where the seconds
     went, the pod, its log). Leaves the pod serving."""
     cluster = node.cluster
     t0, wall0 = time.monotonic(), time.time()
     pod = _fleet_pod(name, image, root, store, None if affinity else node.name, gate_port,
                      ["up", profile, "--foreground", "--cold-start", "never"],
-                     {"WARMCTL_REMOTE_STORE": str(remote)} if remote else {}, namespace="warmctl", api_port=cluster.port)
+                     {"WARMCTL_REMOTE_STORE": str(remote)} if remote else {}, namespace="warmctl", api_port=cluster.port,
+                     ready_port=ready_port)
     if affinity:
         pod["spec"]["affinity"] = affinity
     _create(node, pod)
@@ -301,7 +305,8 @@ def test_snapshot_pushed_from_a_pod_on_one_node_restored_on_a_second_node_cold_a
         pre-warmed one the pre-warm pod put their digests in the node's cache); deleted; its
         figures kept under ``what``."""
         up = f"up-{uuid.uuid4().hex[:6]}"
-        ready_s, cond, split, pod, logs = _restore_pod(node, up, engine_image, root, s, gate_port, remote, affinity)
+        ready_s, cond, split, pod, logs = _restore_pod(node, up, engine_image, root, s, gate_port, remote, affinity,
+                                                       ready_port=gate_port + 10)  # the shipped probe: /ready
         assert pod["spec"]["nodeName"] == node.name and pod["status"]["hostIP"] == node.name, pod["spec"]
         # the image's files the engine maps: hashed by a cold node's pod, by the pre-warm on a warm one
         assert ("required files:" in logs) == remote_bytes, logs[-3000:]

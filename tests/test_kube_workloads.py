@@ -141,6 +141,7 @@ def test_shipped_workloads_on_two_nodes_prewarm_one_and_an_update_moves_the_engi
     cluster.start_scheduler()
     node1, node2 = kube_node.name, kube_node2.name
     engine_port, gate_port, agent_port = engine_ports[0] + 16, engine_ports[1] + 16, engine_ports[0] + 18
+    ready_port = engine_ports[1] + 18  # the supervisor's readiness endpoint (--ready-port)
     name = f"wl-{uuid.uuid4().hex[:6]}"
     share = _share(kube_node, name, engine_port, gate_port)  # config.toml and profiles/tiny.toml
     # the home comes from WARMCTL_HOME (the manifests' /var/lib/warmctl): the config file names
@@ -193,9 +194,11 @@ def test_shipped_workloads_on_two_nodes_prewarm_one_and_an_update_moves_the_engi
     spec = dep["spec"]["template"]["spec"]
     _on_loopback(spec, engine_image[0], share, stores, cluster.port, s3env)
     c = spec["containers"][0]
-    c["args"] = ["warmctl", "up", "tiny", "--foreground", "--host", "127.0.0.1", "--port", str(gate_port)]
-    c["ports"] = [{"name": "http", "containerPort": gate_port}]
-    c["readinessProbe"]["httpGet"]["host"] = "127.0.0.1"  # the gate's address on either node
+    assert c["args"][-2:] == ["--ready-port", "8001"], c["args"]
+    c["args"] = ["warmctl", "up", "tiny", "--foreground", "--host", "127.0.0.1", "--port", str(gate_port),
+                 "--ready-port", str(ready_port)]
+    c["ports"] = [{"name": "http", "containerPort": gate_port}, {"name": "ready", "containerPort": ready_port}]
+    c["readinessProbe"]["httpGet"]["host"] = "127.0.0.1"  # the supervisor's address on either node
     # the shipped preferred affinity stays as it is: nodes labelled for the WarmSnapshot `tiny`
     assert spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["preference"][
         "matchExpressions"] == [{"key": "snapshot.warmctl.io/tiny", "operator": "Exists"}], spec["affinity"]

@@ -123,6 +123,11 @@ def register(app: typer.Typer) -> None:
                                              "0 after SIGTERM (which takes the engine down). In a Kubernetes pod (pod_name set) "
                                              "it also keeps the pod's warmctl.io/Restored condition and writes why it failed to "
                                              "the termination message file."),
+        ready_port: Optional[int] = typer.Option(None, "--ready-port", min=1, max=65535,
+                                                 help="With --foreground: serve GET /ready?wait=SECONDS on this port (on --host's "
+                                                      "address, else 127.0.0.1) for a readiness probe: held while up works, "
+                                                      "answered the moment the public port opens, then what the gate's /health "
+                                                      "answers (warmctl/kube/readiness.py)."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no phase table, only the result line."),
     ) -> None:
         """Restore NAME from its snapshot, prove it with the canary, then open the public port.
@@ -156,6 +161,8 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"{restore_pages!r}: use lazy, eager or auto", param_hint="--restore-pages")
             overrides["restore_pages"] = restore_pages
         gate_flags = {"gate_api_key_file": api_key_file, "gate_tls_cert": tls_cert, "gate_tls_key": tls_key}
+        if ready_port is not None and not foreground:
+            raise typer.BadParameter("the readiness endpoint is the supervisor's: add --foreground", param_hint="--ready-port")
         settings = load_settings(None, {**overrides, **gate_flags})
         if settings.agent_url and foreground:
             raise typer.BadParameter("with an agent (agent_url), the agent supervises engines: ask it with "
@@ -187,7 +194,8 @@ def register(app: typer.Typer) -> None:
 
             code = fg.run(req.name, settings, fg.NotifyingReporter(quiet=json_out or quiet),
                           lambda rep: run_up(req, settings, rep), show,
-                          lambda line: _err().print(line, markup=False, highlight=False))
+                          lambda line: _err().print(line, markup=False, highlight=False),
+                          ready_at=None if ready_port is None else (host or "127.0.0.1", ready_port))
             raise typer.Exit(code)
         rep = ConsoleReporter(quiet=json_out or quiet)
         if settings.agent_url:  # a configured agent does the work; same output

@@ -25,7 +25,9 @@ In a Kubernetes pod (``pod_name`` set, from the downward API) the same process i
 container's main process: it also keeps the pod's ``warmctl.io/Restored`` condition through
 every phase (:mod:`warmctl.kube.conditions`: information, never readiness; the readiness probe
 asks the gate's ``/health``, which answers only once the canary passed and the port opened, and
-no longer once a drain began). When ``up`` fails, or the engine dies, the one-line error goes to
+no longer once a drain began; with ``--ready-port`` it asks :mod:`warmctl.kube.readiness`'s
+``/ready`` instead, which holds the probe until the port opens, then answers what the gate's
+``/health`` answers). When ``up`` fails, or the engine dies, the one-line error goes to
 the termination message file (``termination_message_path``; ``/dev/termination-log`` in a pod),
 which ``kubectl describe pod`` shows; the exit status is warmctl's.
 """
@@ -143,18 +145,30 @@ class StopSignals:
 
 
 def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[NotifyingReporter], object],
-        show: Callable[[object], None], say: Callable[[str], None]) -> int:
+        show: Callable[[object], None], say: Callable[[str], None], ready_at: tuple[str, int] | None = None) -> int:
     """Bring ``name`` up with ``up(reporter)`` (a :class:`warmctl.records.contract.UpResult`), print it
-    with ``show``, then supervise it (module doc). ``say`` prints one line to the log. Returns
-    the exit status: 0 after a stop signal, :data:`ENGINE_DIED_EXIT` when the engine died,
-    128+signal when stopped during ``up`` before the public port opened."""
+    with ``show``, then supervise it (module doc). ``say`` prints one line to the log.
+    ``ready_at``: (host, port) of the readiness endpoint (:mod:`warmctl.kube.readiness`),
+    served from before ``up`` starts until this returns; :class:`HostError` when it cannot be
+    bound (nothing started then). Returns the exit status: 0 after a stop signal,
+    :data:`ENGINE_DIED_EXIT` when the engine died, 128+signal when stopped during ``up``
+    before the public port opened."""
     stops = StopSignals()
     stops.install()
-    reporter.port_opened = stops.hold
+    ready: Any = None
+
+    def port_opened() -> None:
+        stops.hold()
+        if ready is not None:
+            ready.opened()
+
+    reporter.port_opened = port_opened
     cond = reporter.condition = pod_condition(settings, say)
     try:
         try:
             notify(f"EXTEND_TIMEOUT_USEC={int(DEFAULT_PHASE_BUDGET_S * 1e6)}", f"STATUS=bringing {name} up")
+            if ready_at is not None:
+                ready = readiness_server(name, settings, *ready_at)
             res = up(reporter)
         except Stopped as e:
             _ignore_stop_signals()
@@ -168,6 +182,8 @@ def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[Notifyin
                 cond.failed(e, code)
             write_termination_message(settings, f"{type(e).__name__} (exit {code}): {e}", say)
             raise
+        if ready is not None:  # an engine already up opened no port
+            ready.opened()
         if cond is not None:
             cond.serving(res)
         st = res.state  # type: ignore[attr-defined]
@@ -178,8 +194,36 @@ def run(name: str, settings, reporter: NotifyingReporter, up: Callable[[Notifyin
         show(res)
         return watch(name, settings, say, condition=cond, stops=stops)
     finally:
+        if ready is not None:
+            ready.close()
         if cond is not None:
             cond.close()
+
+
+def readiness_server(name: str, settings, host: str, port: int) -> Any:
+    """A :class:`warmctl.kube.readiness.ReadinessServer` on ``host:port`` whose check, once the
+    public port is open, asks the gate's ``/health`` on the public port recorded for ``name``
+    (over loopback when the gate listens on every address; over TLS when it has TLS). Raises
+    :class:`HostError` when ``host:port`` cannot be bound."""
+    from warmctl.base.errors import HostError
+    from warmctl.base.ports import require_port_free
+    from warmctl.kube.readiness import ReadinessServer
+    from warmctl.records.state import load as load_state
+
+    def gate_health() -> tuple[bool, str]:
+        st = load_state(settings.run_dir, name)
+        if st is None:
+            return False, f"engine {name} is not recorded as running"
+        addr = "127.0.0.1" if st.public_host in ("0.0.0.0", "", "::") else st.public_host
+        if healthy(st.public_port, timeout_s=2.0, host=addr, tls=st.gate_tls):
+            return True, ""
+        return False, f"the gate's /health on {addr}:{st.public_port} did not answer 200"
+
+    require_port_free(host, port, "the readiness port (--ready-port)")
+    try:
+        return ReadinessServer(host, port, gate_health)
+    except OSError as e:
+        raise HostError(f"the readiness port (--ready-port) {host}:{port}: {e}") from None
 
 
 def pod_condition(settings, say: Callable[[str], None]) -> Any:

@@ -21,11 +21,13 @@ class LoopbackError(Exception):
     400 or more, or a body that is not JSON. The message names the method, URL and cause."""
 
 
-def healthy(port: int, timeout_s: float = 5.0) -> bool:
-    """True if the engine on ``127.0.0.1:port`` answers ``GET /health`` with 200 (``timeout_s``
-    bounds connecting and the read): the one ``/health`` probe of an engine already up (``up``'s
-    already-up check, ``status``, the foreground supervisor). False on any failure."""
-    with Connection(f"http://127.0.0.1:{port}", timeout_s) as c:
+def healthy(port: int, timeout_s: float = 5.0, host: str = "127.0.0.1", tls: bool = False) -> bool:
+    """True if the engine (or the gate) on ``host:port`` answers ``GET /health`` with 200
+    (``timeout_s`` bounds connecting and the read): the one ``/health`` probe of an engine
+    already up (``up``'s already-up check, ``status``, the foreground supervisor and its
+    readiness endpoint). ``tls``: over HTTPS, the certificate not verified (a liveness check of
+    this host's own port, as the kubelet's HTTPS probes do). False on any failure."""
+    with Connection(f"{'https' if tls else 'http'}://{host}:{port}", timeout_s) as c:
         try:
             return c.status("/health") == 200
         except LoopbackError:
@@ -33,16 +35,25 @@ def healthy(port: int, timeout_s: float = 5.0) -> bool:
 
 
 class Connection:
-    """One keep-alive HTTP/1.1 connection to ``base_url`` (``http://HOST:PORT``, no path);
+    """One keep-alive HTTP/1.1 connection to ``base_url`` (``http://HOST:PORT``, no path; or
+    ``https://HOST:PORT``, the certificate not verified: for :func:`healthy` alone);
     ``timeout_s`` bounds connecting and each read. After a failed request the connection is
     closed, and the next request opens a new one. Use as a context manager (closes it)."""
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
         u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname or u.path.strip("/"):
+        if u.scheme not in ("http", "https") or not u.hostname or u.path.strip("/"):
             raise ValueError(f"{base_url!r}: expected http://HOST:PORT")
         self.base_url = base_url.rstrip("/")
-        self._conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
+        self._conn: http.client.HTTPConnection
+        if u.scheme == "https":
+            import ssl
+
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            self._conn = http.client.HTTPSConnection(u.hostname, u.port or 443, timeout=timeout_s, context=ctx)
+        else:
+            self._conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
 
     def __enter__(self) -> Connection:
         return self
