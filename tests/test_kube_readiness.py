@@ -83,6 +83,15 @@ def test_close_answers_held_probes_and_frees_the_port():
         assert s.connect_ex(("127.0.0.1", srv.port)) != 0
 
 
+def test_an_ipv6_address():
+    srv = ReadinessServer("::1", 0, lambda: (True, ""))
+    try:
+        srv.opened()
+        assert httpx.get(f"http://[::1]:{srv.port}/ready", timeout=10).status_code == 200
+    finally:
+        srv.close()
+
+
 def test_bad_requests(server):
     srv, _ = server
     srv.opened()

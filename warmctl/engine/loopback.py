@@ -27,7 +27,8 @@ def healthy(port: int, timeout_s: float = 5.0, host: str = "127.0.0.1", tls: boo
     already up (``up``'s already-up check, ``status``, the foreground supervisor and its
     readiness endpoint). ``tls``: over HTTPS, the certificate not verified (a liveness check of
     this host's own port, as the kubelet's HTTPS probes do). False on any failure."""
-    with Connection(f"{'https' if tls else 'http'}://{host}:{port}", timeout_s) as c:
+    addr = f"[{host}]" if ":" in host else host  # an IPv6 address
+    with Connection(f"{'https' if tls else 'http'}://{addr}:{port}", timeout_s) as c:
         try:
             return c.status("/health") == 200
         except LoopbackError:
