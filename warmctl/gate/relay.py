@@ -147,8 +147,8 @@ class ResponseTracker:
     not yet answered in full (responses to HEAD, and 204/304, have no body). :attr:`idle`:
     every forwarded request has had its whole response -- a draining gate may close then;
     :attr:`idle_since`: when it last became so (``time.monotonic()`` seconds: the connection's
-    start, or the end of its last response). :attr:`closing`: a response so far carried ``Connection: close`` (the engine ends the
-    connection after it)."""
+    start, or the end of its last response). :attr:`closing`: a response so far carried
+    ``Connection: close`` (the engine ends the connection after it)."""
 
     HEAD, LENGTH, CHUNK_LINE, CHUNK_DATA, CHUNK_CRLF, TRAILER, CLOSE = range(7)
 

@@ -13,7 +13,8 @@ A ``WarmSnapshot`` (``warmsnapshots.warmctl.io``, cluster-scoped; deploy/kuberne
    restore, signed by a trusted key, no rollback, every chunk verified on the way; a second
    pass copies nothing), then hashes the files the snapshot's processes map into the node's
    digest cache (:func:`prehash`), so that an engine pod's ``up`` checks them with a ``stat``
-   each instead of reading them (``tiny`` in the project's image: 128 files, 0.4 s). Success: the Node gets the label ``snapshot.warmctl.io/<NAME>`` =
+   each instead of reading them (``tiny`` in the project's image: 128 files, 0.4 s). Success:
+   the Node gets the label ``snapshot.warmctl.io/<NAME>`` =
    ``sha256-<first 40 hex digits of the manifest digest>`` (:func:`label_key`,
    :func:`label_value`), then this node's entry in ``status.nodes`` says ``digest`` and
    ``cachedAt`` (RFC 3339, when this node first held that digest). Failure: the entry holds the
