@@ -110,3 +110,43 @@ def test_the_same_image_file_under_a_new_overlay_mount_is_not_hashed_again_but_a
     # on a plain filesystem the device stays in the key
     st = lib.stat()
     assert file_key(st, overlay_devices())[0] == st.st_dev != 0
+
+
+def test_pull_hashes_the_files_the_snapshot_maps_so_up_on_that_node_hashes_none(tmp_path, fk_env, fake_snapshot,
+                                                                                 engine_ports):
+    """Node B pulls the fake engine's snapshot (the real pipeline under real CRIU) from a
+    directory remote: ``pull --json`` reports the mapped files it hashed into B's digest cache,
+    a second pull none, and B's ``up`` then hashes none (it says when it does: without the
+    cache it hashes the same files)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tests.conftest import fake_env, warmctl
+
+    remote = tmp_path / "remote"
+    warmctl("push", "fake", "--to", str(remote), env=fk_env)
+    b = fake_env(tmp_path / "b", *engine_ports, hold=Path(fk_env["WARMCTL_CONFIG"]).parent / "hold")
+    keys = Path(b["WARMCTL_CONFIG"]).parent / "keys"
+    keys.mkdir(exist_ok=True)
+    for pub in (Path(fk_env["WARMCTL_CONFIG"]).parent / "keys").glob("*.pub"):
+        shutil.copy(pub, keys / pub.name)
+    r = warmctl("pull", "fake", "--from", str(remote), "--json", env=b)
+    [out] = json.loads(r.stdout)
+    assert out["digest"] == fake_snapshot["digest"] and out["chunks_copied"] > 0, out
+    hashed = out["files_hashed"]
+    assert hashed > 0 and out["hash_seconds"] > 0, out
+    r = warmctl("pull", "fake", "--from", str(remote), env=b)
+    assert "hashed into this host's digest cache" not in r.stderr, r.stderr
+    assert json.loads(warmctl("pull", "fake", "--from", str(remote), "--json", env=b).stdout)[0]["files_hashed"] == 0
+    try:
+        r = warmctl("up", "fake", "--json", "--cold-start", "never", env=b)
+        res = json.loads(r.stdout)
+        assert res["path"] == "restore" and res["snapshot"] == fake_snapshot["digest"], r.stderr
+        assert "required files:" not in r.stderr, r.stderr
+        warmctl("down", "fake", env=b)
+        (Path(b["WARMCTL_TEST_HOME"]) / "cache" / "file-digests.json").unlink()
+        r = warmctl("up", "fake", "--cold-start", "never", env=b)
+        assert f"required files: {hashed} of {hashed} hashed" in r.stderr, r.stderr
+    finally:
+        warmctl("down", "fake", env=b, check=False)

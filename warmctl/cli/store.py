@@ -74,7 +74,9 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: 
     per entry, docs/cli-json.md). ``verify`` (``pull``): only entries this node may act on, each
     checked against the trusted keys before anything is named (:func:`warmctl.naming.fleet.copy_entry`),
     refusing a rollback unless ``allow_rollback``. ``sign`` (``push``): entries without
-    signatures are signed with the ``signing_key`` setting, when one is set."""
+    signatures are signed with the ``signing_key`` setting, when one is set. ``for_this_host``
+    (``pull`` without ``--all``): the files the entry's processes map are then hashed into this
+    host's digest cache (:func:`warmctl.pipelines.materialize.prehash`), off the next ``up``."""
     from warmctl.naming.catalog import Accepted, Ref
     from warmctl.records.config import load_settings
     from warmctl.naming.fleet import copy_entry, entries_to_copy
@@ -97,17 +99,22 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: 
         with byte_progress(f"{verb} {r}", sum(e.size for e in entries)) as advance:
             signer = settings.signing_key if sign else None
             done = [copy_entry(src, dst, e, progress=advance, keys_dir=keys, signer=signer) for e in entries]
+        hashed = _prehash(dst, done, settings) if for_this_host else {}
     finally:  # locks released now, also on failure (not at interpreter exit)
         src.close()
         dst.close()
-    if json_out:
-        emit_json([{"name": c.entry.name, "tag": c.entry.tag, "digest": c.report.digest,
-                    "from": src.location, "to": dst.location, "chunks_total": c.report.chunks_total,
-                    "chunks_copied": c.report.chunks_copied, "bytes_copied": c.report.bytes_copied,
-                    "logical": c.report.logical, "seconds": c.report.seconds} for c in done])
-        return
+    rows = []
     for c in done:
         rep = c.report
+        row = {"name": c.entry.name, "tag": c.entry.tag, "digest": rep.digest, "from": src.location,
+               "to": dst.location, "chunks_total": rep.chunks_total, "chunks_copied": rep.chunks_copied,
+               "bytes_copied": rep.bytes_copied, "logical": rep.logical, "seconds": rep.seconds}
+        pre = hashed.get(rep.digest)
+        if pre is not None:
+            row.update(files_hashed=pre.files_hashed, hash_seconds=pre.seconds)
+        rows.append(row)
+        if json_out:
+            continue
         rate = rep.bytes_copied / rep.seconds if rep.seconds else 0
         _console().print(
             f"{verb} {c.entry.name}:{c.entry.tag} ({rep.digest[:19]}) {src.location} -> {dst.location}: "
@@ -116,6 +123,35 @@ def _copy(src, dst, ref: str, verb: str, for_this_host: bool = False, json_out: 
             highlight=False,
             soft_wrap=True,
         )
+        if pre is not None and pre.files_hashed:
+            _console().print(f"  {pre.files_hashed} mapped file(s) hashed into this host's digest cache in "
+                             f"{pre.seconds:.1f} s: `up` checks each with a stat", highlight=False, soft_wrap=True)
+    if json_out:
+        emit_json(rows)
+
+
+def _prehash(dst, done, settings) -> dict:
+    """Manifest digest -> :class:`warmctl.pipelines.materialize.Prehashed` for each entry of
+    ``done`` pulled into ``dst``; the files missing or differing here are warned about on stderr
+    (``up`` would refuse the snapshot), and a failure of the hashing itself is a warning too
+    (the pull stands: ``up`` hashes for itself)."""
+    from warmctl.pipelines.materialize import prehash
+
+    out = {}
+    for c in done:
+        name = f"{c.entry.name}:{c.entry.tag}"
+        try:
+            pre = out[c.report.digest] = prehash(dst.get_manifest(c.report.digest), settings)
+        except (OSError, WarmctlError) as e:  # the snapshot is pulled; only the hashing ahead failed
+            _console().print(f"warning: the files {name} maps were not hashed ahead ({type(e).__name__}: {e}); "
+                             "`warmctl up` hashes them itself", markup=False, highlight=False, soft_wrap=True)
+            continue
+        if pre.problems:
+            _console().print(
+                f"warning: {len(pre.problems)} file(s) the processes of {name} map are missing or differ on this "
+                "host: `warmctl up` will refuse it until the same engine environment is installed at the same "
+                "path:\n  " + "\n  ".join(pre.problems[:5]), markup=False, highlight=False, soft_wrap=True)
+    return out
 
 
 def _digests(s, refs: Optional[list[str]]) -> Optional[list[str]]:

@@ -11,9 +11,10 @@ A ``WarmSnapshot`` (``warmsnapshots.warmctl.io``, cluster-scoped; deploy/kuberne
 2. for each one whose selector matches, pulls ``ref`` from ``remote`` into the node's store
    exactly as ``warmctl pull`` does (:func:`warmctl.naming.fleet.pull`: the entry this host would
    restore, signed by a trusted key, no rollback, every chunk verified on the way; a second
-   pass copies nothing), then hashes the files the snapshot's processes map into the node's
-   digest cache (:func:`prehash`), so that an engine pod's ``up`` checks them with a ``stat``
-   each instead of reading them (``tiny`` in the project's image: 128 files, 0.4 s). Success:
+   pass copies nothing), then, as ``warmctl pull`` also does, hashes the files the snapshot's
+   processes map into the node's digest cache (:func:`warmctl.pipelines.materialize.prehash`),
+   so that an engine pod's ``up`` checks them with a ``stat`` each instead of reading them
+   (``tiny`` in the project's image: 128 files, 0.4 s). Success:
    the Node gets the label ``snapshot.warmctl.io/<NAME>`` =
    ``sha256-<first 40 hex digits of the manifest digest>`` (:func:`label_key`,
    :func:`label_value`), then this node's entry in ``status.nodes`` says ``digest`` and
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
     import lightkube
 
     from warmctl.records.config import Settings
-    from warmctl.records.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +139,8 @@ class Outcome:
     pull (opening the stores, this host's fingerprint, resolving and checking the entry, the
     copy); ``copy_seconds``: the copy alone (what ``warmctl pull --json`` reports as
     ``seconds``); ``files_hashed``: required files whose digests this pass put in the node's
-    digest cache (0 when they were there), ``hash_seconds``: that check (:func:`prehash`), not
-    counted in ``seconds``."""
+    digest cache (0 when they were there), ``hash_seconds``: that check
+    (:func:`warmctl.pipelines.materialize.prehash`), not counted in ``seconds``."""
 
     name: str
     ref: str
@@ -160,32 +160,6 @@ class Outcome:
     def to_dict(self) -> dict[str, Any]:
         """The outcome as ``warmctl prewarm --once --json`` prints it (docs/cli-json.md)."""
         return asdict(self)
-
-
-def prehash(name: str, m: Manifest, settings: Settings) -> tuple[int, float]:
-    """Put the digests of the files snapshot ``m``'s processes map (``restore.required_digests``:
-    the engine image's libraries) into this node's digest cache
-    (:class:`warmctl.checkpoint.filedigest.DigestCache`, in the store's home, shared by the
-    node's pods), hashing those not there yet, as ``up`` checks them before a restore. The
-    agent runs the engine's image (the pull above accepted the snapshot for this image), and
-    the cache's key holds across the containers' overlay mounts of it. Returns (files hashed,
-    seconds). A file missing or differing here is logged, not raised: ``up`` refuses the
-    snapshot with the same words; an unreadable or unwritable cache costs a re-hash, never an
-    error."""
-    from warmctl.checkpoint.capture import missing_or_changed
-    from warmctl.checkpoint.filedigest import DigestCache
-
-    t0 = time.monotonic()
-    cache = DigestCache.for_settings(settings)
-    problems = missing_or_changed(m.restore.required_files, m.restore.required_digests, cache)
-    seconds = time.monotonic() - t0
-    if problems:
-        log.warning("prewarm %s: %d file(s) the snapshot's processes map are missing or differ in this image; an "
-                    "engine pod of it would refuse the snapshot: %s", name, len(problems), "; ".join(problems[:3]))
-    if cache.hashed:
-        log.info("prewarm %s: %d required file(s) hashed into the node's digest cache in %.1f s",
-                 name, len(cache.hashed), seconds)
-    return len(cache.hashed), seconds
 
 
 class Prewarmer:
@@ -253,6 +227,7 @@ class Prewarmer:
         """Pull one object's ``ref`` from its remote; failures become the outcome's ``error``."""
         from warmctl.naming import fleet
         from warmctl.naming.catalog import Ref
+        from warmctl.pipelines.materialize import prehash
         from warmctl.store import open_store
 
         ref, remote = str(spec.get("ref") or ""), spec.get("remote") or self.settings.remote_store
@@ -283,7 +258,15 @@ class Prewarmer:
                      name, ref, remote, self.node, rep.digest, rep.chunks_copied, rep.chunks_total,
                      rep.bytes_copied, o.seconds)
             try:
-                o.files_hashed, o.hash_seconds = prehash(name, dst.get_manifest(rep.digest), self.settings)
+                pre = prehash(dst.get_manifest(rep.digest), self.settings)
+                o.files_hashed, o.hash_seconds = pre.files_hashed, pre.seconds
+                if pre.problems:
+                    log.warning("prewarm %s: %d file(s) the snapshot's processes map are missing or differ in this "
+                                "image; an engine pod of it would refuse the snapshot: %s", name, len(pre.problems),
+                                "; ".join(pre.problems[:3]))
+                if pre.files_hashed:
+                    log.info("prewarm %s: %d required file(s) hashed into the node's digest cache in %.1f s",
+                             name, pre.files_hashed, pre.seconds)
             except Exception as e:  # noqa: BLE001 - the snapshot is held: the pods hash for themselves
                 log.warning("prewarm %s: the snapshot's mapped files were not hashed ahead: %s", name, one_line(e))
         except Exception as e:  # noqa: BLE001 - any failure of one snapshot is its status entry, never the loop's end
