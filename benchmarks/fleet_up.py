@@ -12,6 +12,12 @@ result, not the absolute seconds):
 - **rgw**: ``up`` on a fresh node with ``remote_store`` = ``s3://`` on the RGW;
 - **oci**: ``up`` on a fresh node with ``remote_store`` = ``oci://`` on the registry;
 
+- **pulled**, **pulled-unhashed** (with ``--pulled``): ``up`` on a fresh node (no remote
+  configured) right after its ``warmctl pull`` from the directory: as ``pull`` leaves it (the
+  digests of the files the engine maps in the node's digest cache), and with that cache
+  removed before ``up`` (what an ``up`` after a pull paid before ``pull`` hashed them: ``up``
+  hashes them in its materialize phase); the two alternate which goes first;
+
 each measured from the command's start to the first *correct* token on the public port (the
 canary's first token id), asked once the command returned and, beside it, by a client polling
 the port every 50 ms from the command's start (``polled``: the port opens before ``up``'s
@@ -38,8 +44,8 @@ also gets ``criu-xtile-perm.so`` in ``LD_PRELOAD``, which its ``criu restore`` i
 
 Usage::
 
-    python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--no-oci] [--keep-home DIR] [--old DIR]
-        [--profile-env NAME=VALUE] [--restore-stream auto|never]
+    python benchmarks/fleet_up.py [--rounds 3] [--no-rgw] [--no-oci] [--pulled] [--keep-home DIR]
+        [--old DIR] [--profile-env NAME=VALUE] [--restore-stream auto|never]
 
 ``--restore-stream``: the fresh nodes' ``restore_stream`` (``WARMCTL_RESTORE_STREAM``), for both
 checkouts (e.g. ``auto`` with ``--old`` at an earlier streamer: streamed against streamed).
@@ -167,6 +173,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-rgw", action="store_true", help="skip the Ceph RGW remote")
     ap.add_argument("--no-oci", action="store_true", help="skip the OCI registry remote")
+    ap.add_argument("--pulled", action="store_true",
+                    help="also up on fresh nodes right after their pull, with and without the digests pull hashed")
     ap.add_argument("--keep-home", type=Path, default=None, help="reuse/keep node A's home (its snapshot)")
     ap.add_argument("--old", type=Path, default=None, help="another warmctl checkout whose up runs beside this one's")
     ap.add_argument("--profile-env", action="append", default=[], metavar="NAME=VALUE",
@@ -224,7 +232,7 @@ def main() -> None:
         local = node_env(work / "local", a_pub)
         wc(local, "pull", "tiny", "--from", remotes["dir"][0])
         checkouts = {"": None, **({"old-": a.old.resolve()} if a.old else {})}
-        kinds = [p + k for p in checkouts for k in remotes]
+        kinds = [p + k for p in checkouts for k in remotes] + (["pulled", "pulled-unhashed"] if a.pulled else [])
         times: dict[str, list[float]] = {"local": [], **{k: [] for k in kinds}}
         results: dict[str, list[dict]] = {k: [] for k in times}
         fetched: dict[str, dict] = {}
@@ -245,6 +253,20 @@ def main() -> None:
                         shutil.rmtree(fresh, ignore_errors=True)
                         print(f"round {i} {pre + kind}: {dt:6.2f} s to the first correct token; {phase_line(res)}",
                               flush=True)
+                pulled_sides = ["pulled", "pulled-unhashed"] if a.pulled else []
+                for kind in (pulled_sides[::-1] if i % 2 else pulled_sides):  # each goes first in turn
+                    fresh = work / f"{kind}-{i}"
+                    env = node_env(fresh, a_pub)
+                    [pulled] = json.loads(wc(env, "pull", "tiny", "--from", remotes["dir"][0], "--json").stdout)
+                    if kind == "pulled-unhashed":
+                        (fresh / "home" / "cache" / "file-digests.json").unlink()
+                    dt, res = timed_up(env, prompt, expected)
+                    times[kind].append(dt)
+                    results[kind].append(res)
+                    shutil.rmtree(fresh, ignore_errors=True)
+                    print(f"round {i} {kind}: {dt:6.2f} s to the first correct token; {phase_line(res)}; its pull "
+                          f"{pulled['seconds']:.2f} s + {pulled['files_hashed']} files hashed in "
+                          f"{pulled['hash_seconds']:.2f} s", flush=True)
         finally:
             for env in (local, env_a):
                 wc(env, "down", "tiny", check=False)
@@ -254,13 +276,13 @@ def main() -> None:
         for k, v in med.items():
             pk = statistics.median(r["polled_s"] for r in results[k])
             pl = statistics.median(r["polled_s"] for r in results["local"])
-            print(f"  {k:8s} {v:6.2f} s   ({v / med['local']:.2f}x local; polling the port: {pk:.2f} s, "
+            print(f"  {k:16s} {v:6.2f} s   ({v / med['local']:.2f}x local; polling the port: {pk:.2f} s, "
                   f"{pk / pl:.2f}x local)   fetched: {fetched.get(k, '-')}")
         print("\nmedian seconds per phase (outside: the command's wall time minus its phases; "
               "to token: from the command's start to the first correct token asked after it returned; "
               "polled: the same for a client polling the port from the start):")
         cols = [*PHASES, "outside", "to token", "polled"]
-        print("  " + " " * 8 + "".join(f"{c:>12s}" for c in cols))
+        print("  " + " " * 16 + "".join(f"{c:>12s}" for c in cols))
         for k, rs in results.items():
             def med_of(c: str) -> float:
                 if c == "outside":
@@ -270,7 +292,7 @@ def main() -> None:
                 if c == "polled":
                     return statistics.median(r["polled_s"] for r in rs)
                 return statistics.median(r.get("timings_s", {}).get(c, 0.0) for r in rs)
-            print(f"  {k:8s}" + "".join(f"{med_of(c):12.2f}" for c in cols))
+            print(f"  {k:16s}" + "".join(f"{med_of(c):12.2f}" for c in cols))
 
         if "rgw" in remotes:
             url, extra = remotes["rgw"]
