@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from warmctl.checkpoint import capture, criu
+from warmctl.checkpoint import capture, criu, criuimage
 from warmctl.base.errors import CheckpointError, HostError
 from warmctl.base.proc import ProcessId, kill_tree
 
@@ -262,6 +262,8 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
             remaps = ours(set(os.listdir("/dev/shm")) - before)
             assert [r for r in remaps if r.startswith("link_remap.")] == remaps and len(remaps) == 1, remaps
             assert not [n for n in os.listdir("/dev/shm") if n.startswith(criu.KEPT_PREFIX)]
+            # the image names it, and the file it stands for (what criu.dump checks is in place)
+            assert criuimage.linked_remaps(tmp_path / "img") == [(f"/dev/shm/{remaps[0]}", f"/dev/shm/{name}.tmp")]
             assert psutil.Process(root).is_running()  # the source keeps running
             kill_tree(ProcessId.of(root))
             launcher.wait(10)
@@ -271,6 +273,10 @@ def test_leave_running_dump_keeps_link_remaps_for_restore(tmp_path):
         assert f"{name}.tmp" in fd3 and "(deleted)" in fd3
         with open(f"/proc/{sh.pid}/fd/3", "rb") as f:
             assert f.read(7) == b"payload"
+        # the restore consumed the link: the image, checked as a dump's end checks it, names what is gone
+        with pytest.raises(CheckpointError) as e:
+            criu.check_link_remaps(tmp_path / "img")
+        assert f"/dev/shm/{remaps[0]} (the removed /dev/shm/{name}.tmp)" in str(e.value) and "dump again" in str(e.value)
     finally:
         if new_root:
             kill_tree(ProcessId.of(new_root))
@@ -609,3 +615,63 @@ def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
         os.kill(root, signal.SIGKILL)  # the namespace's init: SIGTERM it ignores
         launcher.wait(10)
         held.unlink(missing_ok=True)
+
+
+def test_a_dump_whose_link_remap_file_is_removed_while_it_runs_fails_naming_it(tmp_path):
+    """A file open under a removed name needs its ``link_remap.N`` at restore. Removed while the
+    dump runs (as a killed dump's clean-up outside the host lock once did), the image could
+    never be restored: criu.dump fails naming the link and the file it stands for, instead of
+    handing on an image every restore of which fails in CRIU."""
+    import threading
+
+    name = f"warmctl-test-rm-{os.getpid()}"
+    shm = Path("/dev/shm")
+    # a tree with 256 MiB touched, so that its dump takes a while, holding its file open under a
+    # name it removed (another name links it, as glibc's sem_open leaves a semaphore)
+    code = (f"import os, time; f = open('/dev/shm/{name}.tmp', 'w+b'); f.write(b'x'); f.flush(); "
+            f"os.link('/dev/shm/{name}.tmp', '/dev/shm/{name}'); os.unlink('/dev/shm/{name}.tmp'); "
+            "m = bytearray(256 << 20); m[::4096] = b'y' * (len(m) // 4096)\n"
+            "while True: time.sleep(0.1)")
+    launcher, root = _tree(tmp_path, f"exec python3 -c \"{code}\"; ")
+    mine = None
+    try:
+        for _ in range(200):  # the file linked, its first name removed, the memory touched
+            if (shm / name).exists() and not (shm / f"{name}.tmp").exists() \
+                    and psutil.Process(root).memory_info().rss > 200 << 20:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the tree did not start")
+        st = os.stat(shm / name)
+        mine = (st.st_dev, st.st_ino)
+        removed: list[str] = []
+        done = threading.Event()
+
+        def remove_its_link_remap() -> None:  # as soon as CRIU links it
+            while not done.is_set() and not removed:
+                for p in shm.glob("link_remap.*"):
+                    if _inode(str(p)) == mine:
+                        p.unlink()
+                        removed.append(p.name)
+                time.sleep(0.001)
+
+        t = threading.Thread(target=remove_its_link_remap)
+        t.start()
+        try:
+            with criu.host_lock(), pytest.raises(CheckpointError) as e:
+                criu.dump(root, tmp_path / "img")
+        finally:
+            done.set()
+            t.join()
+        assert removed, "the link_remap file was not seen during the dump"
+        msg = str(e.value)
+        assert f"/dev/shm/{removed[0]} (the removed /dev/shm/{name}.tmp)" in msg and "dump again" in msg, msg
+        assert not [p for p in shm.iterdir() if _inode(str(p)) == mine and p.name != name]  # nothing of it left
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+        if psutil.pid_exists(root):
+            os.kill(root, signal.SIGKILL)
+        if mine is not None:
+            capture.remove_by_inode([mine])
+        (shm / name).unlink(missing_ok=True)

@@ -408,9 +408,10 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     deleted-but-open files are left there for the caller to store (a restore needs them):
     with ``--leave-running`` CRIU deletes them once the dump is done (``cr-dump.c``,
     ``delete_link_remaps`` after the post-dump action script), so a post-dump action script
-    hard-links them aside first and they are put back under their names here. Raises
-    :class:`CheckpointError` with the relevant lines of CRIU's log (``images_dir/dump.log``) on
-    failure; the tree then keeps running (CRIU resumes it). ``plugins``: CRIU plugins to load
+    hard-links them aside first and they are put back under their names here; one of them gone
+    by then fails the dump (:func:`check_link_remaps`). Raises :class:`CheckpointError` with the
+    relevant lines of CRIU's log (``images_dir/dump.log``) on failure; the tree then keeps
+    running (CRIU resumes it). ``plugins``: CRIU plugins to load
     (:func:`_plugin_libdir`; ``amdgpu_plugin.so`` for AMD GPU state), none by default.
     ``network_lock``: CRIU's ``--network-lock`` method for the tree's established TCP
     connections (``"auto"``: the host's, :func:`network_lock_method`; None: CRIU's default).
@@ -435,11 +436,12 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
     script = images_dir.parent / f".warmctl-post-dump-{os.getpid()}.sh"
     try:
         if not leave_running:
-            return _run(cmd, what, images_dir / "dump.log", timeout_s, plugins, timeout_error=DumpTimeout)
-        script.write_text(KEEP_REMAPS_SCRIPT)
-        script.chmod(0o700)
-        return _run([*cmd, "--leave-running", "--action-script", str(script)], what,
-                    images_dir / "dump.log", timeout_s, plugins, timeout_error=DumpTimeout)
+            seconds = _run(cmd, what, images_dir / "dump.log", timeout_s, plugins, timeout_error=DumpTimeout)
+        else:
+            script.write_text(KEEP_REMAPS_SCRIPT)
+            script.chmod(0o700)
+            seconds = _run([*cmd, "--leave-running", "--action-script", str(script)], what,
+                           images_dir / "dump.log", timeout_s, plugins, timeout_error=DumpTimeout)
     except DumpTimeout as e:  # CRIU killed mid-dump: nothing of it stays
         shutil.rmtree(images_dir, ignore_errors=True)
         for p in SHM.glob(KEPT_PREFIX + "link_remap.*"):
@@ -458,6 +460,28 @@ def dump(root_pid: int, images_dir: Path, *, leave_running: bool = False, timeou
                 kept.unlink()
             else:
                 kept.rename(name)
+    check_link_remaps(images_dir, what)
+    return seconds
+
+
+def check_link_remaps(images_dir: Path, what: str = "criu dump") -> None:
+    """Raise :class:`CheckpointError` when a ``link_remap.N`` file in ``/dev/shm`` that the image
+    in ``images_dir`` needs (:func:`criuimage.linked_remaps`) is gone: a restore of that image
+    would fail (CRIU: "Can't link dev/shm/link_remap.N -> ..."), on every host it reached. The
+    image's other link_remap files in ``/dev/shm`` are removed then (the dump's own, under the
+    host lock), so nothing of it stays. Seen when a killed dump's clean-up ran beside this one
+    outside the host lock (:func:`host_lock`). Links elsewhere are not checked: a tree in a
+    mount namespace of its own may see them under other paths."""
+    linked = [(link, orig) for link, orig in criuimage.linked_remaps(images_dir) if link.startswith(f"{SHM}/")]
+    gone = [(link, orig) for link, orig in linked if not os.path.lexists(link)]
+    if not gone:
+        return
+    for link, _ in linked:
+        Path(link).unlink(missing_ok=True)
+    raise CheckpointError(f"{what}: the image needs {len(gone)} file(s) CRIU linked in {SHM} for the restore, and "
+                          "they were removed while it ran (another dump's clean-up outside the host's CRIU lock?): "
+                          "a restore of it would fail; dump again\n  "
+                          + "\n  ".join(f"{link} (the removed {orig})" for link, orig in gone))
 
 
 def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, timeout_s: float = 600,

@@ -125,3 +125,38 @@ def mount_keys(paths: Iterable[Path]) -> list[str]:
             except (ValueError, AttributeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{path}: not a CRIU mount image this version reads ({e!r})") from e
     return list(keys)
+
+
+#: ``remap_type`` LINKED (CRIU's ``images/remap-file-path.proto``): an unlinked file the dump
+#: made reachable under a new name, ``link_remap.N`` in its directory (``--link-remap``)
+_REMAP_LINKED = 0
+#: ``fd_types`` REG (``images/fdinfo.proto``): a ``file_entry`` holding a ``reg_file_entry``
+_FD_REG = 1
+
+
+def linked_remaps(images_dir: Path) -> list[tuple[str, str]]:
+    """``(link, original)`` absolute paths (as the dumped tree saw them) of every unlinked file
+    the dump linked as ``link_remap.N``: the ``remap_file_path_entry`` records of
+    ``remap-fpath.img`` of type LINKED, their ``orig_id`` and ``remap_id`` looked up among the
+    ``reg_file_entry`` records (``id`` field 1, ``name`` field 6) of ``files.img`` (CRIU >= 3.x).
+    A restore re-links each original from its link, so a link missing then fails it. Empty when
+    the image has neither file. Raises :class:`CheckpointError` for a file that is not such an
+    image, OSError for one that cannot be read."""
+    remap, files = images_dir / "remap-fpath.img", images_dir / "files.img"
+    if not remap.exists() or not files.exists():
+        return []
+    try:
+        names: dict[int, str] = {}
+        for rec in records(files)[1]:
+            f = fields(rec)
+            if f.get(1) == [_FD_REG] and 3 in f:
+                reg = fields(f[3][0])
+                names[reg[1][0]] = reg[6][0].decode(errors="surrogateescape")
+        out = []
+        for rec in records(remap)[1]:
+            f = fields(rec)
+            if f.get(3, [_REMAP_LINKED])[0] == _REMAP_LINKED:
+                out.append((names[f[2][0]], names[f[1][0]]))
+    except (ValueError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{images_dir}: a link remap this version cannot read ({e!r})") from e
+    return out
