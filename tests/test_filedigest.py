@@ -1,14 +1,19 @@
 """Content digests of required files (:mod:`warmctl.checkpoint.filedigest`) and the check
 ``up`` runs before a restore (:func:`warmctl.checkpoint.capture.missing_or_changed`), on real
-files: a rewrite with other bytes of the same size is named, an unchanged file is not re-hashed."""
+files: a rewrite with other bytes of the same size is named, an unchanged file is not re-hashed;
+and ``warmctl pull`` fills a node's cache for the ``up`` after it."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
+from tests.conftest import fake_env, warmctl
 
 from warmctl.checkpoint.capture import missing_or_changed
 from warmctl.checkpoint.filedigest import DigestCache, digests_of, file_key, hash_file, overlay_devices
@@ -118,12 +123,6 @@ def test_pull_hashes_the_files_the_snapshot_maps_so_up_on_that_node_hashes_none(
     directory remote: ``pull --json`` reports the mapped files it hashed into B's digest cache,
     a second pull none, and B's ``up`` then hashes none (it says when it does: without the
     cache it hashes the same files)."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from tests.conftest import fake_env, warmctl
-
     remote = tmp_path / "remote"
     warmctl("push", "fake", "--to", str(remote), env=fk_env)
     b = fake_env(tmp_path / "b", *engine_ports, hold=Path(fk_env["WARMCTL_CONFIG"]).parent / "hold")
