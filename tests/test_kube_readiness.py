@@ -96,7 +96,8 @@ def test_bad_requests(server):
     srv, _ = server
     srv.opened()
     assert _get(srv.port, "/health")[0] == 404
-    assert _get(srv.port, "/ready?wait=soon") == (400, "wait: a number of seconds")
+    for bad in ("soon", "nan", "inf"):
+        assert _get(srv.port, f"/ready?wait={bad}") == (400, "wait: a number of seconds"), bad
     assert _get(srv.port, "/ready", "POST")[0] == 405
     assert _get(srv.port, "/ready?wait=-5")[0] == 200  # a negative wait is no wait
 

@@ -24,6 +24,7 @@ Any other method or path gets 405 or 404. The server is the standard library's
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 from collections.abc import Callable
@@ -89,6 +90,8 @@ def _handler(server: ReadinessServer) -> type[BaseHTTPRequestHandler]:
             try:
                 wait_s = float(parse_qs(u.query).get("wait", ["0"])[0])
             except ValueError:
+                wait_s = math.nan
+            if not math.isfinite(wait_s):  # "nan" held nothing and answered 503: a bad request, say so
                 return self._send(400, "wait: a number of seconds")
             self._send(*server.answer(wait_s))
 
