@@ -6,7 +6,9 @@ have let through."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -277,3 +279,40 @@ def test_the_gate_logs_which_engine_routes_stay_closed(gated):
     assert "/collective_rpc" in closed and "/sleep" in closed and "/inference/v1/generate" in closed
     assert "/v1/models" not in closed and "/v1/completions" not in closed
     assert json.dumps(line)  # one line
+
+
+@pytest.mark.parametrize("phase", ["head", "body", "keep-alive"])
+def test_bytes_that_came_in_time_count_when_the_gate_runs_late(upstream, engine_pid, tmp_path, phase):
+    """A host that leaves the gate without CPU past a limit (SIGSTOP here, for longer than the
+    limit) does not make the client late: bytes that reached the gate's socket within the limit
+    are read and the request is answered, not cut with 408 or closed as idle."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o600)
+    port = free_port()
+    pid = gate.start("127.0.0.1", port, upstream.port, engine_pid, tmp_path / "gate.log", config=gate.GateConfig(
+        api_key_file=keys, limits={"head_timeout_s": 1, "body_timeout_s": 1, "body_min_rate": 1,
+                                   "keep_alive_s": 1}).check())
+    try:
+        upstream.clear()
+        rest = b"st: x\r\nConnection: close\r\n" + AUTH + b"Content-Length: 2\r\n\r\n{}"
+        first, second = {"head": (b"POST /v1/completions HTTP/1.1\r\nHo", rest),
+                         "body": (b"POST /v1/completions HTTP/1.1\r\nHo" + rest[:-2], rest[-2:]),
+                         "keep-alive": (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+                                        b"POST /v1/completions HTTP/1.1\r\nHo" + rest)}[phase]
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(first)
+            time.sleep(0.3)  # the gate has read it: the limit's clock runs
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                s.sendall(second)  # in time, into the stopped gate's socket
+                time.sleep(1.5)  # past the limit
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            raw = b""
+            while got := s.recv(65536):
+                raw += got
+    finally:
+        subprocess.run(["kill", str(pid)], check=False)
+    assert _statuses(raw)[-1] == 200, raw
+    assert [(x.method, x.path, x.body) for x in upstream.seen()][-1] == ("POST", "/v1/completions", b"{}")

@@ -48,6 +48,21 @@ class _Closed(Exception):
     """The connection ends without a response from the gate (the client was told, or left)."""
 
 
+async def _received(reader: asyncio.StreamReader) -> bytes | None:
+    """Up to :data:`BUF` bytes that have reached ``reader``'s socket (``b""`` at its EOF), without
+    waiting for more; None if none has. Asked when a limit has passed: a gate the host left
+    without CPU past its deadline (a loaded node) wakes to its timer before it reads its sockets
+    (uvloop runs timers first), and the bytes that came in time must count as in time. One pass
+    of the event loop (``sleep(0)``) moves them from the socket into ``reader``; the read under a
+    zero timeout then takes them, since it does not suspend when bytes are buffered."""
+    await asyncio.sleep(0)
+    try:
+        async with asyncio.timeout(0):
+            return await reader.read(BUF)
+    except TimeoutError:
+        return None
+
+
 class Gate:
     """One listening gate: its policy (reloadable), limits, TLS context, live connections."""
 
@@ -180,9 +195,13 @@ class ClientConnection:
                 left = self.tracker.idle_since + lim.keep_alive_s - time.monotonic()
             else:  # a response is still streaming: look again after keep_alive_s at the latest
                 left = lim.keep_alive_s
+            data: bytes | None
             try:
-                data = await asyncio.wait_for(self.c_reader.read(BUF), max(left, 0.0))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(left, 0.0)):
+                    data = await self.c_reader.read(BUF)
+            except TimeoutError:
+                data = await _received(self.c_reader)
+            if data is None:  # the limit passed and nothing came
                 if r.phase == "head":
                     raise timeout(f"request head not received within {lim.head_timeout_s:g} s") from None
                 if r.phase == "body":
