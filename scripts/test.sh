@@ -59,4 +59,43 @@ if [ -n "$free_kib" ] && [ "$free_kib" -lt $((16 * 1024 * 1024)) ]; then
 fi
 # pytest runs under `tini -s` (scripts/install-test-services.sh says why): the processes the tests
 # orphan are reaped at once, as under systemd, not when this host's PID 1 gets to them.
-exec tini -s -- "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${TIER[@]}"} "$@"
+PYTEST=(tini -s -- "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${TIER[@]}"})
+if [ $# -gt 0 ] || [ "${WARMCTL_TEST_STREAMS:-2}" = 1 ]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+# The whole tier as two pytest sessions side by side (tests/conftest.py, WARMCTL_TEST_STREAM):
+# the engine stream (files with end-to-end, host-wide or opt-in kubelet/clean-root tests; the
+# session's engine snapshots are built at its start) in the foreground, and the fast stream
+# (every other file) in the background, in a mount namespace of its own with a private
+# /dev/shm (the engine stream's checks of what is left there see only their own files), its
+# own temp directory and engine ports. The fast files mostly wait on their processes and
+# bounds (a third of a core): beside the engine stream they cost the whole suite little wall
+# time. Its log is printed once both have ended; the exit status fails if either failed.
+# WARMCTL_TEST_STREAMS=1: one session, the fast files first (as with explicit pytest arguments).
+FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/warmctl-fast-stream.XXXXXX")
+FAST_LOG=$REPO/build/test-fast-stream.log
+mkdir -p "$REPO/build"
+(
+  export WARMCTL_TEST_STREAM=fast TMPDIR=$FAST_TMP
+  export WARMCTL_TEST_ENGINE_PORT=${WARMCTL_TEST_FAST_ENGINE_PORT:-19000}
+  export WARMCTL_TEST_GATE_PORT=${WARMCTL_TEST_FAST_GATE_PORT:-19080}
+  if [ -n "${WARMCTL_TEST_TIMES:-}" ]; then export WARMCTL_TEST_TIMES=$WARMCTL_TEST_TIMES.fast; fi
+  exec unshare --mount --propagation private -- sh -c \
+    'mount -t tmpfs -o mode=1777 warmctl-test-shm /dev/shm && exec "$@"' sh \
+    "${PYTEST[@]}" -o cache_dir="$FAST_TMP/.pytest_cache"
+) > "$FAST_LOG" 2>&1 &
+fast=$!
+trap 'kill "$fast" 2>/dev/null || true' INT TERM
+echo "[test] two streams side by side: the engine stream below; the fast stream's log ($FAST_LOG) follows it"
+engines_rc=0
+WARMCTL_TEST_STREAM=engines "${PYTEST[@]}" || engines_rc=$?
+fast_rc=0
+wait "$fast" || fast_rc=$?
+trap - INT TERM
+echo
+echo "[test] ======== the fast stream (exit $fast_rc): $FAST_LOG ========"
+cat "$FAST_LOG"
+rm -rf "$FAST_TMP"
+echo "[test] engine stream exit $engines_rc, fast stream exit $fast_rc"
+if [ "$engines_rc" != 0 ]; then exit "$engines_rc"; fi
+exit "$fast_rc"

@@ -378,12 +378,33 @@ _AHEAD = pytest.StashKey[dict[str, Future]]()
 _AFTER_BUILDS = pytest.StashKey[set[Path]]()
 
 
+#: ``WARMCTL_TEST_STREAM``: which files this session runs, when scripts/test.sh runs the suite
+#: as two pytest sessions side by side. ``engines``: the files with a test of one of these
+#: markers (the real engines, the whole pipeline, checks of the whole host, the opt-in kubelet
+#: and clean-root tests), on the host's ``/dev/shm``; ``fast``: every other file, in a mount
+#: namespace of its own with a private ``/dev/shm``, its own temp directory and engine ports.
+#: Unset: every file.
+ENGINE_STREAM_MARKERS = ("e2e", "host_wide", "kubelet", "clean_root")
+STREAMS = ("engines", "fast")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Run the files without end-to-end tests first (each file's tests stay together and in
     order): the session's engine snapshots are built meanwhile (:func:`_session_snapshots_ahead`).
     Files with a test marked ``e2e`` or ``host_wide`` (it checks what is left on the whole host:
     an ahead build's engine, dumped and being stored, leaves ``/dev/shm`` files nobody uses for
-    tens of seconds) come after the builds."""
+    tens of seconds) come after the builds. With ``WARMCTL_TEST_STREAM`` (:data:`STREAMS`), only
+    that stream's files are kept, the others deselected (a file is in ``engines`` when any of
+    its tests has a marker of :data:`ENGINE_STREAM_MARKERS`, whatever ``-m`` selects after)."""
+    stream = os.environ.get("WARMCTL_TEST_STREAM", "")
+    if stream:
+        if stream not in STREAMS:
+            raise pytest.UsageError(f"WARMCTL_TEST_STREAM={stream!r}: one of {', '.join(STREAMS)}, or unset")
+        engines = {item.path for item in items if any(item.get_closest_marker(m) for m in ENGINE_STREAM_MARKERS)}
+        other = [i for i in items if (i.path in engines) != (stream == "engines")]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [i for i in items if (i.path in engines) == (stream == "engines")]
     after = config.stash[_AFTER_BUILDS] = {item.path for item in items
                                            if item.get_closest_marker("e2e") or item.get_closest_marker("host_wide")}
     items[:] = [i for i in items if i.path not in after] + [i for i in items if i.path in after]
