@@ -72,7 +72,7 @@ fi
 # bounds (a third of a core): beside the engine stream they cost the whole suite little wall
 # time. Its log is printed once both have ended; the exit status fails if either failed.
 # WARMCTL_TEST_STREAMS=1: one session, the fast files first (as with explicit pytest arguments).
-FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/warmctl-fast-stream.XXXXXX")
+FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wf.XXXXXX")  # short: Unix socket paths under it must stay within 107 bytes
 FAST_LOG=$REPO/build/test-fast-stream.log
 mkdir -p "$REPO/build"
 (
