@@ -9,6 +9,8 @@
 #                                 (-m "not e2e": no vLLM engine starts; real CRIU, servers and
 #                                 the fake engine still run); under 10 minutes on 2 cores
 #   bash scripts/test.sh          the whole suite, e2e included (what CI runs); under 30 minutes
+# Either tier runs as two pytest sessions side by side, the engine stream and the fast stream
+# (below); with pytest arguments, or WARMCTL_TEST_STREAMS=1, as one session.
 #
 # --clean-root: also run scripts/demo.sh in a clean Debian 12 root
 # (tests/test_clean_root.py, WARMCTL_TEST_CLEAN_ROOT=1): the check before an install change is

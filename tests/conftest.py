@@ -388,6 +388,13 @@ ENGINE_STREAM_MARKERS = ("e2e", "host_wide", "kubelet", "clean_root")
 STREAMS = ("engines", "fast")
 
 
+def pytest_configure(config) -> None:
+    """An unknown ``WARMCTL_TEST_STREAM`` is a usage error before anything is collected."""
+    stream = os.environ.get("WARMCTL_TEST_STREAM", "")
+    if stream and stream not in STREAMS:
+        raise pytest.UsageError(f"WARMCTL_TEST_STREAM={stream!r}: one of {', '.join(STREAMS)}, or unset")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Run the files without end-to-end tests first (each file's tests stay together and in
     order): the session's engine snapshots are built meanwhile (:func:`_session_snapshots_ahead`).
@@ -398,8 +405,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     its tests has a marker of :data:`ENGINE_STREAM_MARKERS`, whatever ``-m`` selects after)."""
     stream = os.environ.get("WARMCTL_TEST_STREAM", "")
     if stream:
-        if stream not in STREAMS:
-            raise pytest.UsageError(f"WARMCTL_TEST_STREAM={stream!r}: one of {', '.join(STREAMS)}, or unset")
         engines = {item.path for item in items if any(item.get_closest_marker(m) for m in ENGINE_STREAM_MARKERS)}
         other = [i for i in items if (i.path in engines) != (stream == "engines")]
         if other:
