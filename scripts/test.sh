@@ -65,6 +65,10 @@ PYTEST=(tini -s -- "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${T
 if [ $# -gt 0 ] || [ "${WARMCTL_TEST_STREAMS:-2}" = 1 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
+if ! unshare --mount --propagation private -- true 2>/dev/null; then
+  echo "[test] warning: no mount namespace here (unshare --mount failed): one session, not two streams" >&2
+  exec "${PYTEST[@]}"
+fi
 # The whole tier as two pytest sessions side by side (tests/conftest.py, WARMCTL_TEST_STREAM):
 # the engine stream (files with end-to-end, host-wide or opt-in kubelet/clean-root tests; the
 # session's engine snapshots are built at its start) in the foreground, and the fast stream
