@@ -75,7 +75,7 @@ fi
 # (every other file) in the background, in a mount namespace of its own with a private
 # /dev/shm (the engine stream's checks of what is left there see only their own files), its
 # own temp directory and engine ports. The fast files mostly wait on their processes and
-# bounds (a third of a core): beside the engine stream they cost the whole suite little wall
+# bounds (alone they kept 0.6 of the two cores busy): beside the engine stream they cost little wall
 # time. Its log is printed once both have ended; the exit status fails if either failed.
 # WARMCTL_TEST_STREAMS=1: one session, the fast files first (as with explicit pytest arguments).
 FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wf.XXXXXX")  # short: Unix socket paths under it must stay within 107 bytes
