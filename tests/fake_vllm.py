@@ -74,6 +74,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import setproctitle
 
 SHM_BYTES = 1 << 20
+#: the line an engine core (and each worker rank, to its engine core) sends once it is set up
+READY = b'{"ready": true}\n'
 ROUTES = ["/health", "/version", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json"]
 
 
@@ -133,6 +135,7 @@ def worker_main(rank: int, tp: int, seed: int, core: socket.socket, group_port: 
         peers.append(socket.create_connection(("127.0.0.1", group_port)))
     pf = [p.makefile("rwb") for p in peers]
     wlog(f"rank {rank} of {tp} up, CPUs {sorted(os.sched_getaffinity(0))}, group {[p.getsockname() for p in peers]}")
+    core.sendall(READY)  # titled and joined: the engine core may report itself ready
     f = core.makefile("rwb")
     lost = ""
     for line in f:
@@ -257,7 +260,10 @@ def engine_core(sock: socket.socket, seed: int, tp: int = 1, name: str = "fake")
 
         signal.signal(signal.SIGTERM, stop)
         threading.Thread(target=watch_workers, args=(workers,), daemon=True).start()
+    for _, wf in workers:  # each rank titled and in its group (a rank gone: watch_workers says so)
+        wf.readline()
     log(f"engine core up (shared memory {path}, IPC socket {rpc.getsockname() if rpc else None}, {tp} rank(s))")
+    sock.sendall(READY)
     f = sock.makefile("rwb")
     for line in f:
         req = json.loads(line)
@@ -301,6 +307,10 @@ class Engine:
                 os._exit(1)
         child.close()
         self.core = parent.makefile("rwb")
+        # the API server starts once the engine core and its ranks are titled and set up, as
+        # vLLM's waits for its engine core's handshake: /health never answers 200 before the
+        # ranks warmctl looks for exist (an engine core gone before: /health answers 503)
+        self.core.readline()
         self.lock = threading.Lock()
 
     def core_alive(self) -> bool:
