@@ -65,16 +65,19 @@ PYTEST=(tini -s -- "$VENV/bin/python" -m pytest -v --durations=15 ${TIER[@]+"${T
 if [ $# -gt 0 ] || [ "${WARMCTL_TEST_STREAMS:-2}" = 1 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-if ! unshare --mount --propagation private -- true 2>/dev/null; then
-  echo "[test] warning: no mount namespace here (unshare --mount failed): one session, not two streams" >&2
+if ! unshare --mount --net --propagation private -- ip link set lo up 2>/dev/null; then
+  echo "[test] warning: no mount and network namespace here (unshare --mount --net failed): one session, not two streams" >&2
   exec "${PYTEST[@]}"
 fi
 # The whole tier as two pytest sessions side by side (tests/conftest.py, WARMCTL_TEST_STREAM):
 # the engine stream (files with end-to-end, host-wide or opt-in kubelet/clean-root tests; the
 # session's engine snapshots are built at its start) in the foreground, and the fast stream
-# (every other file) in the background, in a mount namespace of its own with a private
-# /dev/shm (the engine stream's checks of what is left there see only their own files), its
-# own temp directory and engine ports. The fast files mostly wait on their processes and
+# (every other file) in the background, in mount and network namespaces of its own: a private
+# /dev/shm (the engine stream's checks of what is left there see only their own files) and a
+# loopback of its own (a restored multi-rank engine binds again the dozens of ephemeral ports its
+# ranks' gloo groups listened on: a server of the fast stream that took one in between stopped
+# the restore, "port 127.0.0.1:44509 is already in use (by pid 23878, ceph-mon)"), and its own
+# temp directory. The fast files mostly wait on their processes and
 # bounds (alone they kept 0.6 of the two cores busy): beside the engine stream they cost little wall
 # time. Its log is printed once both have ended; the exit status fails if either failed.
 # WARMCTL_TEST_STREAMS=1: one session, the fast files first (as with explicit pytest arguments).
@@ -83,11 +86,9 @@ FAST_LOG=$REPO/build/test-fast-stream.log
 mkdir -p "$REPO/build"
 (
   export WARMCTL_TEST_STREAM=fast TMPDIR=$FAST_TMP
-  export WARMCTL_TEST_ENGINE_PORT=${WARMCTL_TEST_FAST_ENGINE_PORT:-19000}
-  export WARMCTL_TEST_GATE_PORT=${WARMCTL_TEST_FAST_GATE_PORT:-19080}
   if [ -n "${WARMCTL_TEST_TIMES:-}" ]; then export WARMCTL_TEST_TIMES=$WARMCTL_TEST_TIMES.fast; fi
-  exec unshare --mount --propagation private -- sh -c \
-    'mount -t tmpfs -o mode=1777 warmctl-test-shm /dev/shm && exec "$@"' sh \
+  exec unshare --mount --net --propagation private -- sh -c \
+    'ip link set lo up && mount -t tmpfs -o mode=1777 warmctl-test-shm /dev/shm && exec "$@"' sh \
     "${PYTEST[@]}" -o cache_dir="$FAST_TMP/.pytest_cache"
 ) > "$FAST_LOG" 2>&1 &
 fast=$!

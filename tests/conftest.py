@@ -381,9 +381,9 @@ _AFTER_BUILDS = pytest.StashKey[set[Path]]()
 #: ``WARMCTL_TEST_STREAM``: which files this session runs, when scripts/test.sh runs the suite
 #: as two pytest sessions side by side. ``engines``: the files with a test of one of these
 #: markers (the real engines, the whole pipeline, checks of the whole host, the opt-in kubelet
-#: and clean-root tests), on the host's ``/dev/shm``; ``fast``: every other file, in a mount
-#: namespace of its own with a private ``/dev/shm``, its own temp directory and engine ports.
-#: Unset: every file.
+#: and clean-root tests), on the host's ``/dev/shm`` and loopback; ``fast``: every other file, in
+#: mount and network namespaces of its own (a private ``/dev/shm`` and loopback) and its own temp
+#: directory. Unset: every file.
 ENGINE_STREAM_MARKERS = ("e2e", "host_wide", "kubelet", "clean_root")
 STREAMS = ("engines", "fast")
 
