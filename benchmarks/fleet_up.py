@@ -206,7 +206,8 @@ def main() -> None:
         remotes = {"dir": (str(work / "remote"), {})}
         if not a.no_rgw:
             import boto3
-            from rgw_server import free_port, start_rgw
+            from ports import free_port
+            from rgw_server import start_rgw
 
             ep, ak, sk = stack.enter_context(start_rgw(work / "ceph", free_port(), free_port()))
             s3env = {"WARMCTL_S3_ENDPOINT": ep, "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk,
@@ -217,10 +218,10 @@ def main() -> None:
             remotes["rgw"] = (f"s3://{bucket}/warmctl", s3env)
         if not a.no_oci:
             from registry_server import Registry, docker_config, make_ca
-            from registry_server import free_port as reg_port
+            from ports import free_port
 
             ca = make_ca(work / "oci-ca")
-            reg = stack.enter_context(Registry(work / "oci", reg_port(), ca=ca, users={"fleet": "fleet-pw"}))
+            reg = stack.enter_context(Registry(work / "oci", free_port(), ca=ca, users={"fleet": "fleet-pw"}))
             ocienv = {"WARMCTL_OCI_CA_BUNDLE": str(ca.ca_cert),
                       "REGISTRY_AUTH_FILE": str(docker_config(work / "oci-auth.json", reg.host, "fleet", "fleet-pw"))}
             remotes["oci"] = (f"oci://{reg.host}/fleet/warmctl", ocienv)

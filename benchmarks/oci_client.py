@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
-import importlib.util
+import importlib
 import os
 import shutil
 import statistics
@@ -33,10 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("registry_server", HERE / "tests" / "registry_server.py")
-rs = importlib.util.module_from_spec(spec)
-sys.modules["registry_server"] = rs
-spec.loader.exec_module(rs)
+sys.path.insert(0, str(HERE / "tests"))  # tests/registry_server.py, tests/ports.py
+rs = importlib.import_module("registry_server")
+free_port = importlib.import_module("ports").free_port
 
 USER, PW = "bench", "bench-pw"
 CH = 4 << 20
@@ -59,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as td:
         d = Path(td)
         ca = rs.make_ca(d / "ca")
-        with rs.Registry(d / "reg", rs.free_port(), ca=ca, users={USER: PW}) as reg:
+        with rs.Registry(d / "reg", free_port(), ca=ca, users={USER: PW}) as reg:
             blob = os.urandom(a.mib << 20)
             digest = "sha256:" + hashlib.sha256(blob).hexdigest()
             auth = "Basic " + base64.b64encode(f"{USER}:{PW}".encode()).decode()
@@ -120,7 +119,6 @@ def download_layers(b, layers: list[dict], out: Path, threads: int) -> int:
 
 
 def pull_bench(a) -> None:
-    sys.path.insert(0, str(HERE / "tests"))
     from test_store_fixtures import push, snapshot, write_payload
 
     from warmctl.naming.catalog import Ref
@@ -132,7 +130,7 @@ def pull_bench(a) -> None:
     with tempfile.TemporaryDirectory() as td:
         d = Path(td)
         ca = rs.make_ca(d / "ca")
-        with rs.Registry(d / "reg", rs.free_port(), ca=ca, users={USER: PW}) as reg:
+        with rs.Registry(d / "reg", free_port(), ca=ca, users={USER: PW}) as reg:
             from warmctl.records.config import Settings
 
             st = Settings(oci_ca_bundle=ca.ca_cert, oci_pack_bytes=a.pack_mib << 20)

@@ -482,7 +482,8 @@ def run(a, work: Path, models: Path, res: dict) -> None:
             from contextlib import ExitStack
 
             import boto3
-            from rgw_server import free_port, start_rgw
+            from ports import free_port
+            from rgw_server import start_rgw
 
             mem = int(stored * 1.3 + GiB)  # the OSD's capacity (memstore allocates as objects arrive)
             avail = mem_available()

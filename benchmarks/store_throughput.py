@@ -228,7 +228,10 @@ class S3Server:
             mod = _load_rgw_module()
             want = max(1 << 30, int(self.need * 1.3))  # memstore holds every object in RAM
             mod.CONF = mod.CONF.replace("memstore device bytes = 1073741824", f"memstore device bytes = {want}")
-            cm = mod.start_rgw(self.workdir / "rgw", mod.free_port(), mod.free_port())
+            sys.path.insert(0, str(ROOT / "tests"))
+            from ports import free_port
+
+            cm = mod.start_rgw(self.workdir / "rgw", free_port(), free_port())
             ep, key, secret = cm.__enter__()
             self._stop = lambda: cm.__exit__(None, None, None)
             os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = key, secret

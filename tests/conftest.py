@@ -640,14 +640,16 @@ def node_b_env(root: Path, a_env: dict[str, str], remote: Path, engine_port: int
 
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    """A moto S3 server on 127.0.0.1 (random port), one for the whole session; yields its
-    endpoint URL. Tests take a fresh bucket on it (:func:`s3_url`), never a shared one."""
+    """A moto S3 server on 127.0.0.1 (a port of :func:`tests.ports.free_port`), one for the
+    whole session; yields its endpoint URL. Tests take a fresh bucket on it (:func:`s3_url`),
+    never a shared one."""
     from moto.server import ThreadedMotoServer
+    from ports import free_port
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
@@ -678,7 +680,8 @@ def ceph_rgw(tmp_path_factory):
     of a user. Skipped, or failed under ``CI`` / ``WARMCTL_REQUIRE_RGW=1``, when the ceph
     binaries are missing. Tests take a bucket of their own (:func:`rgw_bucket`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rgw_server import free_port, missing_binaries, start_rgw
+    from ports import free_port
+    from rgw_server import missing_binaries, start_rgw
 
     missing = missing_binaries()
     need_service(missing and f"ceph binaries missing ({', '.join(missing)}): run scripts/install-test-services.sh",

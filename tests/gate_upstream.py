@@ -33,12 +33,6 @@ ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/
           "/inference/v1/generate", "/inference/v1/abort_requests", "/server_info", "/ping")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def read_response(f) -> tuple[int, dict, bytes]:
     """One HTTP/1.1 response with a Content-Length body from the file object ``f``."""
     status = int(f.readline().split()[1])

@@ -40,7 +40,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -49,6 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from ports import free_port
 
 #: The Debian source version scripts/install-kubernetes.sh builds by default (the cache key).
 SOURCE_VERSION = "1.20.5+really1.20.2-1.1+deb12u1"
@@ -123,13 +123,6 @@ def missing(controllers: bool = False) -> str | None:
     if not gone:
         return None
     return f"Kubernetes test cluster binaries missing ({', '.join(gone)}): run scripts/install-kubernetes.sh as root"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child

@@ -93,14 +93,6 @@ def kubelet_user(name: str) -> str:
     return f"system:node:{name}"
 
 
-def _free_port(host: str) -> int:
-    """A TCP port on ``host`` that was free a moment ago (the kernel's choice)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 def missing() -> str | None:
     """What is missing to run a node (with how to get it), or None when all is there."""
@@ -383,7 +375,7 @@ state = "{w}/containerd/state"
         self._spawn("containerd", ["containerd", "--config", str(w / "containerd" / "config.toml"), "--log-level", "warn"])
         self._wait("containerd", lambda: self.ctr("version", check=False, timeout=5).returncode == 0, deadline, 0.2)
 
-        port, healthz = _free_port(self.name), _free_port(self.name)
+        port, healthz = free_port(self.name), free_port(self.name)
         kubeconfig = self.cluster.kubeconfig(w / "kubelet.kubeconfig", user)
         (w / "kubelet.yaml").write_text(json.dumps({
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",

@@ -1,7 +1,8 @@
 """A throwaway OCI registry on loopback (Debian's ``docker-registry``, Distribution 2.8), for
 tests and benchmarks.
 
-    from registry_server import Registry, make_ca, free_port    # tests/ is on sys.path under pytest
+    from registry_server import Registry, make_ca
+    from ports import free_port   # tests/ is on sys.path under pytest
     ca = make_ca(workdir)                                        # CA + a 127.0.0.1 server cert
     with Registry(workdir / "reg", free_port(), ca=ca, users={"alice": "pw"}) as reg:
         reg.host                                                 # "127.0.0.1:PORT"
@@ -49,13 +50,6 @@ class RegistryStartError(RuntimeError):
 def missing_binary() -> str | None:
     """``docker-registry`` when it is not on PATH, else None."""
     return None if shutil.which(BINARY) else BINARY
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

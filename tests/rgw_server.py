@@ -1,6 +1,7 @@
 """A throwaway one-node Ceph cluster with an RGW (S3 API) on loopback, for tests and benchmarks.
 
-    from rgw_server import start_rgw, free_port        # tests/ is on sys.path under pytest
+    from rgw_server import start_rgw
+    from ports import free_port       # tests/ is on sys.path under pytest
     with start_rgw(workdir, mon_port, rgw_port) as (endpoint_url, access_key, secret_key):
         boto3.client("s3", endpoint_url=endpoint_url, ...)
 
@@ -106,13 +107,6 @@ class RGWStartError(RuntimeError):
 def missing_binaries() -> list[str]:
     """The ceph binaries this module needs that are not on PATH."""
     return [b for b in BINARIES if shutil.which(b) is None]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:

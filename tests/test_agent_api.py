@@ -27,17 +27,10 @@ from warmctl.records.contract import UpRequest
 from warmctl.base.errors import HostError, SnapshotNotFound
 from warmctl.base.proc import ProcessId
 from warmctl.records.state import EngineState, save as save_state
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
-
-
-def free_port(start: int = 0, end: int = 0) -> int:
-    """A free loopback port the kernel picks (port 0; ``start``/``end`` are ignored, kept for
-    callers written against the old range)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveAgent:
@@ -226,7 +219,7 @@ def test_client_errors_are_clear(live):
     with pytest.raises(AgentError, match="refused the token") as e:
         AgentClient(live.url, "wrong").status()
     assert e.value.status == 401
-    port = free_port(live.port + 1)
+    port = free_port()
     with pytest.raises(HostError, match=f"cannot reach the warmctl agent at http://127.0.0.1:{port}"):
         AgentClient(f"http://127.0.0.1:{port}", TOKEN).status()
     assert AgentClient(live.url, TOKEN).status() == []

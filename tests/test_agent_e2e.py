@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from tests.conftest import procs_under, stop_process, wait_agent_ready, warmctl
-from tests.test_agent_api import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -34,7 +34,7 @@ import psutil
 import pytest
 from tests.conftest import isolated_env, procs_under, shm_leaked, shm_names, wait_agent_ready, warmctl
 from tests.damage import flip_middle
-from tests.test_agent_api import free_port
+from tests.ports import free_port
 
 from warmctl.records.config import Settings
 from warmctl.naming.catalog import Catalog, Ref

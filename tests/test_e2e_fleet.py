@@ -210,7 +210,8 @@ def test_b_restores_from_an_oci_registry_and_two_nodes_through_a_mirror(fleet, e
     restores from it, the canary passes, B's second ``up`` fetches nothing remote. Then two fresh
     nodes restore through a pull-through mirror of it: the origin serves each blob a few times
     for both together (the mirror's fill), not once per node."""
-    from registry_server import Registry, TokenServer, docker_config, free_port, make_ca, missing_binary
+    from ports import free_port
+    from registry_server import Registry, TokenServer, docker_config, make_ca, missing_binary
 
     from tests.conftest import need_service
 

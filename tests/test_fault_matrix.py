@@ -81,7 +81,7 @@ _TAKEN: set[int] = set()
 def _registry_port() -> int:
     """A free port for a registry, none of :data:`_TAKEN` (the kernel hands a port just freed
     out again, so a port a lane chose earlier would come back)."""
-    from registry_server import free_port
+    from ports import free_port
 
     with _REG_MU:
         while True:
@@ -432,7 +432,7 @@ class Agent:
     """``warmctl agent`` of a node on a free port; :meth:`up` runs its ``up`` job to its end."""
 
     def __init__(self, root: Path, env: dict[str, str]):
-        from test_agent_api import free_port
+        from ports import free_port
 
         self.root, self.env = root, env
         self.log_path = root / "agent.log"
@@ -640,7 +640,7 @@ def _selected(request) -> list[Cell]:
 def _lane(tmp: Path, rgw, n: int) -> World:
     """Lane ``n``: another publishing home with its own fake snapshot, its engine on other ports
     (and so its own ``/dev/shm`` names): the ``up``-family cells of the lanes restore side by side."""
-    from test_agent_api import free_port
+    from ports import free_port
 
     d = tmp / f"lane{n}"
     d.mkdir()

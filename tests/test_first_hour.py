@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, tiny_profile
-from tests.test_agent_api import free_port
+from tests.ports import free_port
 from tests.test_agent_e2e import _snapshot_shm
 
 GUIDE = REPO / "docs" / "first-hour.md"

@@ -15,12 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from warmctl import gate
 from warmctl.base.errors import HostError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +34,7 @@ def upstream():
                 time.sleep(0.05)
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -52,7 +47,7 @@ def upstream():
 
 def test_relays_requests_and_streams(upstream, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    port = _free_port()
+    port = free_port()
     pid = gate.start("127.0.0.1", port, upstream, sleeper.pid, tmp_path / "gate.log")
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
@@ -88,8 +83,8 @@ def test_port_taken_is_a_clear_error(tmp_path):
 
 def test_upstream_down_gives_502(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    port = _free_port()
-    pid = gate.start("127.0.0.1", port, _free_port(), sleeper.pid, tmp_path / "gate.log")
+    port = free_port()
+    pid = gate.start("127.0.0.1", port, free_port(), sleeper.pid, tmp_path / "gate.log")
     try:
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 502
     finally:
@@ -99,7 +94,7 @@ def test_upstream_down_gives_502(tmp_path):
 
 def test_prestarted_gate_listens_only_once_opened(upstream, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    port = _free_port()
+    port = free_port()
     pending = gate.prestart("127.0.0.1", port, upstream, tmp_path / "gate.log")
     try:
         time.sleep(1.0)  # time enough to have started listening, were it going to
@@ -117,7 +112,7 @@ def test_prestarted_gate_listens_only_once_opened(upstream, tmp_path):
 
 
 def test_prestarted_gate_cancelled_never_listens(tmp_path):
-    port = _free_port()
+    port = free_port()
     pending = gate.prestart("127.0.0.1", port, 1, tmp_path / "gate.log")
     pending.cancel()
     assert pending.proc.returncode == 0 and gate.port_free("127.0.0.1", port)

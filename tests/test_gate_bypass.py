@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gate_upstream import KEY, RecordingUpstream, free_port, read_response
+from tests.gate_upstream import KEY, RecordingUpstream, read_response
+from tests.ports import free_port
 from warmctl import gate
 
 AUTH = f"Authorization: Bearer {KEY}\r\n".encode()

@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import read_to_close
-from tests.gate_upstream import KEY, RecordingUpstream, free_port
+from tests.gate_upstream import KEY, RecordingUpstream
+from tests.ports import free_port
 from warmctl import gate
 from warmctl.gate.routes import CONTROL_PATHS, DEFAULT_ALLOW_PATHS
 

@@ -33,14 +33,9 @@ from warmctl.engine import loopback
 from warmctl.gate.http import MAX_HEAD
 from warmctl.gate.relay import ResponseTracker
 from warmctl.base.errors import HostError
+from tests.ports import free_port
 
 KEY_A, KEY_B, KEY_C = "sk-warmctl-alpha-0001", "sk-warmctl-bravo-0002", "sk-warmctl-charlie-0003"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _big_body(mib: int) -> bytes:
@@ -94,7 +89,7 @@ def upstream():
             yield "data: [DONE]\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_keep_alive=1))  # closes idle connections after 1 s
     t = threading.Thread(target=server.run, daemon=True)
@@ -147,7 +142,7 @@ def start_gate(upstream, engine_pid, tmp_path):
     made = []
 
     def _start(**kw) -> Gated:
-        port = _free_port()
+        port = free_port()
         kw.setdefault("allow_paths", ["/echo", "/big"])  # the test upstream's own routes
         pid = gate.start("127.0.0.1", port, upstream[0], engine_pid, tmp_path / "gate.log", config=gate.GateConfig(**kw).check())
         made.append(Gated(pid, port, tmp_path / "gate.log"))
@@ -518,7 +513,7 @@ def test_key_files_open_to_group_or_others_are_refused(tmp_path, mode):
     assert "--api-key-file" in gate.GateConfig(api_key_file=keys, tls_cert=cert, tls_key=tls_key).check().to_argv()
     # the gate process itself refuses too (started by hand, without a checked GateConfig)
     keys.chmod(mode)
-    r = subprocess.run([sys.executable, "-m", "warmctl.gate", "--listen", f"127.0.0.1:{_free_port()}",
+    r = subprocess.run([sys.executable, "-m", "warmctl.gate", "--listen", f"127.0.0.1:{free_port()}",
                         "--upstream", "127.0.0.1:9", "--api-key-file", str(keys)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and f"chmod 600 {keys}" in r.stderr

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from warmctl.base.proc import pid_alive
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "gpu_bench.py"
@@ -190,11 +190,6 @@ def test_each_phase_is_compared_with_the_floor_of_its_direction():
 
 # ----------------------------------------------------- end to end with real CRIU, and SIGTERM
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _lines(out: str) -> tuple[dict, str]:
     lines = out.strip().splitlines()
@@ -204,7 +199,7 @@ def _lines(out: str) -> tuple[dict, str]:
 @needs_root
 def test_the_benchmark_runs_end_to_end_on_holders_of_host_memory(gpu_machine_python, tmp_path):
     r = _run(gpu_machine_python, str(BENCH), "--work", str(tmp_path / "w"), "--device", "cpu", "--sizes", "0.03125",
-             "--floor-gib", "0.03125", "--port", str(_free_port()), "--limit", "150", "--image-dirs", str(tmp_path / "img"),
+             "--floor-gib", "0.03125", "--port", str(free_port()), "--limit", "150", "--image-dirs", str(tmp_path / "img"),
              timeout=180)
     res, last = _lines(r.stdout)
     assert r.returncode == 0 and last.startswith("[gpu-bench] PASS: 0.03125 GiB full"), r.stdout[-3000:] + r.stderr[-3000:]
@@ -234,7 +229,7 @@ def _fake_driver(tmp_path: Path, rule: str) -> tuple[harness.FakeDriver, dict[st
 
 def _bench_cmd(tmp_path: Path, *extra: str) -> list[str]:
     return [sys.executable, str(BENCH), "--work", str(tmp_path / "w"), "--device", "cpu", "--sizes", "0.03125",
-            "--floor-gib", "0.03125", "--port", str(_free_port()), "--limit", "150", "--image-dirs", str(tmp_path / "img"),
+            "--floor-gib", "0.03125", "--port", str(free_port()), "--limit", "150", "--image-dirs", str(tmp_path / "img"),
             *extra]
 
 

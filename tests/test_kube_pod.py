@@ -49,7 +49,7 @@ import psutil
 import pytest
 
 from tests.conftest import fake_env, listening, shm_names, snapshot_once, wait_until, warmctl
-from tests.test_agent_api import free_port
+from tests.ports import free_port
 from tests.test_agent_e2e import _engine_procs
 
 REPO = Path(__file__).resolve().parent.parent

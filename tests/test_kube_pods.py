@@ -83,7 +83,7 @@ def _get(url: str, timeout: float = 2) -> int:
 
 
 def test_busybox_pod_readiness_follows_its_probe_and_deletion_leaves_nothing(kube_node, kube_images):
-    from kubecluster import free_port
+    from ports import free_port
 
     image = kube_images.busybox()
     port = free_port()

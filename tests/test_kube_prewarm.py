@@ -247,7 +247,7 @@ def test_agent_prewarm_reacts_to_new_changed_and_deleted_warmsnapshots_at_once(c
     alone makes it pull and label a new WarmSnapshot, follow its spec's changes, and unlabel it
     once deleted; the status writes that come back through the watch start no pass."""
     import httpx
-    from kubecluster import free_port
+    from ports import free_port
 
     from tests.conftest import wait_agent_ready
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import warmctl
-from tests.test_agent_api import free_port
+from tests.ports import free_port
 from warmctl.kube.readiness import ReadinessServer
 
 

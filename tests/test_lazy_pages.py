@@ -22,6 +22,7 @@ from tests.conftest import listening, wait_until
 from warmctl import gate
 from warmctl.checkpoint import criu
 from warmctl.base.proc import ProcessId
+from tests.ports import free_port
 
 HEAD = """(00.000000) Version: 4.2 (gitid 0)
 (00.000321) Waiting for incoming connections on lazy-pages.socket
@@ -94,12 +95,6 @@ def test_uffd_check_is_cached_per_binary_and_kernel(tmp_path):
 # --- the gate's watch -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _orphan_sleeper() -> ProcessId:
     """A process that is not our child (reparented once its parent exits), as a restored
     engine's root is not the caller's child: killed, it is reaped by init, not left a zombie."""
@@ -129,7 +124,7 @@ def test_gate_takes_the_engine_down_when_the_daemon_dies_before_its_copy_ended(t
     log = tmp_path / "lazy-pages.log"
     log.write_text(HEAD + "(03.100000) 1-5: UFFD transferred pages: (390012/390012)\n"
                    + ("(03.900000) 84-6: UFFD transferred pages: (186000/186000)\n" if complete else ""))
-    port = _free_port()
+    port = free_port()
     pending = gate.prestart("127.0.0.1", port, upstream, tmp_path / "gate.log")
     try:
         watch = gate.LazyWatch(ProcessId.of(daemon.pid), log, engine, tmp_path / "lazy-pages.failed")
@@ -174,7 +169,7 @@ def test_gate_refuses_to_open_when_the_daemon_already_died_incomplete(tmp_path, 
     daemon.wait()
     log = tmp_path / "lazy-pages.log"
     log.write_text(HEAD)  # no summary at all
-    port = _free_port()
+    port = free_port()
     pending = gate.prestart("127.0.0.1", port, upstream, tmp_path / "gate.log")
     try:
         with pytest.raises(criu.LazyPagesError, match="port was not opened"):

@@ -167,7 +167,8 @@ def test_pull_of_a_trickling_remote_exits_43_within_its_bound(bucket, moto_endpo
 
 @pytest.mark.oci
 def test_a_trickled_registry_blob_ends_at_its_deadline(tmp_path, monkeypatch, tmp_path_factory):
-    from registry_server import Registry, docker_config, free_port, make_ca, missing_binary
+    from ports import free_port
+    from registry_server import Registry, docker_config, make_ca, missing_binary
     from tests.conftest import need_service
     from test_store_fixtures import snapshot, write_payload
 
@@ -247,7 +248,8 @@ def test_every_registry_request_ends_at_its_deadline_head_included(tmp_path, fau
     ends at its total deadline (floor 1 s + size at 1 MiB/s; a metadata read at most
     ``oci_read_deadline_s``, 1 s here) in ``RemoteTooSlow`` naming the request, the registry and
     the seconds waited, not at the read timeout."""
-    from registry_server import Registry, free_port, missing_binary
+    from ports import free_port
+    from registry_server import Registry, missing_binary
     from tests.conftest import need_service
     from test_store_fixtures import push, snapshot, write_payload
 

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import need_service
-from registry_server import Registry, docker_config, free_port, make_ca, missing_binary
+from registry_server import Registry, docker_config, make_ca, missing_binary
+from tests.ports import free_port
 from test_store_fixtures import MiB, chunk_files, pull, push, snapshot, tag_of, write_payload
 
 from warmctl.naming.catalog import Catalog
