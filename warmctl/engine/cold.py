@@ -91,7 +91,7 @@ def start(run: EngineRun, profile: Profile, model: str, reporter: Reporter,
     binding = layout.cpu_binding(profile)
     if binding.source == "default":
         reporter.info(f"CPU binding of the ranks: {layout.BIND_VAR}={binding.value} (warmctl's default from the "
-                      f"CPUs it may use; set it in \\[engine.env] to choose)")
+                      f"CPUs it may use; set it in [engine.env] to choose)")
     eng = vllm.start(profile, model, run.log_path, env={**run.tmp_env, **launch_env(profile)}, cwd=run.cwd,
                      passthrough=passthrough)
     run.engine_env = eng.env_sources
