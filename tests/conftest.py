@@ -286,8 +286,9 @@ RANK_PROFILES = {"tiny-tp2": (18002, 2, 40), "tiny-moe-tp2": (18004, 4, 60)}
 def rank_profile(name: str, engine_port: int, gate_port: int) -> str:
     """The shipped multi-rank profile ``name`` (:data:`RANK_PROFILES`) on internal port
     ``engine_port`` + its offset and public port ``gate_port``, with ``VLLM_PORT`` (engine_port +
-    its own offset) in its ``[engine.env]``: where vLLM starts looking for the ranks' rendezvous
-    ports (else any free port: a suite beside another on one host would race for them)."""
+    its own offset) in its ``[engine.env]``: where vLLM starts looking for ports it picks itself
+    (vLLM 0.32's ranks meet through a file store, and their gloo ports are the kernel's choice:
+    docs/operations.md, "Ports")."""
     shipped, port_off, vllm_off = RANK_PROFILES[name]
     text = (REPO / "profiles" / f"{name}.toml").read_text()
     text = re.sub(rf"(?m)^port = {shipped}", f"port = {engine_port + port_off}", text)

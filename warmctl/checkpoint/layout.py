@@ -528,8 +528,9 @@ def check_restored(root_pid: int, layout: "ParallelLayout", log_path: Path | str
 
 def listening(root_pid: int) -> list[tuple[str, int]]:
     """``(address, port)`` of every TCP socket ``root_pid``'s tree listens on, sorted: what CRIU
-    restores bound to the same address and port (the API server's port, the ranks' rendezvous
-    store), so another process holding one would make the restore fail."""
+    restores bound to the same address and port (the API server's port; a multi-rank engine's
+    gloo ports, one per rank and process group, in the kernel's ephemeral range), so another
+    process holding one would make the restore fail."""
     import psutil
 
     out: set[tuple[str, int]] = set()
