@@ -48,6 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
 from ports import free_port
 
 #: The Debian source version scripts/install-kubernetes.sh builds by default (the cache key).

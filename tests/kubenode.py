@@ -93,7 +93,6 @@ def kubelet_user(name: str) -> str:
     return f"system:node:{name}"
 
 
-
 def missing() -> str | None:
     """What is missing to run a node (with how to get it), or None when all is there."""
     gone = [b for b in BINARIES if not shutil.which(b)]
