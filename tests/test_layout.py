@@ -25,6 +25,7 @@ from warmctl.base.proc import ProcessId, kill_tree
 from warmctl.records.profile import Profile, ProfileError, load_profile_file
 
 from conftest import REPO
+from tests.ports import free_port
 
 
 def test_sizes_from_vllm_flags_in_every_spelling():
@@ -207,15 +208,45 @@ def test_a_port_the_snapshot_listened_on_is_checked_free_before_a_restore(tmp_pa
     try:
         port = int(srv.stdout.readline())
         assert ("127.0.0.1", port) in layout.listening(srv.pid)
-        lay = ParallelLayout(tp=2, world_size=2, listen=[f"127.0.0.1:{port}"])
-        with pytest.raises(HostError) as e:  # another engine holds what the restore would bind
+        free = free_port()
+        lay = ParallelLayout(tp=2, world_size=2, listen=[f"127.0.0.1:{free}", f"127.0.0.1:{port}"])
+        with pytest.raises(HostError) as e:  # another process holds what the restore would bind
             layout.require_ports_free(lay, "snapshot tiny-tp2 (TP2)")
-        assert f"127.0.0.1:{port} is already in use (by pid {srv.pid}" in str(e.value)
-        assert "snapshot tiny-tp2 (TP2): port" in str(e.value)
+        msg = str(e.value)
+        assert msg.startswith("snapshot tiny-tp2 (TP2): 1 of the 2 ports its tree listened on is taken here: ")
+        assert f"127.0.0.1:{port} is already in use (by pid {srv.pid}" in msg and f"127.0.0.1:{free}" not in msg.split(". A restore")[0]
+        assert re.search(rf"sysctl -w net\.ipv4\.ip_local_reserved_ports=\S*\b{min(free, port)},{max(free, port)} ", msg)
     finally:
         srv.kill()
         srv.wait()
     layout.require_ports_free(lay, "snapshot tiny-tp2 (TP2)")  # free again: no error
+
+
+def test_the_reserve_command_keeps_what_was_reserved_and_no_autobind_gets_its_ports():
+    """The command a refused restore gives (:func:`warmctl.base.ports.reserve_command`), run in
+    a network namespace of its own (the host's list is left alone) whose ephemeral range is four
+    ports: the port reserved before stays reserved, and ``bind`` to port 0 gets only the one
+    port left, while an explicit bind (as CRIU's) still gets a reserved one."""
+    py = sys.executable
+    script = f"""set -e
+ip link set lo up
+sysctl -qw net.ipv4.ip_local_port_range="40000 40003"
+sysctl -qw net.ipv4.ip_local_reserved_ports=40003
+sh -c "$({py} -c 'from warmctl.base.ports import reserve_command; print(reserve_command([40001, 40000]))')" >/dev/null
+cat /proc/sys/net/ipv4/ip_local_reserved_ports
+{py} -c '
+import socket
+got = set()
+for _ in range(20):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); got.add(s.getsockname()[1])
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 40000))
+print(sorted(got))'
+"""
+    r = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["40000-40001,40003", "[40002]"], r.stdout
 
 
 def test_cpu_workers_read_their_memory_affinity_from_proc_self_in_the_pid_namespace():

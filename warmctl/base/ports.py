@@ -8,8 +8,15 @@ those sockets bound to the same address and port).
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
+from pathlib import Path
 
 from warmctl.base.errors import HostError
+
+#: The ports the kernel gives to no ``bind`` to port 0 and no ``connect`` (a comma-separated list
+#: of ports and ranges), while an explicit bind, as CRIU's restore of a listening socket, still
+#: gets them (Documentation/networking/ip-sysctl.rst; checked on kernel 6.18).
+RESERVED_PORTS = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 
 
 def port_free(host: str, port: int) -> bool:
@@ -28,11 +35,23 @@ def require_port_free(host: str, port: int, what: str) -> None:
     """Raise :class:`HostError` naming ``what`` and the holder's PID if ``host:port`` is taken."""
     if port_free(host, port):
         return
-    holder = _port_holder(port)
-    raise HostError(f"{what} {host}:{port} is already in use{holder}; free it or choose another port")
+    raise HostError(f"{what} {host}:{port} is already in use{port_holder(port)}; free it or choose another port")
 
 
-def _port_holder(port: int) -> str:
+def reserve_command(ports: Iterable[int]) -> str:
+    """The ``sysctl`` command that adds ``ports`` to the host's reserved ports
+    (:data:`RESERVED_PORTS`), keeping those already reserved: the list is replaced as a whole."""
+    try:
+        have = RESERVED_PORTS.read_text().strip()
+    except OSError:
+        have = ""
+    new = ",".join(str(p) for p in sorted(set(ports)))
+    return f"sysctl -w net.ipv4.ip_local_reserved_ports={have + ',' if have else ''}{new}"
+
+
+def port_holder(port: int) -> str:
+    """`` (by pid PID, NAME)`` of the process listening on TCP ``port``, or "" when none is
+    found (best effort: for an error message)."""
     try:
         import psutil
 

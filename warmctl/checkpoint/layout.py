@@ -568,13 +568,25 @@ def record(ranks: list[LiveRank], sizes: Sizes, binding: Binding, network_lock: 
 
 def require_ports_free(lay: "ParallelLayout", what: str) -> None:
     """Pre-flight of a restore: every TCP port the snapshot's tree listened on
-    (``layout.listen``) is free here, else :class:`HostError` naming the port and the process
-    that holds it (another engine's rank, say): CRIU would restore the socket bound to it."""
-    from warmctl.base.ports import require_port_free
+    (``layout.listen``) is free here, else :class:`HostError` naming each one taken and the
+    process that holds it (another engine's rank, a server that got it from the kernel): CRIU
+    restores every listening socket bound to its port. A multi-rank engine's gloo ports are
+    ephemeral ones the kernel picked on the snapshot's host, so the message also gives the
+    ``sysctl`` command that keeps them free on this one (:func:`warmctl.base.ports.reserve_command`)."""
+    from warmctl.base.ports import port_free, port_holder, reserve_command
 
+    taken, ports = [], []
     for a in lay.listen:
         ip, _, port = a.rpartition(":")
-        require_port_free(ip.strip("[]") or "0.0.0.0", int(port), f"{what}: port")
+        ports.append(int(port))
+        if not port_free(ip.strip("[]") or "0.0.0.0", int(port)):
+            taken.append(f"{a} is already in use{port_holder(int(port))}")
+    if taken:
+        raise HostError(f"{what}: {len(taken)} of the {len(ports)} ports its tree listened on "
+                        f"{'is' if len(taken) == 1 else 'are'} taken here: "
+                        f"{'; '.join(taken)}. A restore binds each again: stop the holder, or restore on another "
+                        f"node. To keep them free on this node: {reserve_command(ports)} "
+                        f"(docs/operations.md, \"Ports\")")
 
 
 def rank_cpus(layout: "ParallelLayout") -> dict[str, str]:
