@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import httpx
 import pytest
-from tests.conftest import ls_row, node_b_env, rank_procs, shm_leaked, shm_names, tp2_env, up_restore, warmctl
+from tests.conftest import listening, ls_row, node_b_env, rank_procs, shm_leaked, shm_names, tp2_env, up_restore, warmctl
 
 from warmctl.checkpoint.affinity import parse_cpu_list
 
@@ -106,3 +107,16 @@ def test_node_b_restores_the_tp2_snapshot_from_a_directory_remote(a, engine_port
     finally:
         warmctl("down", "tiny-tp2", env=b, check=False)
     assert _rank_procs() == {}
+    # One of the ranks' gloo ports (ephemeral, picked on A) held on B, as by a server that got it
+    # from the kernel: refused before the restore, naming it, its holder and the sysctl command
+    # that reserves every port of the snapshot; nothing starts, the public port stays closed.
+    ports = [int(a.rpartition(":")[2]) for a in _layout(b)["layout"]["listen"]]
+    gloo = [p for p in ports if p != engine_ports[0] + 2]  # the API server's: the profile's port
+    assert len(gloo) >= 2 * 2, ports  # a port per rank and process group, at least world and TP
+    with socket.create_server(("127.0.0.1", gloo[0])):
+        r = warmctl("up", "tiny-tp2", "--cold-start", "never", env=b, check=False)
+    assert r.returncode == 10, r.stderr
+    assert f"127.0.0.1:{gloo[0]} is already in use (by pid {os.getpid()}" in r.stderr, r.stderr
+    reserve = r.stderr.split("sysctl -w net.ipv4.ip_local_reserved_ports=")[1].split()[0]
+    assert set(ports) <= {int(x) for x in reserve.split(",") if x.isdigit()}, r.stderr
+    assert _rank_procs() == {} and not listening(engine_ports[1])
