@@ -586,7 +586,7 @@ def require_ports_free(lay: "ParallelLayout", what: str) -> None:
                         f"{'is' if len(taken) == 1 else 'are'} taken here: "
                         f"{'; '.join(taken)}. A restore binds each again: stop the holder, or restore on another "
                         f"node. To keep them free on this node: {reserve_command(ports)} "
-                        f"(docs/operations.md, \"Ports\")")
+                        '(docs/operations.md, "Ports")')
 
 
 def rank_cpus(layout: "ParallelLayout") -> dict[str, str]:
