@@ -145,5 +145,11 @@ say "warmctl: installing $REPO (editable, with test extras)"
 log=$(mktemp)
 "$PY" -m pip install -q -e "$REPO[test]" >"$log" 2>&1 || { cat "$log" >&2; die "pip install of warmctl failed (output above)"; }
 rm -f "$log"
+# An editable install compiles nothing, and where PYTHONDONTWRITEBYTECODE=1 (these hosts, many
+# container images) no process writes bytecode either: every `warmctl` command would compile the
+# modules it imports, 0.1 s of CPU each (docs/benchmarks.md). Write it once, as pip does for an
+# installed package; Python checks each file's size and mtime against it, so an edited module is
+# compiled again, in memory, until the next install.
+"$PY" -m compileall -q -j 0 "$REPO/warmctl" >/dev/null || die "compiling warmctl's bytecode failed"
 [ -e /usr/local/bin/warmctl ] || ln -s "$VENV/bin/warmctl" /usr/local/bin/warmctl 2>/dev/null || true
 say "done: $("$VENV/bin/warmctl" version 2>/dev/null || echo '?') in $VENV; CRIU: $( (criu --version 2>/dev/null || /usr/local/sbin/criu --version) | sed -n 's/^Version: *//p')"

@@ -53,6 +53,9 @@ VENV=${WARMCTL_VENV:-$REPO/.venv}
 "$VENV/bin/lint-imports" --no-cache
 "$VENV/bin/ruff" check warmctl tests benchmarks scripts
 "$VENV/bin/python" -m mypy
+# The tests' own modules as bytecode too (scripts/install.sh compiles warmctl's): where
+# PYTHONDONTWRITEBYTECODE=1 the helper processes would compile what they import each time.
+"$VENV/bin/python" -m compileall -q -j 0 tests >/dev/null
 # The suite's temporary files (pytest's, under TMPDIR) peak near 15 GiB (the fleet tests' node
 # homes); with less free, tests fail on a full disk far from the cause: say so first.
 free_kib=$(df -Pk "${TMPDIR:-/tmp}" 2>/dev/null | awk 'NR==2 {print $4}' || true)
