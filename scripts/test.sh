@@ -73,9 +73,9 @@ if ! unshare --mount --net --propagation private -- ip link set lo up 2>/dev/nul
   exec "${PYTEST[@]}"
 fi
 # The whole tier as two pytest sessions side by side (tests/conftest.py, WARMCTL_TEST_STREAM):
-# the engine stream (files with end-to-end, host-wide or opt-in kubelet/clean-root tests; the
-# session's engine snapshots are built at its start) in the foreground, and the fast stream
-# (every other file) in the background, in mount and network namespaces of its own: a private
+# the engine stream (files with end-to-end, host-wide or opt-in kubelet/clean-root tests, but not
+# the fault matrix, marked fast_stream; the session's engine snapshots are built at its start) in
+# the foreground, and the fast stream (every other file) in the background, in mount and network namespaces of its own: a private
 # /dev/shm (the engine stream's checks of what is left there see only their own files) and a
 # loopback of its own (a restored multi-rank engine binds again the dozens of ephemeral ports its
 # ranks' gloo groups listened on: a server of the fast stream that took one in between stopped

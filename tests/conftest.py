@@ -382,11 +382,23 @@ _AFTER_BUILDS = pytest.StashKey[set[Path]]()
 #: ``WARMCTL_TEST_STREAM``: which files this session runs, when scripts/test.sh runs the suite
 #: as two pytest sessions side by side. ``engines``: the files with a test of one of these
 #: markers (the real engines, the whole pipeline, checks of the whole host, the opt-in kubelet
-#: and clean-root tests), on the host's ``/dev/shm`` and loopback; ``fast``: every other file, in
-#: mount and network namespaces of its own (a private ``/dev/shm`` and loopback) and its own temp
+#: and clean-root tests), on the host's ``/dev/shm`` and loopback, except ``e2e`` tests also
+#: marked ``fast_stream`` (:func:`in_engine_stream`); ``fast``: every other file, in mount and
+#: network namespaces of its own (a private ``/dev/shm`` and loopback) and its own temp
 #: directory. Unset: every file.
 ENGINE_STREAM_MARKERS = ("e2e", "host_wide", "kubelet", "clean_root")
 STREAMS = ("engines", "fast")
+
+
+def in_engine_stream(item) -> bool:
+    """Whether ``item`` puts its file in the engine stream: a marker of :data:`ENGINE_STREAM_MARKERS`,
+    where ``e2e`` does not count beside ``fast_stream`` (an end-to-end test of the fake engine
+    that checks only what is its own: the fault matrix, which on its own would make the engine
+    stream the longer by minutes)."""
+    marks = {m for m in ENGINE_STREAM_MARKERS if item.get_closest_marker(m)}
+    if item.get_closest_marker("fast_stream"):
+        marks.discard("e2e")
+    return bool(marks)
 
 
 def pytest_configure(config) -> None:
@@ -403,10 +415,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     an ahead build's engine, dumped and being stored, leaves ``/dev/shm`` files nobody uses for
     tens of seconds) come after the builds. With ``WARMCTL_TEST_STREAM`` (:data:`STREAMS`), only
     that stream's files are kept, the others deselected (a file is in ``engines`` when any of
-    its tests has a marker of :data:`ENGINE_STREAM_MARKERS`, whatever ``-m`` selects after)."""
+    its tests is :func:`in_engine_stream`, whatever ``-m`` selects after)."""
     stream = os.environ.get("WARMCTL_TEST_STREAM", "")
     if stream:
-        engines = {item.path for item in items if any(item.get_closest_marker(m) for m in ENGINE_STREAM_MARKERS)}
+        engines = {item.path for item in items if in_engine_stream(item)}
         other = [i for i in items if (i.path in engines) != (stream == "engines")]
         if other:
             config.hook.pytest_deselected(items=other)

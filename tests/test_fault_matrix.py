@@ -26,6 +26,10 @@ more publishing homes, each with its own fake snapshot on other ports (:func:`_l
 them out (:data:`LANES` in all), and the lanes run in a pool of their own beside the other cells. Small bounds (:data:`fault_matrix.SETTINGS`) keep each cell to
 seconds. Each cell's outcome and seconds, and the matrix's wall time, are written to
 ``build/fault-matrix.json`` (``scripts/reliability_table.py`` prints its summary).
+
+Its checks are its own (the cells' homes, processes and ``/dev/shm`` names), so it is marked
+``fast_stream``: scripts/test.sh runs it in the fast stream, beside the engine stream's real
+engines (tests/conftest.py, :func:`~tests.conftest.in_engine_stream`).
 """
 
 from __future__ import annotations
@@ -737,6 +741,7 @@ def ran(request, fk_env, fake_snapshot, tmp_path_factory, engine_ports):
 
 
 @pytest.mark.e2e
+@pytest.mark.fast_stream
 @pytest.mark.s3
 @pytest.mark.parametrize("cell", MATRIX, ids=lambda c: c.id)
 def test_fault(cell: Cell, ran):
