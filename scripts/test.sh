@@ -75,14 +75,14 @@ fi
 # The whole tier as two pytest sessions side by side (tests/conftest.py, WARMCTL_TEST_STREAM):
 # the engine stream (files with end-to-end, host-wide or opt-in kubelet/clean-root tests, but not
 # the fault matrix, marked fast_stream; the session's engine snapshots are built at its start) in
-# the foreground, and the fast stream (every other file) in the background, in mount and network namespaces of its own: a private
-# /dev/shm (the engine stream's checks of what is left there see only their own files) and a
-# loopback of its own (a restored multi-rank engine binds again the dozens of ephemeral ports its
-# ranks' gloo groups listened on: a server of the fast stream that took one in between stopped
-# the restore, "port 127.0.0.1:44509 is already in use (by pid 23878, ceph-mon)"), and its own
-# temp directory. The fast files mostly wait on their processes and
-# bounds (alone they kept 0.6 of the two cores busy): beside the engine stream they cost little wall
-# time. Its log is printed once both have ended; the exit status fails if either failed.
+# the foreground, and the fast stream (every other file) in the background, in mount and network
+# namespaces of its own: a private /dev/shm (the engine stream's checks of what is left there see
+# only their own files) and a loopback of its own (a restored multi-rank engine binds again the
+# dozens of ephemeral ports its ranks' gloo groups listened on: a server of the fast stream that
+# took one in between stopped the restore, "port 127.0.0.1:44509 is already in use (by pid 23878,
+# ceph-mon)"), and its own temp directory. The fast files mostly wait on their processes and
+# bounds (alone they kept 0.6 of the two cores busy): beside the engine stream they cost little
+# wall time. Its log is printed once both have ended; the exit status fails if either failed.
 # WARMCTL_TEST_STREAMS=1: one session, the fast files first (as with explicit pytest arguments).
 FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wf.XXXXXX")  # short: Unix socket paths under it must stay within 107 bytes
 FAST_LOG=$REPO/build/test-fast-stream.log
