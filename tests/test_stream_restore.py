@@ -61,10 +61,12 @@ def dumped(tmp_path_factory):
 
 
 def _feed(src: Path, dst: Path, streamer: ImageStreamer, piece: int, pause_s: float, stop_at: int | None = None,
-          order: list[str] | None = None) -> None:
+          order: list[str] | None = None, hold: str | None = None) -> None:
     """Write ``src``'s files into ``dst`` as ImageCache.get does (temporary file at full size,
     then ranges, telling the streamer), ``piece`` bytes every ``pause_s``; with ``stop_at``,
-    stop after that many bytes in all and report a failure."""
+    stop after that many bytes in all and report a failure. With ``hold`` (a file's name), after
+    that file's first piece wait until CRIU has been served some of it (at most 60 s): CRIU is
+    then reading the file while the rest is written, however late a loaded host started it."""
     done = 0
     for name in order or sorted(os.listdir(src)):
         data = (src / name).read_bytes()
@@ -80,6 +82,10 @@ def _feed(src: Path, dst: Path, streamer: ImageStreamer, piece: int, pause_s: fl
                 f.flush()
                 done += len(data[off : off + piece])
                 streamer.written(f"images/{name}", min(off + piece, len(data)))
+                if name == hold and off == 0:
+                    deadline = time.monotonic() + 60
+                    while streamer.files[f"images/{name}"].served == 0 and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 if len(data) > piece:
                     time.sleep(pause_s)
         os.replace(tmp, dst / name)  # renamed once whole, as get does: the streamer reads its open fd
@@ -112,9 +118,11 @@ def test_a_streamed_restore_starts_before_the_image_is_written_and_restores_ever
     out.write_text("")
     fed: dict[str, float] = {}
     with ImageStreamer(sizes, sock) as streamer:
-        # pages files last (as an image's largest files come): 4 MiB every 50 ms, about 0.6 s for the holder's
+        # pages files last (as an image's largest files come): 4 MiB every 50 ms, about 1 s for the holder's,
+        # the rest of it once CRIU has read its first piece
         order = sorted(os.listdir(img), key=lambda n: (n.startswith("pages-"), n))
-        feeder = threading.Thread(target=lambda: (_feed(img, dst, streamer, 4 * 2**20, 0.05, order=order),
+        feeder = threading.Thread(target=lambda: (_feed(img, dst, streamer, 4 * 2**20, 0.05, order=order,
+                                                        hold=pages.removeprefix("images/")),
                                                   fed.setdefault("end", time.monotonic())))
         t0 = time.monotonic()
         feeder.start()
@@ -148,7 +156,10 @@ def test_a_write_that_fails_fails_the_restore_and_nothing_is_left_running(dumped
     with ImageStreamer(sizes, sock) as streamer:
         order = sorted(os.listdir(img), key=lambda n: (n.startswith("pages-"), n))
         small = sum(s for n, s in sizes.items() if not n.startswith("images/pages-"))
-        feeder = threading.Thread(target=_feed, args=(img, dst, streamer, 4 * 2**20, 0.02, small + 16 * 2**20, order))
+        # the write fails 16 MiB into the pages, once CRIU has been served their first piece
+        pages = max(sizes, key=sizes.get).removeprefix("images/")
+        feeder = threading.Thread(target=_feed, args=(img, dst, streamer, 4 * 2**20, 0.02, small + 16 * 2**20, order,
+                                                      pages))
         feeder.start()
         with pytest.raises(CheckpointError) as e:
             criu.restore(sock, tmp_path / "pid", log_file=tmp_path / "restore.log", work_dir=tmp_path, stream=True)
