@@ -185,16 +185,24 @@ def test_a_socket_path_too_long_is_refused(tmp_path):
 
 class _Slow:
     """A watch in front of the streamer that sleeps a little on each range of the largest file,
-    as a remote fetch would: the restore then has to wait for the write."""
+    as a remote fetch would: the restore then has to wait for the write. The largest file's
+    first range waits (at most 60 s) until CRIU has been served bytes of some file, so however
+    late a loaded host starts CRIU, it is reading while that file is written."""
 
     def __init__(self, streamer: ImageStreamer, big: str, pause_s: float):
         self.streamer, self.big, self.pause_s = streamer, big, pause_s
+        self.held = False
 
     def opened(self, rel, tmp):
         self.streamer.opened(rel, tmp)
 
     def written(self, rel, end):
         if rel == self.big:
+            if not self.held:
+                self.held = True
+                deadline = time.monotonic() + 60
+                while not any(f.served for f in self.streamer.files.values()) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             time.sleep(self.pause_s)
         self.streamer.written(rel, end)
 
