@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tests.conftest import wait_until
 
 from warmctl.checkpoint import criu
 from warmctl.checkpoint.stream import ImageStreamer, StreamError, _request_filename
@@ -83,9 +84,7 @@ def _feed(src: Path, dst: Path, streamer: ImageStreamer, piece: int, pause_s: fl
                 done += len(data[off : off + piece])
                 streamer.written(f"images/{name}", min(off + piece, len(data)))
                 if name == hold and off == 0:
-                    deadline = time.monotonic() + 60
-                    while streamer.files[f"images/{name}"].served == 0 and time.monotonic() < deadline:
-                        time.sleep(0.01)
+                    wait_until(lambda: streamer.files[f"images/{name}"].served > 0, 60)
                 if len(data) > piece:
                     time.sleep(pause_s)
         os.replace(tmp, dst / name)  # renamed once whole, as get does: the streamer reads its open fd
@@ -200,9 +199,7 @@ class _Slow:
         if rel == self.big:
             if not self.held:
                 self.held = True
-                deadline = time.monotonic() + 60
-                while not any(f.served for f in self.streamer.files.values()) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                wait_until(lambda: any(f.served for f in self.streamer.files.values()), 60)
             time.sleep(self.pause_s)
         self.streamer.written(rel, end)
 
