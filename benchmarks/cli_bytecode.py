@@ -37,9 +37,10 @@ COMMANDS = (("--help",), ("status",), ("down", "tiny"), ("ls",))
 
 
 def _cpu_s(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
-    """CPU seconds (user + system) of one run of ``cmd``, a child waited for alone."""
+    """CPU seconds (user + system) of one run of ``cmd``, a child waited for alone. Raises
+    CalledProcessError when it does not exit 0 (a failing command is not the one measured)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
