@@ -380,13 +380,18 @@ def test_the_watch_names_a_dead_rank_at_once_and_a_stopped_one_after_its_grace(t
 
 _BUSY_RANK = ("taskset -c {cpu} bash -c 'echo \"(Worker_TP0 pid=$$) INFO rank 0 up\"; "
               "exec -a VLLM::Worker_TP0 {python} {script}' &")
-#: A rank computing slowly: a little CPU time every 20 ms.
-_BUSY = "import time\nwhile True:\n    sum(range(30000))\n    time.sleep(0.02)\n"
+#: A rank computing slowly: 10 ms of CPU time, then 20 ms asleep, over and over. The slice is
+#: CPU time, not a fixed amount of work, so the rank's ticks grow on any host: a fixed
+#: ``sum(range(30000))`` (about 0.5 ms, 2 clock ticks a second) went 1.2 s without a tick on
+#: the 2-core AMD VM at load 16, and the watch rightly named it silent.
+_BUSY = ("import time\nwhile True:\n    t = time.process_time()\n    while time.process_time() - t < 0.01:\n"
+         "        pass\n    time.sleep(0.02)\n")
 
 
 def _working_and_silent_tree(tmp_path):
-    """Like :func:`_ranks_tree`, but Worker_TP0 works (a little CPU time every 20 ms, as a rank
-    computing slowly on a loaded host) while Worker_TP1 sleeps: alive, not stopped, silent."""
+    """Like :func:`_ranks_tree`, but Worker_TP0 works (:data:`_BUSY`: 10 ms of CPU time in every
+    30 ms or so, as a rank computing slowly on a loaded host) while Worker_TP1 sleeps: alive, not
+    stopped, silent."""
     cpus = sorted(os.sched_getaffinity(0))
     (tmp_path / "busy.py").write_text(_BUSY)
     script = (_BUSY_RANK.format(cpu=cpus[0], python=sys.executable, script=tmp_path / "busy.py") + " "
@@ -412,10 +417,12 @@ def test_the_watch_names_a_silent_rank_only_while_requests_are_in_flight(tmp_pat
     launcher, root = _working_and_silent_tree(tmp_path)
     try:
         tp1 = layout.live_ranks(root)["Worker_TP1"].pid
-        watch = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log", silence_s=1.0)
+        # 2 s, not less: a working rank that a loaded host leaves without a clock tick for 1.2 s was
+        # named silent at 1 s (the 2-core AMD VM, load 16)
+        watch = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log", silence_s=2.0)
         off = layout.RankWatch(root, Sizes(tp=2), tmp_path / "engine.log", silence_s=0)
         off.busy()
-        t_end = time.monotonic() + 1.6  # no request in flight: silence is not counted
+        t_end = time.monotonic() + 2.6  # no request in flight: silence is not counted
         while time.monotonic() < t_end:
             assert watch.problem() is None and off.problem() is None
             time.sleep(0.1)
@@ -427,11 +434,11 @@ def test_the_watch_names_a_silent_rank_only_while_requests_are_in_flight(tmp_pat
             assert off.problem() is None
             time.sleep(0.1)
         took = time.monotonic() - t0
-        assert err is not None and 1.0 <= took < 3.0, took
+        assert err is not None and 2.0 <= took < 5.0, took
         assert err.ranks == ["Worker_TP1"], err  # the working rank is not blamed
         msg = str(err)
-        assert f"rank Worker_TP1 (pid {tp1}) is alive (state S) but silent: it used no CPU time for 1." in msg, msg
-        assert "during the canary record" in msg and "rank_silence_s = 1 s" in msg and "rank 1 up" in msg
+        assert f"rank Worker_TP1 (pid {tp1}) is alive (state S) but silent: it used no CPU time for 2." in msg, msg
+        assert "during the canary record" in msg and "rank_silence_s = 2 s" in msg and "rank 1 up" in msg
         watch2 = layout.RankWatch(root, Sizes(tp=2), silence_s=1.0)
         watch2.busy()
         time.sleep(0.5)
