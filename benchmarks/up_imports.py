@@ -4,6 +4,10 @@ Measures, in fresh interpreters, interleaved, ``--runs`` times each (the machine
 compare within one run):
 
 - **bare**: ``python -c pass`` (the interpreter alone);
+- **floor**: the libraries ``up`` is built on and nothing of warmctl: ``import typer.main`` and
+  pydantic with one model built and validated (:data:`FLOOR_CODE`). The up path can get no
+  cheaper than this while it parses its command line with typer and reads its settings,
+  profile and manifest with pydantic; the up path minus the floor is warmctl's own share;
 - **cli**: ``import warmctl.cli``, every command registered and the click command built (what
   every ``warmctl`` command, ``--help`` included, pays);
 - **up path**: the real ``python -m warmctl up tiny --json --cold-start never`` (a config with
@@ -14,10 +18,12 @@ compare within one run):
   profile load (:func:`warmctl.pipelines.lifecycle.find_profile`: the TOML, the models, the credential
   rules), ended there.
 
-Each side's extra over **bare** is reported (best and median of the runs; the test
-``tests/test_startup_imports.py`` holds the best to a budget); then one ``python -X importtime``
-run of the up path: its imports grouped (typer/click, pydantic, warmctl's own modules, the
-rest), the slowest modules by their own time, and which heavy modules it does not import.
+Each side's extra over **bare** is reported (best and median of the runs); then one
+``python -X importtime`` run of the up path: its imports grouped (typer/click, pydantic,
+warmctl's own modules, the rest), the slowest modules by their own time, and which heavy
+modules it does not import. ``--instructions`` also counts the instructions each side executes
+once under valgrind's callgrind (:func:`instructions`: the same on any host and at any load; the
+test ``tests/test_startup_imports.py`` holds the up path to a budget of them).
 
 ``--repo DIR`` (repeatable) measures the code in each checkout (``PYTHONPATH=DIR``), the
 sides interleaved; with two, the second's ratio to the first is printed (before/after).
@@ -30,7 +36,7 @@ warmctl's own modules compiled from source by every process (the checkouts must 
 
 Usage::
 
-    python benchmarks/up_imports.py [--runs 15] [--repo BEFORE --repo AFTER] [--no-bytecode] [--top 15] [--json FILE]
+    python benchmarks/up_imports.py [--runs 15] [--repo BEFORE --repo AFTER] [--no-bytecode] [--instructions] [--top 15] [--json FILE]
 """
 
 from __future__ import annotations
@@ -97,7 +103,13 @@ os._exit(3)
 UP_PROFILE_CODE = UP_CODE.replace("def up(*a, **kw):\n", "def up(*a, **kw):\n"
                                   "    sys.modules['warmctl.pipelines.lifecycle'].find_profile(a[0].name, a[1])\n", 1)
 CLI_CODE = "import typer.main, warmctl.cli as c; c._register(); typer.main.get_command(c.app)"
-SIDES = {"bare": "pass", "cli": CLI_CODE, "up": UP_CODE, "up_profile": UP_PROFILE_CODE}
+#: The libraries' floor: what the up path costs before any of warmctl's own code runs, the
+#: libraries it is built on, typer (the CLI) and pydantic with its first model built and
+#: validated (the settings, profile and manifest are pydantic models), plugins off as
+#: warmctl.cli.main turns them off. None of warmctl is imported.
+FLOOR_CODE = ("import os\nos.environ.setdefault('PYDANTIC_DISABLE_PLUGINS', '__all__')\nimport typer.main\n"
+              "import pydantic\nclass M(pydantic.BaseModel):\n    x: int\nM(x=1)\n")
+SIDES = {"bare": "pass", "floor": FLOOR_CODE, "cli": CLI_CODE, "up": UP_CODE, "up_profile": UP_PROFILE_CODE}
 
 
 def make_env(work: Path, repo: Path = REPO, bytecode: bool = True) -> dict[str, str]:
@@ -136,6 +148,22 @@ def run_once(code: str, env: dict[str, str], cwd: Path, *flags: str) -> tuple[fl
     if r.returncode != 0:
         raise RuntimeError(f"python -c ... exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
     return dt, (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime), r
+
+
+def instructions(code: str, env: dict[str, str], cwd: Path) -> int:
+    """Instructions ``python -c code`` executes in user space, run once to its end under
+    ``valgrind --tool=callgrind`` (its "Collected" total; ``PYTHONHASHSEED=0``): the same count
+    for the same code, libraries and interpreter whatever the host's load or clock (valgrind
+    runs every process on one synthetic CPU), about 60 times slower than a plain run. Raises
+    RuntimeError when valgrind is missing or the program does not exit 0."""
+    if shutil.which("valgrind") is None:
+        raise RuntimeError("valgrind not found (Debian's valgrind; scripts/install-test-services.sh installs it)")
+    r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", code],
+                       env={**env, "PYTHONHASHSEED": "0"}, cwd=cwd, capture_output=True, text=True, timeout=600)
+    m = re.search(r"^==\d+== Collected : (\d+)$", r.stderr, re.MULTILINE)
+    if r.returncode != 0 or m is None:
+        raise RuntimeError(f"valgrind python -c ... exited {r.returncode}:\n{r.stdout}\n{r.stderr[-3000:]}")
+    return int(m.group(1))
 
 
 def loaded(modules: list[str], names: tuple[str, ...] = NOT_ON_UP_PATH) -> list[str]:
@@ -182,6 +210,8 @@ def main() -> None:
                     help="checkout to measure (repeatable; default: this one)")
     ap.add_argument("--no-bytecode", action="store_true",
                     help="warmctl's modules compiled by every process (PYTHONDONTWRITEBYTECODE=1)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count each side's instructions once under valgrind's callgrind")
     ap.add_argument("--top", type=int, default=15, help="modules listed by their own import time")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = ap.parse_args()
@@ -211,7 +241,7 @@ def main() -> None:
             for what, t in (("", times[str(r)]), ("cpu_", cpu[str(r)])):
                 bare_b, bare_m = min(t["bare"]), statistics.median(t["bare"])
                 row.update({f"{what}bare_best_s": bare_b, f"{what}bare_median_s": bare_m})
-                for side in ("cli", "up", "up_profile"):
+                for side in ("floor", "cli", "up", "up_profile"):
                     row[f"{what}{side}_best_s"] = min(t[side]) - bare_b
                     row[f"{what}{side}_median_s"] = statistics.median(t[side]) - bare_m
             mods = up_modules(envs[str(r)], work)
@@ -219,14 +249,19 @@ def main() -> None:
             row["heavy_loaded"] = loaded(mods)
             result["repos"][str(r)] = row
             print(f"  {r}:\n    wall: bare {row['bare_best_s'] * 1e3:.0f} / {row['bare_median_s'] * 1e3:.0f} ms; "
+                  f"floor +{row['floor_best_s'] * 1e3:.0f} / +{row['floor_median_s'] * 1e3:.0f} ms; "
                   f"cli +{row['cli_best_s'] * 1e3:.0f} / +{row['cli_median_s'] * 1e3:.0f} ms; "
                   f"up path +{row['up_best_s'] * 1e3:.0f} / +{row['up_median_s'] * 1e3:.0f} ms; "
                   f"with the profile loaded +{row['up_profile_best_s'] * 1e3:.0f} / +{row['up_profile_median_s'] * 1e3:.0f} ms\n"
                   f"    CPU:  bare {row['cpu_bare_best_s'] * 1e3:.0f} / {row['cpu_bare_median_s'] * 1e3:.0f} ms; "
+                  f"floor +{row['cpu_floor_best_s'] * 1e3:.0f} / +{row['cpu_floor_median_s'] * 1e3:.0f} ms; "
                   f"cli +{row['cpu_cli_best_s'] * 1e3:.0f} / +{row['cpu_cli_median_s'] * 1e3:.0f} ms; "
                   f"up path +{row['cpu_up_best_s'] * 1e3:.0f} / +{row['cpu_up_median_s'] * 1e3:.0f} ms; "
                   f"with the profile loaded +{row['cpu_up_profile_best_s'] * 1e3:.0f} / "
                   f"+{row['cpu_up_profile_median_s'] * 1e3:.0f} ms\n"
+                  f"    the up path's own share over the floor (CPU, best): "
+                  f"+{(row['cpu_up_best_s'] - row['cpu_floor_best_s']) * 1e3:.0f} ms, with the profile loaded "
+                  f"+{(row['cpu_up_profile_best_s'] - row['cpu_floor_best_s']) * 1e3:.0f} ms\n"
                   f"    the up path imports {len(mods)} modules; of {', '.join(NOT_ON_UP_PATH)}: "
                   f"{', '.join(row['heavy_loaded']) or 'none'}")
         if len(repos) == 2:
@@ -236,6 +271,14 @@ def main() -> None:
             for k in keys:
                 result[f"ratio_{k[:-2]}"] = c[k] / b[k]
             print("  second / first: " + ", ".join(f"{k[:-2].replace('_', ' ')} {c[k] / b[k]:.2f}x" for k in keys))
+        if a.instructions:
+            print("\ninstructions over a bare interpreter (valgrind --tool=callgrind, once each):")
+            for r in repos:
+                count = {side: instructions(SIDES[side], envs[str(r)], work) for side in ("bare", "floor", "up", "up_profile")}
+                result["repos"][str(r)]["instructions"] = count
+                print(f"  {r}: bare {count['bare'] / 1e6:.1f} M; " + ", ".join(
+                    f"{side.replace('_', ' with ')} +{(count[side] - count['bare']) / 1e6:.1f} M"
+                    for side in ("floor", "up", "up_profile")))
         for r in repos:
             rows = importtime(envs[str(r)], work)
             groups: dict[str, int] = {}

@@ -6,6 +6,19 @@
 # this script and then requires the RGW tests to run (WARMCTL_REQUIRE_RGW=1).
 set -e
 say() { printf '\033[1m[install]\033[0m %s\n' "$*"; }
+# debian_tool COMMAND PACKAGE WHY VERSION-COMMAND: installs Debian's PACKAGE when COMMAND is missing
+debian_tool() {
+    if command -v "$1" >/dev/null 2>&1; then
+        say "test services: $1 present ($($4 2>&1 | head -1)); skipped"
+        return
+    fi
+    say "test services: installing Debian's $2 ($3)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$2" >/dev/null
+    command -v "$1" >/dev/null 2>&1 || { echo "[install] error: $1 still missing after installing the package" >&2; exit 1; }
+    say "test services: installed $($4 2>&1 | head -1)"
+}
 bins="radosgw ceph-mon ceph-osd radosgw-admin ceph ceph-authtool monmaptool"
 missing=""
 for b in $bins; do
@@ -44,13 +57,7 @@ fi
 # orphan (a killed engine's children, CRIU's restored trees) are reaped by this host's PID 1,
 # which on some machines (a Firecracker VM's init) reaps only every second or two: measured,
 # tests/test_engine_run.py took 15.6 s instead of 0.6 s, each teardown waiting on its zombies.
-if ! command -v tini >/dev/null 2>&1; then
-    say "test services: installing Debian's tini (the suite's reaper of orphaned processes)"
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends tini >/dev/null
-    command -v tini >/dev/null 2>&1 || { echo "[install] error: tini still missing after installing the package" >&2; exit 1; }
-    say "test services: installed $(tini --version)"
-else
-    say "test services: tini present ($(tini --version)); skipped"
-fi
+debian_tool tini tini "the suite's reaper of orphaned processes" "tini --version"
+# valgrind (Debian's): tests/test_startup_imports.py counts the instructions of `up`'s start-up
+# under its callgrind (benchmarks/up_imports.py --instructions), the same on any host and load.
+debian_tool valgrind valgrind "instruction counts of up's start-up" "valgrind --version"
