@@ -22,7 +22,7 @@ Each side's extra over **bare** is reported (best and median of the runs); then 
 ``python -X importtime`` run of the up path: its imports grouped (typer/click, pydantic,
 warmctl's own modules, the rest), the slowest modules by their own time, and which heavy
 modules it does not import. ``--instructions`` also counts the instructions each side executes
-once under valgrind's callgrind (:func:`instructions`: the same on any host and at any load; the
+once under valgrind's callgrind (:func:`instructions`: the same at any load; the
 test ``tests/test_startup_imports.py`` holds the up path to a budget of them).
 
 ``--repo DIR`` (repeatable) measures the code in each checkout (``PYTHONPATH=DIR``), the
@@ -154,7 +154,8 @@ def instructions(code: str, env: dict[str, str], cwd: Path) -> int:
     """Instructions ``python -c code`` executes in user space, run once to its end under
     ``valgrind --tool=callgrind`` (its "Collected" total; ``PYTHONHASHSEED=0``): the same count
     for the same code, libraries and interpreter whatever the host's load or clock (valgrind
-    runs every process on one synthetic CPU), about 60 times slower than a plain run. Raises
+    runs every process on one synthetic CPU; another host's C library may pick other string
+    routines, a small difference), about 60 times slower than a plain run. Raises
     RuntimeError when valgrind is missing or the program does not exit 0."""
     if shutil.which("valgrind") is None:
         raise RuntimeError("valgrind not found (Debian's valgrind; scripts/install-test-services.sh installs it)")
