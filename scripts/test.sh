@@ -9,8 +9,9 @@
 #                                 (-m "not e2e": no vLLM engine starts; real CRIU, servers and
 #                                 the fake engine still run); under 10 minutes on 2 cores
 #   bash scripts/test.sh          the whole suite, e2e included (what CI runs); under 30 minutes
-# Either tier runs as two pytest sessions side by side, the engine stream and the fast stream
-# (below); with pytest arguments, or WARMCTL_TEST_STREAMS=1, as one session.
+# Either tier runs as pytest sessions side by side, the engine stream and the fast stream (below;
+# in the fast tier, the fast stream as two shards); with pytest arguments, or
+# WARMCTL_TEST_STREAMS=1, as one session.
 #
 # --clean-root: also run scripts/demo.sh in a clean Debian 12 root
 # (tests/test_clean_root.py, WARMCTL_TEST_CLEAN_ROOT=1): the check before an install change is
@@ -35,6 +36,12 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
+# How many shards the fast stream runs as (below): two in the fast tier, one in the whole suite.
+SHARDS=${WARMCTL_TEST_FAST_SHARDS:-$([ ${#TIER[@]} -gt 0 ] && echo 2 || echo 1)}
+if ! [[ "$SHARDS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "[test] WARMCTL_TEST_FAST_SHARDS=$SHARDS: a whole number, 1 or more" >&2
+  exit 2
+fi
 bash "$REPO/scripts/install.sh"
 bash "$REPO/scripts/install-test-services.sh"
 # A real Kubernetes control plane for tests/kubecluster.py (built once from Debian's source, then
@@ -84,28 +91,41 @@ fi
 # bounds (alone they kept 0.6 of the two cores busy): beside the engine stream they cost little
 # wall time. Its log is printed once both have ended; the exit status fails if either failed.
 # WARMCTL_TEST_STREAMS=1: one session, the fast files first (as with explicit pytest arguments).
-FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wf.XXXXXX")  # short: Unix socket paths under it must stay within 107 bytes
-FAST_LOG=$REPO/build/test-fast-stream.log
+# The fast tier runs the fast stream as two shards side by side (WARMCTL_TEST_SHARD=K/N, each file
+# in one by its name: tests/conftest.py, shard_of), each in namespaces and a temp directory of its
+# own: with no engine to wait for, the one fast stream was the whole tier, 12.3 minutes on the
+# 2-core AMD VM of 2026-12-06/07. WARMCTL_TEST_FAST_SHARDS=N sets how many (SHARDS, above).
 mkdir -p "$REPO/build"
-(
-  export WARMCTL_TEST_STREAM=fast TMPDIR=$FAST_TMP
-  if [ -n "${WARMCTL_TEST_TIMES:-}" ]; then export WARMCTL_TEST_TIMES=$WARMCTL_TEST_TIMES.fast; fi
-  exec unshare --mount --net --propagation private -- sh -c \
-    'ip link set lo up && mount -t tmpfs -o mode=1777 warmctl-test-shm /dev/shm && exec "$@"' sh \
-    "${PYTEST[@]}" -o cache_dir="$FAST_TMP/.pytest_cache"
-) > "$FAST_LOG" 2>&1 &
-fast=$!
-trap 'kill "$fast" 2>/dev/null || true' INT TERM
-echo "[test] two streams side by side: the engine stream below; the fast stream's log ($FAST_LOG) follows it"
+FAST_PIDS=() FAST_LOGS=() FAST_TMPS=()
+for k in $(seq 1 "$SHARDS"); do
+  if [ "$SHARDS" = 1 ]; then suffix=; else suffix=-$k; fi
+  FAST_TMP=$(mktemp -d "${TMPDIR:-/tmp}/wf.XXXXXX")  # short: Unix socket paths under it must stay within 107 bytes
+  FAST_LOG=$REPO/build/test-fast-stream$suffix.log
+  (
+    export WARMCTL_TEST_STREAM=fast TMPDIR=$FAST_TMP
+    if [ "$SHARDS" != 1 ]; then export WARMCTL_TEST_SHARD=$k/$SHARDS; fi
+    if [ -n "${WARMCTL_TEST_TIMES:-}" ]; then export WARMCTL_TEST_TIMES=$WARMCTL_TEST_TIMES.fast$suffix; fi
+    exec unshare --mount --net --propagation private -- sh -c \
+      'ip link set lo up && mount -t tmpfs -o mode=1777 warmctl-test-shm /dev/shm && exec "$@"' sh \
+      "${PYTEST[@]}" -o cache_dir="$FAST_TMP/.pytest_cache"
+  ) > "$FAST_LOG" 2>&1 &
+  FAST_PIDS+=($!) FAST_LOGS+=("$FAST_LOG") FAST_TMPS+=("$FAST_TMP")
+done
+trap 'kill "${FAST_PIDS[@]}" 2>/dev/null || true' INT TERM
+echo "[test] the engine stream below and $SHARDS fast stream(s) beside it; their logs (${FAST_LOGS[*]}) follow it"
 engines_rc=0
 WARMCTL_TEST_STREAM=engines "${PYTEST[@]}" || engines_rc=$?
 fast_rc=0
-wait "$fast" || fast_rc=$?
+for i in "${!FAST_PIDS[@]}"; do
+  rc=0
+  wait "${FAST_PIDS[$i]}" || rc=$?
+  echo
+  echo "[test] ======== fast stream $((i + 1)) of $SHARDS (exit $rc): ${FAST_LOGS[$i]} ========"
+  cat "${FAST_LOGS[$i]}"
+  rm -rf "${FAST_TMPS[$i]}"
+  if [ "$fast_rc" = 0 ]; then fast_rc=$rc; fi
+done
 trap - INT TERM
-echo
-echo "[test] ======== the fast stream (exit $fast_rc): $FAST_LOG ========"
-cat "$FAST_LOG"
-rm -rf "$FAST_TMP"
 echo "[test] engine stream exit $engines_rc, fast stream exit $fast_rc"
 if [ "$engines_rc" != 0 ]; then exit "$engines_rc"; fi
 exit "$fast_rc"

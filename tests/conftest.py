@@ -18,6 +18,7 @@ asks for it instead.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -388,6 +389,29 @@ _AFTER_BUILDS = pytest.StashKey[set[Path]]()
 #: directory. Unset: every file.
 ENGINE_STREAM_MARKERS = ("e2e", "host_wide", "kubelet", "clean_root")
 STREAMS = ("engines", "fast")
+#: ``WARMCTL_TEST_SHARD=K/N`` (1 <= K <= N): of the files this session would run, keep only shard
+#: K of N (:func:`shard_of`). scripts/test.sh's fast tier runs the fast stream as two shards side
+#: by side, each in namespaces of its own: alone, that stream ran its files one after another
+#: at about 0.6 of a core, 12.3 minutes on the 2-core AMD VM of 2026-12-06/07.
+SHARD_RE = re.compile(r"([1-9][0-9]*)/([1-9][0-9]*)")
+
+
+def shard_of(path: str, shards: int) -> int:
+    """The shard, 1 to ``shards``, of the test file ``path`` (relative to the repository, e.g.
+    ``tests/test_x.py``): from its name's MD5, so a file stays in its shard as others come and go,
+    and the split does not depend on which tests ``-m`` or ``-k`` select."""
+    return int(hashlib.md5(path.encode()).hexdigest(), 16) % shards + 1
+
+
+def _shard() -> tuple[int, int] | None:
+    """``WARMCTL_TEST_SHARD`` as ``(K, N)``, or None when unset; a usage error when malformed."""
+    raw = os.environ.get("WARMCTL_TEST_SHARD", "")
+    if not raw:
+        return None
+    m = SHARD_RE.fullmatch(raw)
+    if not m or int(m[1]) > int(m[2]):
+        raise pytest.UsageError(f"WARMCTL_TEST_SHARD={raw!r}: K/N with 1 <= K <= N, e.g. 1/2, or unset")
+    return int(m[1]), int(m[2])
 
 
 def in_engine_stream(item) -> bool:
@@ -402,10 +426,12 @@ def in_engine_stream(item) -> bool:
 
 
 def pytest_configure(config) -> None:
-    """An unknown ``WARMCTL_TEST_STREAM`` is a usage error before anything is collected."""
+    """An unknown ``WARMCTL_TEST_STREAM`` or a malformed ``WARMCTL_TEST_SHARD`` is a usage error
+    before anything is collected."""
     stream = os.environ.get("WARMCTL_TEST_STREAM", "")
     if stream and stream not in STREAMS:
         raise pytest.UsageError(f"WARMCTL_TEST_STREAM={stream!r}: one of {', '.join(STREAMS)}, or unset")
+    _shard()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -415,14 +441,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     an ahead build's engine, dumped and being stored, leaves ``/dev/shm`` files nobody uses for
     tens of seconds) come after the builds. With ``WARMCTL_TEST_STREAM`` (:data:`STREAMS`), only
     that stream's files are kept, the others deselected (a file is in ``engines`` when any of
-    its tests is :func:`in_engine_stream`, whatever ``-m`` selects after)."""
+    its tests is :func:`in_engine_stream`, whatever ``-m`` selects after); with
+    ``WARMCTL_TEST_SHARD=K/N``, only the files of shard K (:func:`shard_of`)."""
     stream = os.environ.get("WARMCTL_TEST_STREAM", "")
+    keep = [True] * len(items)
     if stream:
         engines = {item.path for item in items if in_engine_stream(item)}
-        other = [i for i in items if (i.path in engines) != (stream == "engines")]
-        if other:
-            config.hook.pytest_deselected(items=other)
-            items[:] = [i for i in items if (i.path in engines) == (stream == "engines")]
+        keep = [(i.path in engines) == (stream == "engines") for i in items]
+    if shard := _shard():
+        keep = [k and shard_of(i.nodeid.split("::", 1)[0], shard[1]) == shard[0] for k, i in zip(keep, items)]
+    if not all(keep):
+        config.hook.pytest_deselected(items=[i for i, k in zip(items, keep) if not k])
+        items[:] = [i for i, k in zip(items, keep) if k]
     after = config.stash[_AFTER_BUILDS] = {item.path for item in items
                                            if item.get_closest_marker("e2e") or item.get_closest_marker("host_wide")}
     items[:] = [i for i in items if i.path not in after] + [i for i in items if i.path in after]
