@@ -339,22 +339,54 @@ def _log_tail(path: Path, n: int = 15, errors_first: bool = True) -> str:
 
 
 def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequence[str] = (),
-         env: dict[str, str] | None = None, timeout_error: type[CheckpointError] = CheckpointError) -> float:
+         env: dict[str, str] | None = None, timeout_error: type[CheckpointError] = CheckpointError,
+         shielded: bool = False) -> float:
     """Run a CRIU command (with :func:`_plugin_libdir` of ``plugins`` appended, in ``env``,
     default ours); seconds it took.
     Raises :class:`CheckpointError` naming ``what`` with the relevant lines of ``log`` on failure
     or after ``timeout_s`` (then CRIU has been killed and reaped; ``timeout_error``: the class
-    raised, the last lines of ``log`` in its message)."""
+    raised, the last lines of ``log`` in its message).
+
+    ``shielded`` (a restore): CRIU runs in a session of its own with SIGINT, SIGTERM and SIGHUP
+    ignored, so a signal meant for warmctl (Ctrl-C reaches the terminal's whole process group,
+    ``systemctl stop`` the whole cgroup) does not stop it in the middle; and an exception here
+    while it runs (KeyboardInterrupt) waits for it to end, within ``timeout_s``, before it
+    propagates. A restore stopped in the middle can leave the tree resumed with no pidfile
+    naming it: measured, Ctrl-C 0.2 s into ``warmctl up``'s restore left the engine serving,
+    recorded nowhere, and a CRIU ghost file in ``/dev/shm``. A restore that ends names its root
+    in the pidfile, where the caller's teardown finds it."""
     t0 = time.monotonic()
-    try:
-        with _plugin_libdir(plugins, cmd[0]) as libdir:
-            r = subprocess.run([*cmd, *libdir], capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:  # subprocess.run has killed CRIU (SIGKILL) and reaped it
-        raise timeout_error(f"{what} did not finish within its bound of {timeout_s:g} s: killed after "
-                            f"{time.monotonic() - t0:.1f} s; the last lines of its log:\n{_log_tail(log, 5, errors_first=False)}") from None
-    if r.returncode != 0:
-        raise CheckpointError(f"{what} failed (exit {r.returncode}); {log}:\n{_log_tail(log)}")
+    with _plugin_libdir(plugins, cmd[0]) as libdir:
+        proc = subprocess.Popen([*cmd, *libdir], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=shielded, preexec_fn=_ignore_stop_signals if shielded else None)
+        try:
+            proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise timeout_error(f"{what} did not finish within its bound of {timeout_s:g} s: killed after "
+                                f"{time.monotonic() - t0:.1f} s; the last lines of its log:\n{_log_tail(log, 5, errors_first=False)}") from None
+        except BaseException:
+            try:
+                if shielded:
+                    proc.wait(timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            raise
+    if proc.returncode != 0:
+        raise CheckpointError(f"{what} failed (exit {proc.returncode}); {log}:\n{_log_tail(log)}")
     return time.monotonic() - t0
+
+
+def _ignore_stop_signals() -> None:
+    """In a shielded CRIU's child, before it executes CRIU (:func:`_run`): ignore SIGINT, SIGTERM
+    and SIGHUP. The restored tasks get their own signal actions back from the image."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class DumpTimeout(CheckpointError):
@@ -530,7 +562,7 @@ def restore(images_dir: Path, pidfile: Path, *, log_file: Path | None = None, ti
         cmd.append("--stream")
     how = " --lazy-pages" if lazy_pages else " --stream" if stream else ""
     secs = _run(cmd, f"criu restore{how} from {images_dir}", log_file, timeout_s,
-                plugins, env=restore_env(xtile_lib))
+                plugins, env=restore_env(xtile_lib), shielded=True)
     return int(pidfile.read_text().strip()), secs
 
 

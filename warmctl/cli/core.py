@@ -210,6 +210,7 @@ def register(app: typer.Typer) -> None:
         from warmctl.pipelines.lifecycle import up as run_up
 
         started()
+        _stop_signals_raise()
         try:
             res = run_up(req, settings, rep)
         except WarmctlError as e:
@@ -217,6 +218,20 @@ def register(app: typer.Typer) -> None:
                 _show_up(UpResult.failed(req.name, e), json_out, quiet)
             raise
         _show_up(res, json_out, quiet)
+
+    def _stop_signals_raise() -> None:
+        """SIGTERM and SIGHUP (``kill``, a closed terminal, ``systemctl stop``) end ``up`` as Ctrl-C
+        does: an exception (``SystemExit``, exit 128 + the signal) that runs its teardown,
+        instead of the interpreter dying where it stands with the engine half restored and its
+        record left. Measured before: SIGTERM 0.2 s into the restore left the engine running,
+        recorded only as "restoring (engine dead)"."""
+        import signal
+
+        def stop(signum: int, frame: object) -> None:
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stop)
 
     def _show_up(res, json_out: bool, quiet: bool = False) -> None:
         """``up``'s result (:class:`warmctl.records.contract.UpResult`) on stdout: its JSON document

@@ -350,7 +350,9 @@ def _restore_up(u: _Up, found: _Found) -> UpResult:
         served = True
     except BaseException:
         pending_gate.cancel()
-        run.teardown()
+        # strays: an interrupted restore (Ctrl-C) whose CRIU ended after the interrupt names the
+        # tree it restored only in restore.pid (identity-checked: EngineRun._kill_strays)
+        run.teardown(strays=True)
         raise
     finally:
         run.remove_scratch()
@@ -613,7 +615,9 @@ def down(name: str, settings: Settings, now: bool = False) -> EngineState | None
         st = run.state
         if not now:
             drain_gate(run.gate, settings.gate_drain_s)
-        run.teardown()
+        # strays: under the name's lock no `up` of it runs, and one that was killed in its
+        # restore may have named the tree only in restore.pid (identity-checked)
+        run.teardown(strays=True)
         return st
 
 
