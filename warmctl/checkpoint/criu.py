@@ -45,6 +45,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -382,9 +383,8 @@ def _run(cmd: list[str], what: str, log: Path, timeout_s: float, plugins: Sequen
 
 def _ignore_stop_signals() -> None:
     """In a shielded CRIU's child, before it executes CRIU (:func:`_run`): ignore SIGINT, SIGTERM
-    and SIGHUP. The restored tasks get their own signal actions back from the image."""
-    import signal
-
+    and SIGHUP. The restored tasks get their own signal actions back from the image. It imports
+    nothing: in the forked child, an import lock another thread held at the fork stays held."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
