@@ -85,7 +85,9 @@ def test_deadline_cuts_a_long_request_and_keeps_its_tokens(engine_url):
             assert not r.cut and r.output_tokens == r.usage_completion_tokens == 900, (deadline_s, r)
             continue
         assert r.cut and r.usage_completion_tokens is None and r.output_tokens < 900, (deadline_s, r)
-        assert r.total < deadline_s + 2.5, (deadline_s, r)
+        # the cut ends the request (not the stream's end, nor a client timeout of minutes);
+        # the AMD VM at load 17 (a CI, two streams) took 2.6 s past a 0.6 s deadline to unwind it
+        assert r.total < deadline_s + 10, (deadline_s, r)
         if r.output_tokens > 0:
             cut_with_tokens = r
             break

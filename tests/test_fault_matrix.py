@@ -54,7 +54,7 @@ import psutil
 import pytest
 from tests.conftest import FAKE_PORT_OFFSET, fake_env, procs_under, shm_leaked, shm_names, snapshot_once, stop_process, wait_agent_ready, warmctl
 from tests.damage import damaged
-from tests.fault_matrix import BOUND_S, DATA, FAULTS, MATRIX, SETTINGS, Cell
+from tests.fault_matrix import BOUND_S, DATA, FAULTS, MATRIX, RERUN_SETTINGS, SETTINGS, Cell
 
 from warmctl.base.errors import EXIT_CODES
 from warmctl.naming.catalog import Catalog
@@ -591,8 +591,8 @@ def _run_cell(cell: Cell, world: World, root: Path, held: dict) -> dict:
                     assert j["state"] == "succeeded", json.dumps(j)[:3000]
                     res = j["result"]
                 else:
-                    r2 = warmctl(*_command(cell, url, cell.path not in ("verify", "gc")), env=env, check=False,
-                                 timeout=300)
+                    r2 = warmctl(*_command(cell, url, cell.path not in ("verify", "gc")), env={**env, **RERUN_SETTINGS},
+                                 check=False, timeout=300)
                     assert r2.returncode == 0, f"{cell.id}: the rerun failed\n{(r2.stdout + r2.stderr)[-3000:]}"
                     if cell.path in ("pull", "push"):
                         [rep] = json.loads(r2.stdout)
