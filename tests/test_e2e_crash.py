@@ -129,8 +129,8 @@ def _resumed(criu: psutil.Process) -> bool:
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "SIGKILL"])
 def test_up_stopped_by_a_signal_while_criu_restores_leaves_nothing(fk_env, fake_snapshot, fake_ports, fake_clean, how):
     """A signal to ``up``'s whole process group (Ctrl-C in its terminal, the terminal closed,
-    ``kill -TERM -PGID``) once CRIU's restore has made the first of the restored processes. CRIU runs shielded from it and ends
-    its restore; ``up`` then tears down the tree CRIU restored and exits 128 + the signal. Under
+    ``kill -TERM -PGID``) once a process CRIU restored runs again. CRIU runs shielded from it
+    and ends its restore; ``up`` then tears down the tree CRIU restored and exits 128 + the signal. Under
     SIGKILL, ``up`` dies at once and its record names the tree in ``restore.pid``, where ``down``
     finds it. Before: SIGTERM and SIGHUP killed ``up`` where it stood and left the tree
     recorded only as "restoring (engine dead)", which ``down`` then forgot without killing it
