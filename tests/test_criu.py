@@ -1,5 +1,6 @@
 """Real CRIU on a small process tree (no engine): dump, restore with new host PIDs, errors."""
 
+import contextlib
 import json
 import os
 import re
@@ -615,6 +616,37 @@ def test_a_dump_past_its_bound_is_killed_and_leaves_nothing(tmp_path):
         os.kill(root, signal.SIGKILL)  # the namespace's init: SIGTERM it ignores
         launcher.wait(10)
         held.unlink(missing_ok=True)
+
+
+def test_a_criu_killed_past_its_bound_takes_what_it_forked_with_it(tmp_path):
+    """CRIU killed past its bound is killed with what it forked: here its pre-dump action script,
+    which CRIU waits for (it runs before the tree is seized). Before, only CRIU was killed: the
+    script ran on, orphaned. So did, in CI, the child CRIU stops under ptrace to probe the CPU
+    (a ``criu dump`` killed 25-40 ms in, about 1 time in 15 here), stopped for good and holding
+    CRIU's stdout and stderr: reaping CRIU by its pipes hung, and ``snapshot`` with it."""
+    launcher, root = _tree(tmp_path)
+    held = tmp_path / "script.pid"
+    script = tmp_path / "hold.sh"
+    script.write_text(f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0\necho $$ > {held}\nexec sleep 600\n')
+    script.chmod(0o700)
+    img = tmp_path / "img"
+    img.mkdir()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError, match="did not finish within its bound of 2 s"):
+            criu._run(["criu", "dump", "-t", str(root), "-D", str(img), "-o", "dump.log", "--action-script",
+                       str(script)], "criu dump", img / "dump.log", 2.0)
+        assert time.monotonic() - t0 < 2.0 + criu.REAP_TIMEOUT_S
+        script_pid = int(held.read_text())  # it ran, and blocked CRIU
+        assert not psutil.pid_exists(script_pid) or psutil.Process(script_pid).status() == psutil.STATUS_ZOMBIE
+        assert not [c for c in psutil.Process().children(recursive=True) if "criu" in c.name()]  # CRIU reaped
+        assert psutil.Process(root).status() != psutil.STATUS_STOPPED  # the tree, never seized, runs on
+    finally:
+        if held.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(held.read_text()), signal.SIGKILL)
+        os.kill(root, signal.SIGKILL)
+        launcher.wait(10)
 
 
 def test_a_dump_whose_link_remap_file_is_removed_while_it_runs_fails_naming_it(tmp_path):

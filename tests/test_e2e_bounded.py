@@ -13,10 +13,11 @@ named in the catalog, and the store still verifies.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import engine_tmp_dirs, listening, shm_leaked, shm_names, warmctl
+from tests.conftest import engine_tmp_dirs, listening, procs_under, shm_leaked, shm_names, warmctl
 from tests.test_e2e_crash import _ours
 
 pytestmark = pytest.mark.e2e
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.e2e
 
 def _nothing_left(env, engine_port, shm0, tag):
     assert _ours(env) == [] and not listening(engine_port)
+    assert procs_under(Path(env["WARMCTL_TEST_HOME"]) / "run") == []  # nor a process CRIU forked
     assert not shm_leaked(shm0), shm_leaked(shm0)
     assert engine_tmp_dirs(env) == []
     assert tag not in warmctl("ls", env=env).stdout  # nothing named
