@@ -16,6 +16,7 @@ sockets, not yet behind the gate, left for the next ``up`` to clean.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -169,6 +170,45 @@ def test_up_stopped_by_a_signal_while_criu_restores_leaves_nothing(fk_env, fake_
     assert engine_tmp_dirs(fk_env) == []
     res = json.loads(warmctl("up", "fake", "--json", env=fk_env).stdout)  # the port is free: the next up serves
     assert res["source"] == "restore" and not res["already_up"], res
+
+
+def test_down_after_up_was_killed_in_the_criu_restore_waits_for_criu_then_kills_its_tree(fk_env, fake_snapshot,
+                                                                                          fake_ports, fake_clean):
+    """``kill -9`` of ``up`` alone (the OOM killer's pick, say) while CRIU restores: CRIU, shielded,
+    runs on, and names the tree it restored in ``restore.pid`` only when it ends. A ``down``
+    meanwhile waits for that CRIU (``criu.await_restore_into``), then kills the tree. CRIU is
+    held here (SIGSTOP before ``up`` is killed, SIGCONT once ``down`` has waited 10 s), so the
+    window is as wide as a slow restore's. Before: ``down`` found no ``restore.pid``, said the
+    engine was down, and the tree CRIU then resumed ran on, recorded nowhere."""
+    engine, gate = fake_ports
+    home = fk_env["WARMCTL_TEST_HOME"]
+    shm0 = shm_names()
+    up = subprocess.Popen([*WARMCTL, "up", "fake"], env=fk_env, start_new_session=True, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while (criu := _criu_restore_of(home)) is None:
+        assert up.poll() is None, f"up ended before CRIU's restore was seen:\n{up.communicate()[0]}"
+        assert time.monotonic() < deadline, "no criu restore within 120 s"
+        time.sleep(0.005)
+    criu.suspend()
+    try:
+        up.kill()
+        up.communicate(timeout=60)
+        down = subprocess.Popen([*WARMCTL, "down", "fake"], env=fk_env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            down.wait(timeout=10)
+        waited = down.poll() is None
+    finally:
+        criu.resume()
+    out, _ = down.communicate(timeout=120)
+    assert waited, f"down did not wait for the CRIU restore (exit {down.returncode}):\n{out}"
+    assert down.returncode == 0, out
+    assert wait_until_gone(fk_env), [p.cmdline() for p in _ours(fk_env)]
+    assert json.loads(warmctl("status", "--json", env=fk_env).stdout) == []
+    assert not listening(gate) and not listening(engine)
+    assert not shm_leaked(shm0), shm_leaked(shm0)
+    assert engine_tmp_dirs(fk_env) == []
 
 
 def test_snapshot_push_pull_gc_killed_at_their_phases(fake_snapshot, fk_env, fake_ports, tmp_path):

@@ -43,7 +43,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from warmctl.checkpoint import capture
+from warmctl.checkpoint import capture, criu
 from warmctl.base.private import private_dir, trusted, untrusted, write_private
 from warmctl.base.proc import ProcessId, Stamp, created_during, freeze_tree, kill_tree, owned_by_me
 from warmctl.records.state import EngineState
@@ -390,10 +390,12 @@ class EngineRun:
         - ``engine.pid``: the identity :meth:`set_root` wrote (a cold start or snapshot whose
           state was not recorded yet); killed only while it is still that process.
         - ``restore.pid`` (bare PID from CRIU: the restore finished, the identity was never
-          written): only with a record of this restore (``state.json`` written before CRIU
-          ran, :attr:`since`), and only a process started after the record and no later than
-          CRIU wrote the file (its mtime): :func:`warmctl.base.proc.created_during`, in clock ticks
-          since boot. A stale file naming a reused PID fails this.
+          written), read once no CRIU that writes it still runs
+          (:func:`warmctl.checkpoint.criu.await_restore_into`): only with a record of this
+          restore (``state.json`` written before CRIU ran, :attr:`since`), and only a process
+          started after the record and no later than CRIU wrote the file (its mtime):
+          :func:`warmctl.base.proc.created_during`, in clock ticks since boot. A stale file
+          naming a reused PID fails this.
 
         Both files must be records this process's user wrote (:func:`warmctl.base.private.trusted`).
         """
@@ -412,6 +414,7 @@ class EngineRun:
                     refused.append(f"{self.pidfile}: {why}")
         elif self.pidfile.exists() or self.pidfile.is_symlink():
             refused.append(f"{self.pidfile}: {untrusted(self.pidfile)}")
+        criu.await_restore_into(self.criu_pidfile)  # a CRIU that outlived its `up` names its tree when it ends
         if self.criu_pidfile.exists() or self.criu_pidfile.is_symlink():
             killed += self._kill_restored(done | set(killed), refused)
         return killed
