@@ -127,6 +127,16 @@ def _resumed(criu: psutil.Process) -> bool:
         return False
 
 
+def _forked_tasks(criu: psutil.Process) -> bool:
+    """Whether ``criu`` (a restore) has forked the tasks it restores: a grandchild exists (its
+    first children are helpers that exit; the root task, its child, forks the rest, each shown
+    as CRIU, named ``criu`` with CRIU's command line, until restored)."""
+    try:
+        return any(c.ppid() != criu.pid for c in criu.children(recursive=True))
+    except psutil.Error:
+        return False
+
+
 @pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "SIGKILL"])
 def test_up_stopped_by_a_signal_while_criu_restores_leaves_nothing(fk_env, fake_snapshot, fake_ports, fake_clean, how):
     """A signal to ``up``'s whole process group (Ctrl-C in its terminal, the terminal closed,
@@ -176,21 +186,25 @@ def test_down_after_up_was_killed_in_the_criu_restore_waits_for_criu_then_kills_
                                                                                           fake_ports, fake_clean):
     """``kill -9`` of ``up`` alone (the OOM killer's pick, say) while CRIU restores: CRIU, shielded,
     runs on, and names the tree it restored in ``restore.pid`` only when it ends. A ``down``
-    meanwhile waits for that CRIU (``criu.await_restore_into``), then kills the tree. CRIU is
-    held here (SIGSTOP before ``up`` is killed, SIGCONT once ``down`` has waited 10 s), so the
-    window is as wide as a slow restore's. Before: ``down`` found no ``restore.pid``, said the
-    engine was down, and the tree CRIU then resumed ran on, recorded nowhere."""
+    meanwhile waits for that CRIU (``criu.await_restore_into``), and not for the tasks it forks
+    to restore, which run on as the engine; then it kills the tree. CRIU and those tasks are
+    held here (SIGSTOP once it has forked them, before ``up`` is killed; SIGCONT once ``down``
+    has waited 10 s), so the window is as wide as a real engine's restore. Before: ``down`` found no
+    ``restore.pid``, said the engine was down, and the tree CRIU then resumed ran on, recorded
+    nowhere. Waiting for the forked tasks too (a first version of the fix) waited out the
+    restore's 600 s bound: ``down`` times out here."""
     engine, gate = fake_ports
     home = fk_env["WARMCTL_TEST_HOME"]
     shm0 = shm_names()
     up = subprocess.Popen([*WARMCTL, "up", "fake"], env=fk_env, start_new_session=True, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while (criu := _criu_restore_of(home)) is None:
+    while (criu := _criu_restore_of(home)) is None or not _forked_tasks(criu):
         assert up.poll() is None, f"up ended before CRIU's restore was seen:\n{up.communicate()[0]}"
         assert time.monotonic() < deadline, "no criu restore within 120 s"
-        time.sleep(0.005)
-    criu.suspend()
+    held = [criu, *criu.children(recursive=True)]  # the tasks too: they stay CRIU until restored
+    for p in held:
+        p.suspend()
     try:
         up.kill()
         up.communicate(timeout=60)
@@ -200,7 +214,9 @@ def test_down_after_up_was_killed_in_the_criu_restore_waits_for_criu_then_kills_
             down.wait(timeout=10)
         waited = down.poll() is None
     finally:
-        criu.resume()
+        for p in reversed(held):
+            with contextlib.suppress(psutil.Error):
+                p.resume()
     out, _ = down.communicate(timeout=120)
     assert waited, f"down did not wait for the CRIU restore (exit {down.returncode}):\n{out}"
     assert down.returncode == 0, out

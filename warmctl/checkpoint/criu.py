@@ -574,6 +574,10 @@ def await_restore_into(pidfile: Path, timeout_s: float = RESTORE_TIMEOUT_S) -> l
             continue
         if "restore" in cmd and any(b == "--pidfile" and a == path for b, a in zip(cmd, cmd[1:])):
             found.append(p)
+    # CRIU itself, not the tasks it forks to become the restored ones: named and shown as CRIU
+    # until restored, those then run on as the engine
+    pids = {p.pid for p in found}
+    found = [p for p in found if p.ppid() not in pids]
     for p in found:
         try:
             deadline = p.create_time() + timeout_s
